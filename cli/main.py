@@ -1,0 +1,181 @@
+"""`vrl`: thin typer commands over the volunteer_rl library.
+
+Heavy imports (torch, transformers, fsspec) happen inside the commands, so `vrl --help` is
+instant. Known errors become one line on stderr and exit code 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    help="Reinforcement learning with volunteers' machines as generators and a bucket as the "
+         "only rendezvous.\n\nQuick start: `vrl demo`.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+# Shared option aliases: every command spells these the same way.
+Bucket = Annotated[str, typer.Option("--bucket", "-b", help="Bucket URI: a folder, file://, s3://bucket/prefix, gs://bucket/prefix.")]
+Endpoint = Annotated[Optional[str], typer.Option("--endpoint-url", envvar="VRL_ENDPOINT_URL", help="S3-compatible endpoint (MinIO, R2, a test server).")]
+Threads = Annotated[int, typer.Option("--threads", help="torch CPU threads (0: torch's default).")]
+Device = Annotated[str, typer.Option("--device", help="cuda, mps, cpu or auto.")]
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@contextmanager
+def _clean_errors():
+    """Map the library's known errors to one line naming the object or flag."""
+    from volunteer_rl.checkpoint import CheckpointError
+    from volunteer_rl.manifest import ManifestError
+    from volunteer_rl.storage import StorageError
+    from volunteer_rl.task import DatasetError
+    from volunteer_rl.trainer import TrainerError
+
+    try:
+        yield
+    except (CheckpointError, ManifestError, StorageError, DatasetError, TrainerError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise typer.Exit(130)
+
+
+@app.command()
+def trainer(
+    bucket: Bucket,
+    endpoint_url: Endpoint = None,
+    model: Annotated[str, typer.Option(help="`tiny` (built offline) or a local Hugging Face model folder.")] = "tiny",
+    dataset: Annotated[Optional[str], typer.Option(help="Train CSV with columns python_expression,natural_language.")] = None,
+    eval_dataset: Annotated[Optional[str], typer.Option(help="Held-out CSV of the same schema.")] = None,
+    algo: Annotated[str, typer.Option(help="reinforce or grpo.")] = "grpo",
+    lr: Annotated[float, typer.Option(help="RL learning rate.")] = 3e-4,
+    k: Annotated[int, typer.Option("-k", "--k", help="Completions per prompt.")] = 8,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature for volunteers.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Generated tokens per completion, at most.")] = 32,
+    max_staleness: Annotated[int, typer.Option(help="Versions a group may lag the trainer and still be used.")] = 2,
+    groups_per_step: Annotated[int, typer.Option(help="Prompt groups per optimizer step.")] = 32,
+    publish_every: Annotated[int, typer.Option(help="Optimizer steps per published version.")] = 1,
+    eval_every: Annotated[int, typer.Option(help="Versions between held-out evals (0: off).")] = 10,
+    warm_start_steps: Annotated[int, typer.Option(help="Supervised steps before v0 for --model tiny.")] = 900,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: never).")] = 0,
+    max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds of RL (0: never).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    threads: Threads = 0,
+    device: Device = "auto",
+    work_dir: Annotated[str, typer.Option(help="Local scratch folder.")] = ".vrl/trainer",
+):
+    """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
+    rollout shards, publish a new version every --publish-every steps.
+
+    Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
+    """
+    from volunteer_rl.config import TrainerConfig
+
+    cfg = TrainerConfig(**{k_: v for k_, v in locals().items() if k_ in TrainerConfig.__dataclass_fields__})
+    if algo not in ("reinforce", "grpo"):
+        raise typer.BadParameter("use reinforce or grpo", param_hint="--algo")
+    with _clean_errors():
+        from volunteer_rl.trainer import train
+
+        manifest = train(cfg, log=_log)
+        _log(f"trainer stopped at v{manifest.version}")
+
+
+@app.command()
+def volunteer(
+    bucket: Bucket,
+    endpoint_url: Endpoint = None,
+    id: Annotated[Optional[str], typer.Option("--id", help="Volunteer id (default: hostname + random suffix).")] = None,
+    prompts_per_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
+    shard_groups: Annotated[int, typer.Option(help="Upload a shard every this many groups...")] = 32,
+    shard_seconds: Annotated[float, typer.Option(help="...or every this many seconds.")] = 20.0,
+    max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0: until Ctrl-C).")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for prompt choice and sampling.")] = None,
+    threads: Threads = 0,
+    device: Device = "auto",
+    work_dir: Annotated[str, typer.Option(help="Local cache for dataset and checkpoints.")] = ".vrl/volunteer",
+):
+    """Donate compute: follow the bucket's manifest, sample rollouts with the newest weights,
+    upload shards. Ctrl-C or SIGTERM uploads the partial shard and exits 0.
+
+    Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
+    """
+    from volunteer_rl.config import VolunteerConfig
+
+    cfg = VolunteerConfig(bucket=bucket, endpoint_url=endpoint_url, volunteer_id=id,
+                          prompts_per_batch=prompts_per_batch, shard_groups=shard_groups,
+                          shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
+                          threads=threads, device=device, work_dir=work_dir)
+    with _clean_errors():
+        from volunteer_rl.volunteer import Volunteer
+
+        v = Volunteer(cfg, log=_log)
+        v.install_signal_handlers()
+        groups = v.run()
+        _log(f"volunteer {v.id} stopped after uploading {groups} groups")
+
+
+@app.command("eval")
+def eval_(
+    bucket: Bucket,
+    endpoint_url: Endpoint = None,
+    version: Annotated[Optional[int], typer.Option(help="Published version (default: the current one).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="CSV to evaluate on (default: the shipped held-out split).")] = None,
+    samples: Annotated[int, typer.Option(help="Samples per prompt for the sampled accuracy.")] = 4,
+    device: Device = "auto",
+    work_dir: Annotated[str, typer.Option(help="Local cache for checkpoints.")] = ".vrl/eval",
+):
+    """Held-out accuracy of a published version, greedy and at its sampling temperature.
+
+    Example: vrl eval --bucket ./bucket --version 0
+    """
+    with _clean_errors():
+        from volunteer_rl.config import PACKAGE_DATA
+        from volunteer_rl.evaluate import greedy_and_sampled, load_version
+        from volunteer_rl.policy import pick_device
+        from volunteer_rl.storage import open_storage
+        from volunteer_rl.task import load_csv
+
+        problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
+        storage = open_storage(bucket, endpoint_url)
+        m, policy = load_version(storage, version, work_dir, pick_device(device))
+        res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
+                                 m.sampling.max_new_tokens)
+        _log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
+             f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} on {len(problems)} prompts")
+
+
+@app.command()
+def demo(
+    bucket: Annotated[Optional[str], typer.Option("--bucket", "-b", help="Local folder for the bucket (default: a new folder under runs/).")] = None,
+    volunteers: Annotated[int, typer.Option(help="Volunteer processes to start.")] = 2,
+    rl_seconds: Annotated[float, typer.Option(help="Seconds of RL after v0 is published.")] = 300.0,
+    warm_start_steps: Annotated[int, typer.Option(help="Supervised steps before v0.")] = 900,
+    algo: Annotated[str, typer.Option(help="reinforce or grpo.")] = "grpo",
+    lr: Annotated[float, typer.Option(help="RL learning rate.")] = 3e-4,
+):
+    """The embedded default: a trainer and volunteers as separate processes on a local folder
+    bucket; ends with held-out accuracy of v0 and of the last version.
+
+    Example: vrl demo --volunteers 2 --rl-seconds 300
+    """
+    with _clean_errors():
+        from volunteer_rl.demo import DemoSettings, run_demo
+
+        run_demo(DemoSettings(bucket=bucket, volunteers=volunteers, rl_seconds=rl_seconds,
+                              warm_start_steps=warm_start_steps, algo=algo, lr=lr))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+from volunteer_rl import layout
+
+
+def test_keys_are_zero_padded_and_sorted():
+    assert layout.version_dir(42) == "v000042"
+    assert layout.checkpoint_key(42, "model.safetensors") == "checkpoints/v000042/model.safetensors"
+    assert layout.manifest_history_key(7) == "manifests/v000007.json"
+    assert layout.metrics_key(3) == "metrics/v000003.jsonl"
+    assert sorted([layout.version_dir(v) for v in (10, 9, 100)]) == ["v000009", "v000010", "v000100"]
+
+
+def test_shard_key_round_trip():
+    key = layout.shard_key(42, "laptop-ab12", "1700000000000-000001-deadbeef")
+    assert key == "rollouts/v000042/laptop-ab12/1700000000000-000001-deadbeef.jsonl.gz"
+    assert layout.parse_shard_key(key) == (42, "laptop-ab12", "1700000000000-000001-deadbeef")
+
+
+def test_parse_shard_key_rejects_anything_off():
+    for bad in ["rollouts/v000042/a/b.json", "rollouts/v42x/a/b.jsonl.gz",
+                "rollouts/v000042/../b.jsonl.gz", "rollouts/v000042/a/c/b.jsonl.gz",
+                "checkpoints/v000042/a/b.jsonl.gz", "rollouts/v000042/.hidden/b.jsonl.gz"]:
+        assert layout.parse_shard_key(bad) is None, bad
+
+
+def test_unsafe_names_refused():
+    for bad in ["", "..", "a/b", "../x", ".hidden", "-x", "a" * 65, "a b", "a..b"]:
+        assert not layout.is_safe_name(bad), bad
+    for good in ["a", "laptop-ab12", "host.example_1"]:
+        assert layout.is_safe_name(good)
+    import pytest
+    with pytest.raises(ValueError):
+        layout.shard_key(1, "../evil", "x")
+
+
+def test_dataset_key_is_content_addressed():
+    assert layout.dataset_key("train", "ab" * 32) == "datasets/train-abababababab.csv"
+    assert layout.dataset_key("we/ird name", "cd" * 32).startswith("datasets/we_ird_name-")
+
+
+def test_parse_version_dir():
+    assert layout.parse_version_dir("rollouts/v000042/") == 42
+    assert layout.parse_version_dir("v12") is None

@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from volunteer_rl import layout
+from volunteer_rl.checkpoint import CheckpointError, fetch_checkpoint, publish_checkpoint
+from volunteer_rl.manifest import (Dataset, Manifest, ManifestError, Sampling, read_manifest,
+                                   write_manifest)
+from volunteer_rl.storage import open_storage
+
+
+def make_manifest(version=3, files=None):
+    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+                    files=files or {}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
+                    sampling=Sampling(8, 1.0, 32), max_staleness=2)
+
+
+def test_round_trip_and_history(tmp_path):
+    s = open_storage(str(tmp_path))
+    assert read_manifest(s) is None
+    m = make_manifest()
+    write_manifest(s, m)
+    assert read_manifest(s) == m
+    assert read_manifest(s, version=3) == m
+    assert read_manifest(s, version=2) is None
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    assert raw["schema_version"] == layout.SCHEMA_VERSION
+    assert raw["sampling"] == {"k": 8, "temperature": 1.0, "max_new_tokens": 32}
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", "malformed"),
+    (b"[]", "malformed"),
+    (b'{"schema_version": 99}', "schema_version 99"),
+    (b'{"schema_version": 1, "run_id": "x"}', "malformed"),
+])
+def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle):
+    s = open_storage(str(tmp_path))
+    s.write("manifest.json", body)
+    with pytest.raises(ManifestError) as e:
+        read_manifest(s)
+    msg = str(e.value)
+    assert msg.startswith("manifest.json") and needle in msg and "\n" not in msg
+
+
+def test_manifest_must_point_at_its_own_version(tmp_path):
+    s = open_storage(str(tmp_path))
+    data = json.loads(make_manifest().to_json())
+    data["checkpoint"] = "checkpoints/v000001"
+    s.write("manifest.json", json.dumps(data).encode())
+    with pytest.raises(ManifestError, match="does not match version"):
+        read_manifest(s)
+
+
+def test_unsafe_file_names_in_manifest_refused(tmp_path):
+    s = open_storage(str(tmp_path))
+    data = json.loads(make_manifest().to_json())
+    data["files"] = {"../../etc/passwd": {"sha256": "0" * 64, "size": 1}}
+    s.write("manifest.json", json.dumps(data).encode())
+    with pytest.raises(ManifestError, match="unsafe"):
+        read_manifest(s)
+
+
+def test_publish_then_fetch_verifies_sha(tmp_path):
+    s = open_storage(str(tmp_path / "bucket"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w" * 1000)
+    (src / "config.json").write_text("{}")
+    files = publish_checkpoint(s, 3, src)
+    assert set(files) == {"model.safetensors", "config.json"} and files["config.json"].size == 2
+    m = make_manifest(3, files)
+    out = fetch_checkpoint(s, m, tmp_path / "dest")
+    assert (out / "model.safetensors").read_bytes() == b"w" * 1000
+    # Someone swaps the bytes behind the manifest's back: fetch refuses, naming the object.
+    s.write("checkpoints/v000003/model.safetensors", b"x" * 1000)
+    with pytest.raises(CheckpointError, match="checkpoints/v000003/model.safetensors"):
+        fetch_checkpoint(s, m, tmp_path / "dest2")
+    assert not (tmp_path / "dest2" / "model.safetensors").exists()

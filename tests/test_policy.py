@@ -1,0 +1,109 @@
+"""The real tiny transformers model: build, save as safetensors, load through the HF path."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from volunteer_rl.policy import (Policy, build_tiny_model, build_tokenizer, encode_prompts,
+                                 load_policy, load_weights, sample, save_policy, token_logprobs)
+from volunteer_rl.task import generate_problems
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    problems = generate_problems(300, seed=5)
+    tok = build_tokenizer([p.prompt for p in problems] + [p.expression for p in problems], vocab_size=400)
+    torch.manual_seed(0)
+    return Policy(build_tiny_model(tok, seed=0).eval(), tok, "plain", torch.device("cpu")), problems
+
+
+def test_save_load_round_trip_with_tied_embeddings(tiny, tmp_path):
+    policy, problems = tiny
+    folder = save_policy(policy, tmp_path / "ckpt")
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "vrl.json"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys
+    loaded = load_policy(folder)
+    assert loaded.prompt_format == "plain"
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+    ids = encode_prompts(policy, [problems[0].prompt])
+    x = torch.tensor(ids)
+    with torch.no_grad():
+        assert torch.allclose(policy.model(x).logits, loaded.model(x).logits, atol=1e-6)
+
+
+def test_load_weights_swaps_in_place(tiny, tmp_path):
+    policy, _ = tiny
+    folder = save_policy(policy, tmp_path / "a")
+    other = load_policy(folder)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.01)
+    save_policy(other, tmp_path / "b")
+    target = load_policy(folder)
+    ptr = target.model.model.embed_tokens.weight.data_ptr()
+    load_weights(target, tmp_path / "b" / "model.safetensors")
+    assert target.model.model.embed_tokens.weight.data_ptr() == ptr
+    assert torch.equal(target.model.model.embed_tokens.weight, other.model.model.embed_tokens.weight)
+    assert torch.equal(target.model.lm_head.weight, other.model.lm_head.weight)
+
+
+def test_sampled_logprobs_match_the_trainers_forward(tiny):
+    policy, problems = tiny
+    prompts = encode_prompts(policy, [p.prompt for p in problems[:6]])
+    torch.manual_seed(1)
+    groups = sample(policy, prompts, k=4, temperature=0.7, max_new_tokens=12)
+    assert [len(g) for g in groups] == [4] * 6
+    with torch.no_grad():
+        logp, mask = token_logprobs(policy, prompts, [[s.token_ids for s in g] for g in groups], 0.7)
+    claimed = [s.logprobs for g in groups for s in g]
+    for i, lp in enumerate(claimed):
+        n = len(lp)
+        assert mask[i].sum().item() == n
+        assert torch.allclose(logp[i, :n], torch.tensor(lp), atol=1e-4)
+    # EOS is kept and nothing after it
+    for s in (s for g in groups for s in g):
+        assert policy.eos_id not in s.token_ids[:-1]
+
+
+def test_chat_template_models_are_prompted_with_it(tiny, tmp_path):
+    policy, _ = tiny
+    tok = policy.tokenizer
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    try:
+        folder = tmp_path / "chat"
+        policy.model.save_pretrained(folder)
+        tok.save_pretrained(folder)  # no vrl.json: an ordinary HF folder
+        loaded = load_policy(folder)
+        assert loaded.prompt_format == "chat"
+        from volunteer_rl.policy import format_prompt
+        text = format_prompt(loaded, "add 1 and 2")
+        assert text.startswith("<|user|>") and text.endswith("<|assistant|>") and "add 1 and 2" in text
+    finally:
+        tok.chat_template = None
+
+
+def test_shared_prompt_scoring_matches_one_row_at_a_time(tiny):
+    """The K completions of a prompt share one prompt pass: values and gradients must equal
+    scoring each (prompt, completion) pair on its own."""
+    policy, problems = tiny
+    prompts = encode_prompts(policy, [p.prompt for p in problems[:3]])
+    comps = [[[5, 6, 7], [8, policy.eos_id]], [[9], [10, 11, 12, 13]], [[14, 15], [16]]]
+    logp, mask = token_logprobs(policy, prompts, comps, 1.0)
+    (logp * mask).sum().backward()
+    shared = [p.grad.clone() for p in policy.model.parameters()]
+    policy.model.zero_grad()
+    total = 0.0
+    for i, (p, group) in enumerate(zip(prompts, comps)):
+        for j, c in enumerate(group):
+            lp, m = token_logprobs(policy, [p], [[c]], 1.0)
+            assert torch.allclose(lp[0, : len(c)], logp[2 * i + j, : len(c)], atol=1e-5)
+            total = total + (lp * m).sum()
+    total.backward()
+    for a, p in zip(shared, policy.model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-5)
+    policy.model.zero_grad()

@@ -1,0 +1,100 @@
+import os
+
+import pytest
+
+from volunteer_rl.storage import (LocalStorage, NotFound, Retrying, StorageError, TooLarge,
+                                  open_storage)
+
+
+def test_local_write_read_list_delete(tmp_path):
+    s = open_storage(str(tmp_path / "b"))
+    s.write("a/b/c.txt", b"hello")
+    s.write("a/d.txt", b"x")
+    assert s.read("a/b/c.txt") == b"hello"
+    assert s.size("a/b/c.txt") == 5
+    assert s.list("a") == ["a/b/c.txt", "a/d.txt"]
+    assert s.list("nothing/here") == []
+    s.delete("a/d.txt")
+    assert not s.exists("a/d.txt")
+    with pytest.raises(NotFound, match="a/d.txt"):
+        s.read("a/d.txt")
+
+
+def test_local_write_is_atomic_and_hides_temp_files(tmp_path):
+    s = LocalStorage(tmp_path)
+    s.write("k.bin", b"old")
+    # A temp file of an interrupted writer must never be listed or read as an object.
+    (tmp_path / ".k.bin.tmp-1234").write_bytes(b"half")
+    s.write("k.bin", b"new")
+    assert s.read("k.bin") == b"new"
+    assert s.list("") == ["k.bin"]
+
+
+def test_read_cap(tmp_path):
+    s = open_storage(str(tmp_path))
+    s.write("big", b"x" * 100)
+    assert s.read("big", max_bytes=100) == b"x" * 100
+    with pytest.raises(TooLarge, match="big"):
+        s.read("big", max_bytes=99)
+
+
+def test_key_cannot_escape_folder(tmp_path):
+    s = LocalStorage(tmp_path / "b")
+    with pytest.raises(StorageError, match="escapes"):
+        s.write("../outside", b"x")
+
+
+def test_memory_backend_round_trip():
+    s = open_storage("memory://vrl-test-bucket/pre")
+    s.write("x/y.json", b"{}")
+    assert s.read("x/y.json") == b"{}"
+    assert s.list("x") == ["x/y.json"]
+    with pytest.raises(TooLarge):
+        s.read("x/y.json", max_bytes=1)
+    s.delete("x/y.json")
+    with pytest.raises(NotFound):
+        s.read("x/y.json")
+
+
+def test_file_uri_and_bad_scheme(tmp_path):
+    s = open_storage(f"file://{tmp_path}")
+    s.write("k", b"1")
+    assert (tmp_path / "k").read_bytes() == b"1"
+    with pytest.raises(StorageError, match="unsupported scheme"):
+        open_storage("ftp://x")
+
+
+class Flaky:
+    uri = "flaky://"
+
+    def __init__(self, failures, exc):
+        self.failures, self.exc, self.calls = failures, exc, 0
+
+    def read(self, key, max_bytes=None):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.exc
+        return b"ok"
+
+
+def test_retry_recovers_from_transient_errors():
+    inner = Flaky(2, ConnectionError("connection reset"))
+    r = Retrying(inner, attempts=3, sleep=lambda s: None)
+    assert r.read("k") == b"ok"
+    assert inner.calls == 3
+
+
+def test_retry_gives_up_with_the_object_name():
+    inner = Flaky(10, TimeoutError("read timed out"))
+    r = Retrying(inner, attempts=3, sleep=lambda s: None)
+    with pytest.raises(StorageError, match="rollouts/x: read failed"):
+        r.read("rollouts/x")
+    assert inner.calls == 3
+
+
+def test_permanent_errors_are_not_retried():
+    inner = Flaky(10, PermissionError("access denied"))
+    r = Retrying(inner, attempts=5, sleep=lambda s: None)
+    with pytest.raises(StorageError, match="access denied"):
+        r.read("manifest.json")
+    assert inner.calls == 1

@@ -1,0 +1,289 @@
+"""Offline checks of terraform/: every file parses, the modules are wired consistently, and
+the IAM policy templates render to the documents we mean to deploy.
+
+`terraform init/validate` needs the providers, which cannot be downloaded here, so this file
+does the checks that need no provider: HCL syntax (python-hcl2, else `terraform fmt`),
+formatting, variables and locals that are used but not declared, templatefile() calls that
+pass other variables than the template uses, and outputs that docs/DEPLOY.md reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TERRAFORM = ROOT / "terraform"
+MODULES = ("aws", "gcs", "minio")
+TF_FILES = sorted(TERRAFORM.rglob("*.tf"))
+BUCKET_ARN = "arn:aws:s3:::vrl-test-bucket"
+
+try:
+    import hcl2
+except ImportError:  # pragma: no cover - depends on the machine
+    hcl2 = None
+TERRAFORM_BIN = shutil.which("terraform")
+
+
+def _load_policy_template():
+    module_name = "_vrl_infra_policy_template"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, ROOT / "infra" / "policy_template.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+policy_template = _load_policy_template()
+
+
+def _module_text(module: str) -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted((TERRAFORM / module).glob("*.tf")))
+
+
+# --------------------------------------------------------------------------- files and syntax
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_module_has_its_files(module):
+    for name in ("main.tf", "variables.tf", "outputs.tf", "versions.tf", "README.md"):
+        assert (TERRAFORM / module / name).is_file(), f"terraform/{module}/{name} is missing"
+
+
+@pytest.mark.parametrize("path", TF_FILES, ids=lambda p: str(p.relative_to(TERRAFORM)))
+def test_tf_file_parses(path):
+    if hcl2 is not None:
+        with path.open(encoding="utf-8") as fh:
+            parsed = hcl2.load(fh)
+        assert parsed, f"{path} parsed to nothing"
+    elif TERRAFORM_BIN:
+        # fmt parses the file and fails on a syntax error, offline and without providers.
+        result = subprocess.run(
+            [TERRAFORM_BIN, "fmt", "-check", "-list=false", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr + result.stdout
+    else:  # pragma: no cover - depends on the machine
+        pytest.skip("neither python-hcl2 nor terraform is installed: cannot parse HCL")
+
+
+def test_tf_files_exist():
+    assert len(TF_FILES) >= 4 * len(MODULES)
+
+
+@pytest.mark.skipif(TERRAFORM_BIN is None, reason="terraform is not on PATH")
+def test_terraform_fmt_is_clean():
+    result = subprocess.run(
+        [TERRAFORM_BIN, "fmt", "-check", "-recursive", str(TERRAFORM)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, f"run `terraform fmt -recursive terraform`:\n{result.stdout}{result.stderr}"
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_used_variables_and_locals_are_declared(module):
+    text = _module_text(module)
+    declared_vars = set(re.findall(r'^variable\s+"(\w+)"', text, flags=re.M))
+    used_vars = set(re.findall(r"\bvar\.(\w+)", text))
+    assert used_vars - declared_vars == set(), "var.* used but not declared"
+    assert declared_vars - used_vars == set(), "variables declared but never used"
+
+    declared_locals = set()
+    for block in re.findall(r"^locals\s*\{(.*?)^\}", text, flags=re.M | re.S):
+        declared_locals |= set(re.findall(r"^  (\w+)\s*=", block, flags=re.M))
+    used_locals = set(re.findall(r"\blocal\.(\w+)", text))
+    assert used_locals - declared_locals == set(), "local.* used but not declared"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_referenced_resources_are_declared(module):
+    text = _module_text(module)
+    declared = set(re.findall(r'^resource\s+"(\w+)"\s+"(\w+)"', text, flags=re.M))
+    provider_prefix = {"aws": "aws_", "gcs": "google_", "minio": "minio_"}[module]
+    referenced = set(re.findall(rf"\b({provider_prefix}\w+)\.(\w+)\b", text))
+    assert referenced - declared == set()
+
+
+TEMPLATEFILE_CALL = re.compile(
+    r'templatefile\(\s*"\$\{path\.module\}/(policies/[\w.]+)"\s*,\s*\{(.*?)\}\s*\)', re.S
+)
+
+
+@pytest.mark.parametrize("module", ("aws", "minio"))
+def test_templatefile_calls_pass_exactly_the_template_variables(module):
+    calls = TEMPLATEFILE_CALL.findall((TERRAFORM / module / "main.tf").read_text(encoding="utf-8"))
+    assert sorted(path for path, _ in calls) == [
+        "policies/trainer.json.tftpl",
+        "policies/volunteer.json.tftpl",
+    ]
+    for path, arguments in calls:
+        passed = set(re.findall(r"^\s*(\w+)\s*=", arguments, flags=re.M))
+        text = (TERRAFORM / module / path).read_text(encoding="utf-8")
+        # The Python tests substitute exactly these names, so they test what terraform renders.
+        assert policy_template.template_variables(text) == passed, path
+
+
+def test_minio_policies_are_the_tested_aws_policies():
+    for name in ("volunteer.json.tftpl", "trainer.json.tftpl"):
+        aws = (TERRAFORM / "aws" / "policies" / name).read_bytes()
+        minio = (TERRAFORM / "minio" / "policies" / name).read_bytes()
+        assert minio == aws, f"terraform/minio/policies/{name} drifted from the AWS one"
+
+
+def test_outputs_named_in_deploy_doc_exist():
+    doc = (ROOT / "docs" / "DEPLOY.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"terraform output (?:-raw |-json )?(\w+)", doc))
+    assert named, "docs/DEPLOY.md reads no terraform output"
+    outputs = set()
+    for module in MODULES:
+        outputs |= set(re.findall(r'^output\s+"(\w+)"', _module_text(module), flags=re.M))
+    assert named - outputs == set()
+
+
+def test_gcs_volunteer_bindings_use_object_name_conditions():
+    text = (TERRAFORM / "gcs" / "main.tf").read_text(encoding="utf-8")
+    bindings = dict(
+        re.findall(r'^resource "google_storage_bucket_iam_member" "(\w+)" \{(.*?)^\}', text, flags=re.M | re.S)
+    )
+    assert set(bindings) == {"trainer_objects", "volunteer_read", "volunteer_rollouts", "volunteer_heartbeat"}
+    assert 'role   = "roles/storage.objectAdmin"' in bindings["trainer_objects"]
+    assert "condition" not in bindings["trainer_objects"]
+    expected = {
+        "volunteer_read": ("roles/storage.objectViewer", "local.volunteer_read_condition"),
+        "volunteer_rollouts": ("roles/storage.objectCreator", "rollouts/{version}/${each.key}/"),
+        "volunteer_heartbeat": ("roles/storage.objectUser", "volunteers/${each.key}.json"),
+    }
+    for name, (role, scope) in expected.items():
+        block = bindings[name]
+        assert f'role   = "{role}"' in block, name
+        assert "condition {" in block and "expression" in block and scope in block, name
+    # Object names as IAM conditions see them, under the optional key prefix.
+    assert 'objects = "projects/_/buckets/${google_storage_bucket.run.name}/objects/${var.key_prefix}"' in text
+    for needle in ('"${local.objects}manifest.json"', '"${local.objects}checkpoints/"', '"${local.objects}datasets/"'):
+        assert needle in text
+    assert 'public_access_prevention    = "enforced"' in text
+    assert "uniform_bucket_level_access = true" in text
+
+
+# --------------------------------------------------------------------------- policy templates
+
+
+def _statements(policy: dict) -> dict[str, dict]:
+    assert policy["Version"] == "2012-10-17"
+    statements = {s["Sid"]: s for s in policy["Statement"]}
+    assert len(statements) == len(policy["Statement"]), "duplicate Sid"
+    for s in statements.values():
+        assert re.fullmatch(r"[A-Za-z0-9]+", s["Sid"])
+        assert s["Effect"] in ("Allow", "Deny")
+        assert "*" not in s["Action"] and "s3:*" not in s["Action"]
+    return statements
+
+
+@pytest.mark.parametrize("module", ("aws", "minio"))
+@pytest.mark.parametrize("key_prefix", ["", "runs/calc/"])
+def test_volunteer_policy_renders(module, key_prefix):
+    policy = policy_template.render_policy(
+        TERRAFORM / module / "policies" / "volunteer.json.tftpl",
+        bucket_arn=BUCKET_ARN,
+        key_prefix=key_prefix,
+        volunteer_id="alice",
+    )
+    statements = _statements(policy)
+    objects = f"{BUCKET_ARN}/{key_prefix}"
+    assert statements["ReadPublishedModelAndData"] == {
+        "Sid": "ReadPublishedModelAndData",
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:GetObjectVersion"],
+        "Resource": [f"{objects}manifest.json", f"{objects}checkpoints/*", f"{objects}datasets/*"],
+    }
+    assert statements["WriteOwnRollouts"]["Resource"] == [f"{objects}rollouts/*/alice/*"]
+    assert statements["WriteOwnHeartbeat"]["Resource"] == [f"{objects}volunteers/alice.json"]
+    assert statements["DenyOwnNameNestedInAnotherPrefix"]["Resource"] == [f"{objects}rollouts/*/*/alice/*"]
+
+    deny_writes = statements["DenyWritesToTrainerObjects"]
+    assert deny_writes["Effect"] == "Deny" and deny_writes["Action"] == ["s3:PutObject"]
+    assert {f"{objects}manifest.json", f"{objects}checkpoints/*"} <= set(deny_writes["Resource"])
+    deny_deletes = statements["DenyAllDeletes"]
+    assert deny_deletes["Effect"] == "Deny"
+    assert set(deny_deletes["Action"]) == {"s3:DeleteObject", "s3:DeleteObjectVersion"}
+    assert deny_deletes["Resource"] == [f"{BUCKET_ARN}/*"]
+
+    allowed_actions = set()
+    for s in statements.values():
+        if s["Effect"] == "Allow":
+            allowed_actions |= set(s["Action"])
+            assert all(r.startswith(objects) for r in s["Resource"])
+    # No listing (not even of its own prefix), no delete, no bucket-level rights at all.
+    assert allowed_actions == {"s3:GetObject", "s3:GetObjectVersion", "s3:PutObject", "s3:AbortMultipartUpload"}
+
+
+@pytest.mark.parametrize("module", ("aws", "minio"))
+def test_trainer_policy_renders(module):
+    policy = policy_template.render_policy(
+        TERRAFORM / module / "policies" / "trainer.json.tftpl", bucket_arn=BUCKET_ARN, key_prefix="runs/calc/"
+    )
+    statements = _statements(policy)
+    bucket_level = statements["InspectAndListBucket"]
+    assert bucket_level["Resource"] == [BUCKET_ARN]
+    assert "s3:ListBucket" in bucket_level["Action"]
+    objects = statements["ReadWriteRunObjects"]
+    assert objects["Resource"] == [f"{BUCKET_ARN}/runs/calc/*"]
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= set(objects["Action"])
+    assert all(s["Effect"] == "Allow" for s in statements.values())
+
+
+@pytest.mark.skipif(TERRAFORM_BIN is None, reason="terraform is not on PATH")
+@pytest.mark.parametrize(
+    "template, variables",
+    [
+        ("volunteer.json.tftpl", {"bucket_arn": BUCKET_ARN, "key_prefix": "", "volunteer_id": "alice"}),
+        ("volunteer.json.tftpl", {"bucket_arn": BUCKET_ARN, "key_prefix": "runs/calc/", "volunteer_id": "b-2"}),
+        ("trainer.json.tftpl", {"bucket_arn": BUCKET_ARN, "key_prefix": ""}),
+        ("trainer.json.tftpl", {"bucket_arn": BUCKET_ARN, "key_prefix": "runs/calc/"}),
+    ],
+)
+def test_python_renderer_matches_terraform_templatefile(template, variables, tmp_path):
+    """terraform's own templatefile() (via `terraform console`, offline, no providers) and the
+    renderer the tests use produce the same policy."""
+    path = TERRAFORM / "aws" / "policies" / template
+    arguments = ", ".join(f"{name} = {json.dumps(value)}" for name, value in variables.items())
+    expression = f"jsonencode(jsondecode(templatefile({json.dumps(str(path))}, {{ {arguments} }})))"
+    result = subprocess.run(
+        [TERRAFORM_BIN, "console"],
+        input=expression + "\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # an empty directory: no configuration, nothing to init
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    from_terraform = json.loads(json.loads(result.stdout.strip()))
+    assert from_terraform == policy_template.render_policy(path, **variables)
+
+
+def test_renderer_refuses_what_it_cannot_render_like_terraform():
+    with pytest.raises(KeyError):
+        policy_template.render('{"a": "${missing}"}', {})
+    with pytest.raises(ValueError):
+        policy_template.render('%{ if x }{}%{ endif }', {"x": "1"})
+    with pytest.raises(ValueError):
+        policy_template.render('{"a": "$${literal}"}', {})
+    with pytest.raises(ValueError):
+        policy_template.template_variables('{"a": "${upper(x)}"}')
+    assert json.loads(policy_template.render('{"a": "${x}/${x}"}', {"x": "v"})) == {"a": "v/v"}

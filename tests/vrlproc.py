@@ -1,0 +1,55 @@
+"""Run real `vrl` processes from tests: each writes its output to a log file we can read."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, cwd: Path):
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self._f = open(log, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd,
+                                  stdout=self._f, stderr=subprocess.STDOUT, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"{self.log.name} did not finish in {timeout}s:\n{self.text()[-3000:]}")
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)

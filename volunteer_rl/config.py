@@ -1,0 +1,93 @@
+"""Typed settings of the trainer and the volunteer. The CLI fills these; tests build them
+directly. Every field says what it does; defaults are the embedded demo's choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass
+class TrainerConfig:
+    bucket: str
+    """Bucket URI: a folder path, file://, s3://bucket/prefix, gs://bucket/prefix, memory://."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, R2, a test server); None means AWS itself."""
+    model: str = "tiny"
+    """`tiny` builds the project's own small Llama-shaped model; otherwise a local HF model folder."""
+    dataset: str | None = None
+    """Train CSV (python_expression,natural_language); None uses the shipped data/train.csv."""
+    eval_dataset: str | None = None
+    """Held-out CSV for eval; None uses the shipped data/eval.csv."""
+    algo: str = "grpo"
+    """`reinforce` (advantage r - group mean) or `grpo` (normalized advantage, clipped ratio)."""
+    lr: float = 3e-4
+    """AdamW learning rate of the RL phase (1e-3 collapsed the tiny model in calibration)."""
+    k: int = 8
+    """Completions per prompt (group size) volunteers must sample."""
+    temperature: float = 1.0
+    """Sampling temperature volunteers must use; behavior logprobs are under logits / T."""
+    max_new_tokens: int = 32
+    """Cap on generated tokens per completion."""
+    max_staleness: int = 2
+    """Oldest accepted policy version is current - max_staleness; older groups are dropped."""
+    groups_per_step: int = 32
+    """Prompt groups in one optimizer step."""
+    publish_every: int = 1
+    """Optimizer steps between published versions."""
+    eval_every: int = 10
+    """Versions between held-out evaluations (0 disables them)."""
+    eval_prompts: int = 200
+    """Held-out prompts used by the periodic evaluation (the final one uses all)."""
+    eval_samples: int = 4
+    """Samples per prompt for the sampled-accuracy estimate."""
+    warm_start_steps: int = 900
+    """Supervised steps before v0 when the model is built from scratch (`tiny`)."""
+    seed: int = 0
+    """Seeds model init, the warm start and batch order."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: no limit)."""
+    max_seconds: float = 0.0
+    """Stop after this many seconds of RL after v0 is published (0: no limit)."""
+    poll_seconds: float = 0.5
+    """Sleep between bucket listings while waiting for rollouts."""
+    threads: int = 0
+    """torch CPU threads during RL (0: torch's default); the warm start uses all cores."""
+    device: str = "auto"
+    """cuda, mps, cpu or auto."""
+    work_dir: str = ".vrl/trainer"
+    """Local scratch folder for checkpoint staging."""
+    micro_batch: int = 256
+    """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
+
+
+@dataclass
+class VolunteerConfig:
+    bucket: str
+    """Bucket URI, as for the trainer."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint; None means AWS itself."""
+    volunteer_id: str | None = None
+    """Name in object keys; None: sanitized hostname plus a random suffix."""
+    prompts_per_batch: int = 16
+    """Prompts sampled per generate round (each gets K completions, all in one batched call)."""
+    shard_groups: int = 32
+    """Upload a shard once it holds this many groups..."""
+    shard_seconds: float = 20.0
+    """...or once its oldest group is this many seconds old."""
+    poll_seconds: float = 1.0
+    """Sleep between manifest polls while there is nothing to do."""
+    manifest_grace_seconds: float = 60.0
+    """Keep generating through manifest read failures for at most this long."""
+    max_seconds: float = 0.0
+    """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
+    threads: int = 0
+    """torch CPU threads (0: torch's default)."""
+    device: str = "auto"
+    """cuda, mps, cpu or auto."""
+    work_dir: str = ".vrl/volunteer"
+    """Local cache for the dataset and checkpoints."""
+    seed: int | None = None
+    """Prompt-order and sampling seed (None: random)."""

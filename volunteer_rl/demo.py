@@ -1,0 +1,130 @@
+"""`vrl demo`: the whole system on one machine, as it runs on many.
+
+The trainer and each volunteer are separate `vrl` processes that share nothing but a local
+folder bucket, exactly as they would share an S3 bucket across the internet. At the end the
+demo loads v0 and the last version from the bucket and prints their held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class DemoSettings:
+    bucket: str | None = None
+    """Local folder for the bucket; None makes a new one under runs/."""
+    volunteers: int = 2
+    """Volunteer processes."""
+    rl_seconds: float = 300.0
+    """Seconds of RL after v0 is published."""
+    warm_start_steps: int = 900
+    """Supervised steps that make v0."""
+    algo: str = "grpo"
+    """reinforce or grpo."""
+    lr: float = 3e-4
+    """RL learning rate."""
+    threads: int = 1
+    """torch threads per process during RL: 1 each leaves the cores to the processes."""
+    extra_trainer_args: tuple[str, ...] = ()
+    """More `vrl trainer` flags (tests use this to shrink the run)."""
+
+
+def vrl_command(*args: str) -> list[str]:
+    """The same `vrl` this process runs, as a subprocess command."""
+    return [sys.executable, "-m", "volunteer_rl_cli", *args]
+
+
+def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
+    def run():
+        for line in proc.stdout:
+            print(f"[{tag}] {line.rstrip()}", flush=True)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    work = bucket.parent / "work"
+    trainer = subprocess.Popen(
+        vrl_command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
+                    "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
+                    "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
+                    *s.extra_trainer_args),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    vols = [subprocess.Popen(
+        vrl_command("volunteer", "--bucket", str(bucket), "--id", f"demo-{i + 1}",
+                    "--threads", str(s.threads), "--seed", str(i + 1), "--shard-seconds", "5",
+                    "--work-dir", str(work / "volunteers")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for i in range(s.volunteers)]
+    return trainer, vols
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
+    """SIGTERM (volunteers flush their partial shard), then wait; SIGKILL stragglers."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def report(bucket: Path, work: Path) -> dict[int, dict[str, float]]:
+    """Held-out accuracy of v0 and of the last version, read back from the bucket."""
+    from .config import PACKAGE_DATA
+    from .evaluate import greedy_and_sampled, load_version
+    from .manifest import read_manifest
+    from .storage import open_storage
+    from .task import load_csv
+
+    storage = open_storage(str(bucket))
+    last = read_manifest(storage)
+    problems = load_csv(PACKAGE_DATA / "eval.csv")
+    results = {}
+    for version in sorted({0, last.version}):
+        m, policy = load_version(storage, version, work / "eval")
+        results[version] = greedy_and_sampled(policy, problems, m.sampling.temperature, 4,
+                                              m.sampling.max_new_tokens)
+    print(f"\nheld-out accuracy on {len(problems)} prompts (sampled: T={last.sampling.temperature}, 4 samples each)")
+    print(f"{'version':>8} {'greedy':>8} {'sampled':>8}")
+    for version, r in results.items():
+        print(f"{'v' + str(version):>8} {r['eval/accuracy_greedy']:>8.1%} {r['eval/accuracy_sampled']:>8.1%}")
+    return results
+
+
+def run_demo(s: DemoSettings) -> dict[int, dict[str, float]]:
+    started = time.time()
+    root = Path(s.bucket).parent if s.bucket else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    bucket = Path(s.bucket) if s.bucket else root / "bucket"
+    bucket.mkdir(parents=True, exist_ok=True)
+    print(f"demo: bucket {bucket}, 1 trainer + {s.volunteers} volunteers, {s.rl_seconds:.0f}s of RL", flush=True)
+    trainer, vols = start_processes(s, bucket)
+    pumps = [_pump(trainer, "trainer")] + [_pump(v, f"demo-{i + 1}") for i, v in enumerate(vols)]
+    try:
+        code = trainer.wait()
+    finally:
+        vol_codes = stop(vols)
+        stop([trainer])
+        for t in pumps:
+            t.join(timeout=5)
+    if code != 0:
+        raise RuntimeError(f"trainer exited with code {code}")
+    print(f"volunteers exited with {vol_codes}", flush=True)
+    results = report(bucket, root / "work")
+    print(f"demo finished in {time.time() - started:.0f}s; bucket left at {bucket}", flush=True)
+    return results

@@ -1,0 +1,105 @@
+"""Every object key in the bucket is built and parsed here, and nowhere else.
+
+The bucket is the protocol between the trainer and volunteers that may run older builds, so
+the layout is written down in docs/PROTOCOL.md and versioned by SCHEMA_VERSION. Keys are
+relative to the bucket root (the storage object adds any prefix from the URI).
+
+    manifest.json                                   the commit point (the only overwritten object)
+    manifests/v000042.json                          write-once copy of each version's manifest
+    checkpoints/v000042/<file>                      immutable checkpoint files
+    datasets/<name>-<sha12>.csv                     the train split volunteers sample prompts from
+    rollouts/v000042/<volunteer_id>/<shard>.jsonl.gz  gzip JSONL shards, one line per prompt group
+    metrics/v000042.jsonl                           trainer metrics of the steps that led to v42
+"""
+
+from __future__ import annotations
+
+import re
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+MANIFESTS = "manifests"
+CHECKPOINTS = "checkpoints"
+ROLLOUTS = "rollouts"
+DATASETS = "datasets"
+METRICS = "metrics"
+
+# Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
+# can climb out of its prefix ("../") or collide with another after normalisation.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+SHARD_SUFFIX = ".jsonl.gz"
+
+
+def is_safe_name(name: str) -> bool:
+    """True if `name` may be used as one path component of a key (no slashes, no '..')."""
+    return bool(SAFE_NAME.match(name)) and ".." not in name
+
+
+def version_dir(version: int) -> str:
+    """`v000042` for 42; zero-padded so keys sort in version order."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return f"v{version:06d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    """42 for `v000042`, None for anything else."""
+    m = _VERSION_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def manifest_history_key(version: int) -> str:
+    """Each version's manifest, kept so any published version can be fetched and verified."""
+    return f"{MANIFESTS}/{version_dir(version)}.json"
+
+
+def checkpoint_prefix(version: int) -> str:
+    return f"{CHECKPOINTS}/{version_dir(version)}"
+
+
+def checkpoint_key(version: int, filename: str) -> str:
+    if not is_safe_name(filename):
+        raise ValueError(f"unsafe checkpoint file name: {filename!r}")
+    return f"{checkpoint_prefix(version)}/{filename}"
+
+
+def dataset_key(name: str, sha256: str) -> str:
+    """Datasets are content-addressed so a changed file can never replace a published one."""
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:40] or "dataset"
+    return f"{DATASETS}/{stem}-{sha256[:12]}.csv"
+
+
+def rollout_version_prefix(version: int) -> str:
+    return f"{ROLLOUTS}/{version_dir(version)}"
+
+
+def rollout_volunteer_prefix(version: int, volunteer_id: str) -> str:
+    if not is_safe_name(volunteer_id):
+        raise ValueError(f"unsafe volunteer id: {volunteer_id!r}")
+    return f"{rollout_version_prefix(version)}/{volunteer_id}"
+
+
+def shard_key(version: int, volunteer_id: str, shard_name: str) -> str:
+    if not is_safe_name(shard_name):
+        raise ValueError(f"unsafe shard name: {shard_name!r}")
+    return f"{rollout_volunteer_prefix(version, volunteer_id)}/{shard_name}{SHARD_SUFFIX}"
+
+
+def parse_shard_key(key: str) -> tuple[int, str, str] | None:
+    """(version, volunteer_id, shard_name) for a well-formed shard key, else None.
+
+    The trainer only trusts what this returns: a key that does not parse is not a shard.
+    """
+    parts = key.strip("/").split("/")
+    if len(parts) != 4 or parts[0] != ROLLOUTS or not parts[3].endswith(SHARD_SUFFIX):
+        return None
+    version = parse_version_dir(parts[1])
+    name = parts[3][: -len(SHARD_SUFFIX)]
+    if version is None or not is_safe_name(parts[2]) or not is_safe_name(name):
+        return None
+    return version, parts[2], name
+
+
+def metrics_key(version: int) -> str:
+    return f"{METRICS}/{version_dir(version)}.jsonl"

@@ -1,0 +1,122 @@
+"""manifest.json: the commit point of the bucket.
+
+The trainer writes it only after every object of a version is uploaded and verified, so a
+reader that follows the manifest never meets a half-published checkpoint. Readers go the
+opposite way: manifest first, then the files it names, each checked against its sha256.
+Schema: docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import layout
+from .storage import NotFound, Storage, StorageError
+
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; anything near this is not ours
+
+
+class ManifestError(Exception):
+    """manifest.json is missing, unreadable or does not match the schema."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How volunteers must sample; the behavior logprobs they report are under these settings."""
+
+    k: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The train split volunteers draw prompts from, content-addressed in the bucket."""
+
+    name: str
+    key: str
+    sha256: str
+    size: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    version: int
+    checkpoint: str  # key prefix of the checkpoint folder, e.g. checkpoints/v000042
+    files: dict[str, FileEntry]
+    dataset: Dataset
+    sampling: Sampling
+    max_staleness: int
+    task: str = "calculator"
+    prompt_format: str = "plain"
+    schema_version: int = layout.SCHEMA_VERSION
+    created_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> "Manifest":
+        try:
+            raw = json.loads(data)
+            if raw.get("schema_version") != layout.SCHEMA_VERSION:
+                raise ManifestError(
+                    f"{layout.MANIFEST}: schema_version {raw.get('schema_version')!r} is not "
+                    f"{layout.SCHEMA_VERSION}; upgrade volunteer_rl")
+            files = {name: FileEntry(str(e["sha256"]), int(e["size"]))
+                     for name, e in raw["files"].items()}
+            for name in files:
+                if not layout.is_safe_name(name):
+                    raise ManifestError(f"{layout.MANIFEST}: unsafe file name {name!r}")
+            m = Manifest(
+                run_id=str(raw["run_id"]), version=int(raw["version"]),
+                checkpoint=str(raw["checkpoint"]), files=files,
+                dataset=Dataset(**raw["dataset"]), sampling=Sampling(**raw["sampling"]),
+                max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
+                prompt_format=str(raw["prompt_format"]),
+                schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
+        if m.checkpoint != layout.checkpoint_prefix(m.version) or m.version < 0:
+            raise ManifestError(f"{layout.MANIFEST}: checkpoint {m.checkpoint!r} does not match version {m.version}")
+        return m
+
+
+def read_manifest(storage: Storage, version: int | None = None) -> Manifest | None:
+    """The current manifest (or the kept copy of `version`'s), None if there is none yet.
+
+    Raises ManifestError (one line, naming the object) if it exists but is not valid.
+    """
+    key = layout.MANIFEST if version is None else layout.manifest_history_key(version)
+    try:
+        data = storage.read(key, max_bytes=MAX_MANIFEST_BYTES)
+    except NotFound:
+        return None
+    except StorageError as exc:
+        raise ManifestError(str(exc)) from None
+    try:
+        m = Manifest.from_json(data)
+    except ManifestError as exc:
+        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
+    if version is not None and m.version != version:
+        raise ManifestError(f"{key}: holds version {m.version}")
+    return m
+
+
+def write_manifest(storage: Storage, manifest: Manifest) -> None:
+    """The version's write-once copy first, then the commit point that readers follow."""
+    data = manifest.to_json()
+    storage.write(layout.manifest_history_key(manifest.version), data)
+    storage.write(layout.MANIFEST, data)

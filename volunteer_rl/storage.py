@@ -1,0 +1,249 @@
+"""One small storage interface over a bucket URI, and retry as a wrapper around it.
+
+A bucket is addressed by URI: a plain folder path or `file://` (the embedded default, no
+server), `s3://bucket/prefix` (s3fs; `endpoint_url` for MinIO, R2 and other S3-compatible
+stores), `gs://bucket/prefix` (gcsfs), or `memory://name` for unit tests. Keys are always
+relative, `/`-separated, and built by `layout`.
+
+Guarantees every backend gives the rest of the code:
+- `write` is all-or-nothing for readers: local files are written to a hidden temp name and
+  renamed; object stores publish a PUT atomically anyway.
+- `read` takes a byte cap and never returns more than it: a hostile object cannot make us
+  allocate its full size.
+- `list` never shows temp files of an interrupted local write.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class StorageError(Exception):
+    """A storage operation failed; the message names the object."""
+
+
+class NotFound(StorageError):
+    """The object does not exist."""
+
+
+class TooLarge(StorageError):
+    """The object is larger than the caller's byte cap."""
+
+
+class Storage(Protocol):
+    uri: str
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes: ...
+    def write(self, key: str, data: bytes) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def size(self, key: str) -> int: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+
+
+def _check_cap(key: str, data: bytes, max_bytes: int | None) -> bytes:
+    if max_bytes is not None and len(data) > max_bytes:
+        raise TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
+    return data
+
+
+class LocalStorage:
+    """A folder on a local or network file system (NFS and SMB shares work the same way)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+        self.uri = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root not in path.parents and path != self.root:
+            raise StorageError(f"{key}: key escapes the bucket folder")
+        return path
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+        except IsADirectoryError:
+            raise NotFound(f"{key}: is a folder in {self.uri}") from None
+        return _check_cap(key, data, max_bytes)
+
+    def write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Hidden temp name in the same folder, then an atomic rename: a reader sees either
+        # the old object or the complete new one, never a prefix of it.
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+
+    def list(self, prefix: str) -> list[str]:
+        """All keys under `prefix` (recursive), sorted; temp and hidden files excluded."""
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if not name.startswith("."):
+                    keys.append(Path(dirpath, name).relative_to(self.root).as_posix())
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+
+
+class FsspecStorage:
+    """Any fsspec file system: s3:// (s3fs), gs:// (gcsfs), memory:// and others."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None):
+        import fsspec  # deferred: `vrl --help` must not pay for it
+
+        protocol, _, rest = uri.partition("://")
+        self.uri = uri.rstrip("/")
+        self.root = rest.strip("/")
+        options: dict = {}
+        if protocol == "s3":
+            # Listings must be fresh: the trainer polls for new shards.
+            options["use_listings_cache"] = False
+            if endpoint_url:
+                options["client_kwargs"] = {"endpoint_url": endpoint_url}
+        self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        try:
+            if max_bytes is None:
+                data = self.fs.cat_file(self._path(key))
+            else:  # one ranged GET: never more than the cap crosses the wire
+                data = self.fs.cat_file(self._path(key), start=0, end=max_bytes + 1)
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+        return _check_cap(key, data, max_bytes)
+
+    def write(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(key), data)
+
+    def exists(self, key: str) -> bool:
+        return self.fs.isfile(self._path(key))
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            paths = self.fs.find(self._path(prefix))
+        except FileNotFoundError:
+            return []
+        cut = len(self.root) + 1 if self.root else 0
+        return sorted(p.lstrip("/")[cut:] if self.root else p.lstrip("/") for p in paths)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors worth another try: network trouble, timeouts, throttling, 5xx."""
+    if isinstance(exc, (NotFound, TooLarge, FileNotFoundError, PermissionError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("timeout", "timed out", "throttl", "slow down", "503", "500",
+                                   "internal error", "connection", "temporarily"))
+
+
+class Retrying:
+    """Wraps a Storage: transient failures are retried with jittered exponential backoff;
+    permanent ones are raised once, as StorageError naming the object."""
+
+    def __init__(self, inner: Storage, attempts: int = 5, base_delay: float = 0.2,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.inner = inner
+        self.uri = inner.uri
+        self.attempts = attempts
+        self.base_delay = base_delay
+        self._sleep = sleep
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except StorageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not _transient(exc) or attempt == self.attempts - 1:
+                    raise StorageError(f"{key}: {what} failed in {self.uri}: {exc}") from exc
+                self._sleep(self.base_delay * 2**attempt * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._call("read", key, lambda: self.inner.read(key, max_bytes))
+
+    def write(self, key: str, data: bytes) -> None:
+        return self._call("write", key, lambda: self.inner.write(key, data))
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, lambda: self.inner.exists(key))
+
+    def size(self, key: str) -> int:
+        return self._call("size", key, lambda: self.inner.size(key))
+
+    def list(self, prefix: str) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        return self._call("delete", key, lambda: self.inner.delete(key))
+
+
+def open_storage(uri: str, endpoint_url: str | None = None, retry: bool = True) -> Storage:
+    """The storage for a bucket URI (see the module docstring for the forms accepted)."""
+    if not uri:
+        raise StorageError("--bucket is empty: give a folder path or a URI such as s3://bucket")
+    endpoint_url = endpoint_url or os.environ.get("VRL_ENDPOINT_URL") or None
+    if "://" not in uri:
+        inner: Storage = LocalStorage(uri)
+    elif uri.startswith("file://"):
+        inner = LocalStorage(uri[len("file://"):])
+    elif uri.split("://", 1)[0] in ("s3", "gs", "gcs", "memory", "az", "abfs"):
+        inner = FsspecStorage(uri, endpoint_url=endpoint_url)
+    else:
+        raise StorageError(f"--bucket {uri}: unsupported scheme (use a folder, file://, s3://, gs:// or memory://)")
+    return Retrying(inner) if retry else inner

@@ -1,0 +1,282 @@
+"""The central trainer: publish a version, learn from fresh shards, publish the next one.
+
+One loop, no server: everything it says to volunteers it writes into the bucket (checkpoints,
+then the manifest that commits them), and everything it hears comes from shards it lists
+under the rollout prefixes of the versions inside the staleness window.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import layout
+from .checkpoint import clear_folder, fetch_checkpoint, publish_checkpoint, sha256_bytes
+from .config import PACKAGE_DATA, TrainerConfig
+from .evaluate import greedy_and_sampled
+from .ingest import Ingest, IngestStats, Rules, ScoredGroup, split_fresh
+from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
+from .manifest import Dataset, Manifest, Sampling, read_manifest, write_manifest
+from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
+    pick_device, save_policy, token_logprobs
+from .storage import Storage, open_storage
+from .task import Problem, file_sha256, load_csv
+from .warmstart import warm_start
+
+
+class TrainerError(Exception):
+    """A condition the trainer cannot run under (named object, one line)."""
+
+
+def dataset_paths(cfg: TrainerConfig) -> tuple[Path, Path]:
+    train = Path(cfg.dataset) if cfg.dataset else PACKAGE_DATA / "train.csv"
+    held_out = Path(cfg.eval_dataset) if cfg.eval_dataset else PACKAGE_DATA / "eval.csv"
+    return train, held_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model set-up and publishing.
+
+def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.device,
+                   log: Callable[[str], None]) -> Policy:
+    """`tiny`: build tokenizer + model offline and warm-start them. Else: load the folder."""
+    if cfg.model != "tiny":
+        return load_policy(cfg.model, device)
+    texts = [p.prompt for p in problems] + [p.expression for p in problems]
+    tokenizer = build_tokenizer(texts)
+    model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
+    policy = Policy(model, tokenizer, "plain", device)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"built tiny model: {n:,} parameters, vocab {len(tokenizer)}")
+    if cfg.warm_start_steps > 0:
+        seconds = warm_start(policy, problems, cfg.warm_start_steps, seed=cfg.seed, log=log)
+        log(f"warm start: {cfg.warm_start_steps} steps in {seconds:.0f}s")
+    return policy
+
+
+def upload_dataset(storage: Storage, path: Path) -> Dataset:
+    data = path.read_bytes()
+    sha = sha256_bytes(data)
+    key = layout.dataset_key(path.stem, sha)
+    if not storage.exists(key):
+        storage.write(key, data)
+    rows = max(0, data.count(b"\n") - 1)
+    return Dataset(name=path.stem, key=key, sha256=sha, size=len(data), rows=rows)
+
+
+def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
+            dataset: Dataset) -> Manifest:
+    """Write the checkpoint, verify it, then commit it with the manifest (in that order)."""
+    staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
+    clear_folder(staging)
+    try:
+        save_policy(policy, staging)
+        files = publish_checkpoint(storage, version, staging)
+    finally:
+        clear_folder(staging)
+    manifest = Manifest(
+        run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
+        dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
+        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format)
+    write_manifest(storage, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# One optimizer step.
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), device=device)
+    for i, lp in enumerate(rows):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out
+
+
+def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
+               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
+    """One update on `groups` (all with reward variance), accumulating over micro-batches."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
+    adv = adv_fn(rewards).to(policy.device)  # [G, K]
+    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
+    per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
+    policy.model.train()
+    opt.zero_grad(set_to_none=True)
+    loss_sum, stats = 0.0, Counter()
+    for s in range(0, len(groups), per_micro):
+        chunk = groups[s:s + per_micro]
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in chunk],
+                                    [g.token_ids for g in chunk], cfg.temperature)
+        a = adv[s:s + per_micro].flatten()
+        # Token-level mean over the whole step: scale each micro-batch by its share of tokens.
+        share = mask.sum().item() / total_tokens
+        if cfg.algo == "grpo":
+            behav = _behavior_tensor([lp for g in chunk for lp in g.behavior_logprobs],
+                                     logp.shape[1], policy.device)
+            stale = torch.tensor([g.policy_version < version for g in chunk for _ in g.token_ids],
+                                 device=policy.device)
+            loss, st = grpo_loss(logp, behav, mask, a, stale)
+            stats.update({k: v.item() * share for k, v in st.items()})
+        else:
+            loss = reinforce_loss(logp, mask, a)
+        (loss * share).backward()
+        loss_sum += loss.item() * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    opt.step()
+    policy.model.eval()
+    return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.device = pick_device(cfg.device)
+        train_path, eval_path = dataset_paths(cfg)
+        self.train_path = train_path
+        self.problems = load_csv(train_path)
+        self.held_out = load_csv(eval_path)
+        self.metrics_buffer: list[dict] = []
+        self.rng = random.Random(cfg.seed)
+
+    def start(self) -> None:
+        """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
+        cfg = self.cfg
+        manifest = read_manifest(self.storage)
+        if manifest is None:
+            torch.manual_seed(cfg.seed)
+            self.policy = initial_policy(cfg, self.problems, self.device, self.log)
+            self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            self.dataset = upload_dataset(self.storage, self.train_path)
+            self.manifest = publish(self.storage, self.policy, 0, cfg, self.run_id, self.dataset)
+            self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
+            self._evaluate(0, full=True)
+            self._flush_metrics(0)
+        else:
+            if manifest.dataset.sha256 != file_sha256(self.train_path):
+                raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
+                                   f"{self.train_path}; resume with the same --dataset")
+            folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume")
+            self.policy = load_policy(folder, self.device)
+            self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
+            self.log(f"resuming {self.run_id} at v{manifest.version}")
+        self.version = self.manifest.version
+        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+        tok = self.policy.tokenizer
+        rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
+                      lambda ids: tok.decode(ids, skip_special_tokens=True))
+        self.ingest = Ingest(self.storage, rules, self.log)
+
+    def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
+        problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
+        res = greedy_and_sampled(self.policy, problems, self.cfg.temperature,
+                                 self.cfg.eval_samples, self.cfg.max_new_tokens)
+        self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
+                 f"{res['eval/accuracy_greedy']:.1%}, sampled (T={self.cfg.temperature}) "
+                 f"{res['eval/accuracy_sampled']:.1%}")
+        self.metrics_buffer.append({"kind": "eval", "version": version, "time": time.time(),
+                                    "eval/prompts": len(problems), **res})
+        return res
+
+    def _flush_metrics(self, version: int) -> None:
+        """Metrics of the steps that led to `version`, as one write-once object."""
+        body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics_buffer)
+        self.storage.write(layout.metrics_key(version), body.encode())
+        self.metrics_buffer = []
+
+    def run(self) -> Manifest:
+        cfg = self.cfg
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        started = time.time()
+        buffer: list[ScoredGroup] = []
+        steps, stats = 0, IngestStats()
+        stale_dropped = 0
+        while not self._done(steps, started):
+            for g in self.ingest.poll(self.version, cfg.max_staleness, stats):
+                if max(g.rewards) == min(g.rewards):
+                    stats.zero_variance += 1
+                else:
+                    buffer.append(g)
+            fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
+            stale_dropped += len(stale)
+            if len(fresh) < cfg.groups_per_step:
+                buffer = fresh
+                time.sleep(cfg.poll_seconds)
+                continue
+            batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
+            t0 = time.time()
+            result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
+            steps += 1
+            self._record_step(steps, batch, result, stats, stale_dropped, time.time() - t0)
+            stats, stale_dropped = IngestStats(), 0
+            done = self._done(steps, started)
+            if steps % cfg.publish_every == 0 or done:
+                self._publish_next(final=done)
+        return self.manifest
+
+    def _done(self, steps: int, started: float) -> bool:
+        cfg = self.cfg
+        return bool((cfg.max_steps and steps >= cfg.max_steps)
+                    or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
+
+    def _publish_next(self, final: bool = False) -> None:
+        self.version += 1
+        self.manifest = publish(self.storage, self.policy, self.version, self.cfg, self.run_id,
+                                self.dataset)
+        every = self.cfg.eval_every
+        if final or (every and self.version % every == 0):
+            self._evaluate(self.version, full=final)
+        self._flush_metrics(self.version)
+
+    def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
+                     stats: IngestStats, stale_dropped: int, seconds: float) -> None:
+        rewards = [r for g in batch for r in g.rewards]
+        lags = Counter(self.version - g.policy_version for g in batch)
+        considered = stats.groups or 1
+        m = {
+            "kind": "step", "step": step, "version": self.version, "time": time.time(),
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            "rollout/frac_reward_zero_std": stats.zero_variance / considered,
+            "rollout/staleness_hist": {str(k): v for k, v in sorted(lags.items())},
+            "rollout/stale_dropped": stale_dropped,
+            "rollout/groups": len(batch), "rollout/tokens": result.tokens,
+            "rollout/sources": dict(Counter(g.key for g in batch)),
+            "ingest/shards": stats.shards, "ingest/groups": stats.groups,
+            "ingest/rejected": dict(stats.rejected),
+            "train/loss": result.loss, "train/grad_norm": result.grad_norm,
+            "train/step_time": seconds,
+            **{f"train/{k}": v for k, v in result.stats.items()},
+        }
+        self.metrics_buffer.append(m)
+        self.log(f"step {step} v{self.version} reward {m['rollout/reward_mean']:.3f} "
+                 f"lag {dict(sorted(lags.items()))} zero-std {m['rollout/frac_reward_zero_std']:.2f} "
+                 f"dropped {stale_dropped} loss {result.loss:+.4f} ({seconds:.2f}s)")
+
+
+def train(cfg: TrainerConfig, log: Callable[[str], None] = print) -> Manifest:
+    trainer = Trainer(cfg, log)
+    trainer.start()
+    return trainer.run()

@@ -1,0 +1,204 @@
+"""A volunteer: follow the manifest, sample groups with the newest weights, upload shards.
+
+Everything it needs comes from the bucket: the manifest (polled), the dataset and the
+checkpoint files it names (each checked against the manifest's sha256). All it writes is its
+own shards, under rollouts/<version>/<its id>/, each one written once.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import layout
+from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
+from .config import VolunteerConfig
+from .manifest import Manifest, ManifestError, read_manifest
+from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
+from .shards import Completion, Group, encode_shard, new_shard_name
+from .storage import Storage, StorageError, open_storage
+from .task import DatasetError, Problem, load_csv, reward
+
+WEIGHTS = "model.safetensors"
+
+
+def default_volunteer_id() -> str:
+    """Sanitized hostname plus a random suffix, so two processes on one host never collide."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40].strip("-.") or "volunteer"
+    return f"{host}-{uuid.uuid4().hex[:6]}"
+
+
+class ShardWriter:
+    """Buffers groups of one policy version; uploads a shard every N groups or T seconds."""
+
+    def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
+                 log: Callable[[str], None]):
+        self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
+        self.max_groups, self.max_seconds = max_groups, max_seconds
+        self.groups: list[Group] = []
+        self.version: int | None = None
+        self.opened = 0.0
+        self.seq = 0
+        self.uploaded_groups = 0
+
+    def add(self, groups: list[Group], version: int) -> None:
+        if self.version is not None and version != self.version:
+            self.flush()  # a shard holds one version: it lives under that version's prefix
+        if not self.groups:
+            self.opened = time.time()
+        self.version = version
+        self.groups.extend(groups)
+        if len(self.groups) >= self.max_groups or time.time() - self.opened >= self.max_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.groups:
+            return
+        key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
+        self.storage.write(key, encode_shard(self.groups))
+        rewards = [c.reward for g in self.groups for c in g.completions]
+        self.log(f"uploaded {key}: {len(self.groups)} groups, reward {sum(rewards) / len(rewards):.3f}")
+        self.uploaded_groups += len(self.groups)
+        self.seq += 1
+        self.groups = []
+
+
+class Volunteer:
+    def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.id = cfg.volunteer_id or default_volunteer_id()
+        if not layout.is_safe_name(self.id):
+            raise ValueError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting with . or -)")
+        self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.device = pick_device(cfg.device)
+        self.work = Path(cfg.work_dir) / self.id
+        self.rng = random.Random(cfg.seed)
+        self.stop = threading.Event()
+        self.policy: Policy | None = None
+        self.manifest: Manifest | None = None
+        self.last_manifest_ok = 0.0
+        self.warned: dict[str, str] = {}
+
+    # -- following the manifest ---------------------------------------------------------------
+
+    def _poll_manifest(self) -> Manifest | None:
+        try:
+            m = read_manifest(self.storage)
+        except ManifestError as exc:
+            self._warn("manifest", f"{exc}; waiting for a valid one")
+            return None
+        self.warned.pop("manifest", None)
+        if m is not None:
+            self.last_manifest_ok = time.time()
+        return m
+
+    def _load_dataset(self, m: Manifest) -> list[Problem]:
+        data = self.storage.read(m.dataset.key, max_bytes=m.dataset.size)
+        if sha256_bytes(data) != m.dataset.sha256:
+            raise StorageError(f"{m.dataset.key}: sha256 does not match manifest.json")
+        path = self.work / "dataset.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return load_csv(path)
+
+    def _switch(self, m: Manifest) -> None:
+        """Move to the manifest's version: swap weights in place when only they changed."""
+        old = self.manifest
+        same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
+                      and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS))
+        folder = self.work / "checkpoint"
+        if same_shape:
+            fetch_checkpoint(self.storage, m, folder, only=[WEIGHTS])
+            load_weights(self.policy, folder / WEIGHTS)
+        else:
+            if old is None or old.dataset != m.dataset:
+                self.problems = self._load_dataset(m)
+            fetch_checkpoint(self.storage, m, folder)
+            self.policy = load_policy(folder, self.device)
+            self.policy.model.eval()
+        self.manifest = m
+        self.log(f"now on v{m.version} of {m.run_id}")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _generate(self) -> list[Group]:
+        m, policy = self.manifest, self.policy
+        picked = self.rng.sample(self.problems, min(self.cfg.prompts_per_batch, len(self.problems)))
+        prompts = encode_prompts(policy, [p.prompt for p in picked])
+        s = m.sampling
+        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens)
+        return [Group(p.id, m.version, self.id,
+                      [Completion(x.token_ids, x.logprobs, x.text, reward(x.text, p.expression))
+                       for x in samples])
+                for p, samples in zip(picked, out)]
+
+    def _try_switch(self, m: Manifest) -> bool:
+        """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure."""
+        try:
+            self._switch(m)
+        except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+            self._warn("switch", f"cannot load v{m.version}: {exc}; will retry")
+            return False
+        self.warned.pop("switch", None)
+        return True
+
+    def _warn(self, topic: str, message: str) -> None:
+        """Log a problem once, not once per poll, until it changes or goes away."""
+        if self.warned.get(topic) != message:
+            self.log(f"warning: {message}")
+            self.warned[topic] = message
+
+    def _usable(self, m: Manifest | None) -> bool:
+        """May we generate with the weights we hold, given the newest manifest we could read?"""
+        if self.manifest is None:
+            return False
+        if m is None:  # no fresh manifest: trust ours only for a grace period
+            return time.time() - self.last_manifest_ok <= self.cfg.manifest_grace_seconds
+        return m.run_id == self.manifest.run_id and m.version - self.manifest.version <= m.max_staleness
+
+    def run(self) -> int:
+        """Generate until stopped; returns the number of groups uploaded."""
+        cfg = self.cfg
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        started = time.time()
+        self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
+        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log)
+        try:
+            while not self.stop.is_set():
+                if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
+                    break
+                m = self._poll_manifest()
+                if m is not None and (self.manifest is None or m.version != self.manifest.version
+                                      or m.run_id != self.manifest.run_id):
+                    writer.flush()  # its groups belong to the version we are leaving
+                    self._try_switch(m)
+                if not self._usable(m):
+                    # Nothing published yet, or our weights fell out of the staleness window
+                    # and the new ones did not load: groups made now would only be dropped.
+                    self.stop.wait(cfg.poll_seconds)
+                    continue
+                writer.add(self._generate(), self.manifest.version)
+        finally:
+            writer.flush()
+        return writer.uploaded_groups
+
+    def install_signal_handlers(self) -> None:
+        """Ctrl-C and SIGTERM finish the current batch, flush the partial shard, exit 0."""
+        def handler(signum, frame):
+            self.log(f"signal {signum}: flushing and stopping")
+            self.stop.set()
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
