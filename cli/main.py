@@ -96,6 +96,8 @@ def volunteer(
     prompts_per_batch: Annotated[int, typer.Option(help="Prompts per batched generate call.")] = 16,
     shard_groups: Annotated[int, typer.Option(help="Upload a shard every this many groups...")] = 32,
     shard_seconds: Annotated[float, typer.Option(help="...or every this many seconds.")] = 20.0,
+    max_groups_per_version: Annotated[int, typer.Option(help="Groups per published version, at most (0: no cap).")] = 0,
+    poll_seconds: Annotated[float, typer.Option(help="Seconds between manifest polls while idle.")] = 1.0,
     max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0: until Ctrl-C).")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for prompt choice and sampling.")] = None,
     threads: Threads = 0,
@@ -112,6 +114,7 @@ def volunteer(
     cfg = VolunteerConfig(bucket=bucket, endpoint_url=endpoint_url, volunteer_id=id,
                           prompts_per_batch=prompts_per_batch, shard_groups=shard_groups,
                           shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
+                          max_groups_per_version=max_groups_per_version, poll_seconds=poll_seconds,
                           threads=threads, device=device, work_dir=work_dir)
     with _clean_errors():
         from volunteer_rl.volunteer import Volunteer

@@ -184,3 +184,29 @@ def test_unreadable_shard_is_reported_and_never_trained_on(run):
                  str(run["root"] / "tw3")], cwd=run["root"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(f"rejected {key}: bad_gzip") == 1
+
+
+def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
+    import signal
+
+    from volunteer_rl.shards import decode_shard
+
+    bucket = copy_bucket(run, "ctrl-c")
+    v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
+              "--shard-groups", "100000", "--shard-seconds", "100000",
+              "--work-dir", str(run["root"] / "vw3")], run["root"] / "ctrlc.log", run["root"])
+    try:
+        wait_for(lambda: "now on v" in v.text(), 60, "the volunteer to load the checkpoint")
+        before = len(list((bucket / "rollouts").rglob("*.jsonl.gz")))
+        import time
+        time.sleep(3)  # a few batches: nothing uploaded yet, all of it buffered
+        assert "uploaded" not in v.text()
+        v.p.send_signal(signal.SIGINT)
+        assert v.wait(60) == 0, v.text()
+    finally:
+        v.kill()
+    keys = re.findall(r"uploaded (\S+): (\d+) groups", v.text())
+    assert len(keys) == 1 and int(keys[0][1]) >= 16
+    groups = decode_shard((bucket / keys[0][0]).read_bytes())
+    assert len(groups) == int(keys[0][1]) and all(g.volunteer_id == "ctrlc" for g in groups)
+    assert len(list((bucket / "rollouts").rglob("*.jsonl.gz"))) == before + 1

@@ -19,12 +19,19 @@ def test_round_trip_and_history(tmp_path):
     s = open_storage(str(tmp_path))
     assert read_manifest(s) is None
     m = make_manifest()
-    write_manifest(s, m)
+    etag = write_manifest(s, m, None)
     assert read_manifest(s) == m
     assert read_manifest(s, version=3) == m
     assert read_manifest(s, version=2) is None
     raw = json.loads((tmp_path / "manifest.json").read_text())
     assert raw["schema_version"] == layout.SCHEMA_VERSION
+    # A second trainer that never saw this manifest cannot advance the bucket.
+    from volunteer_rl.storage import PreconditionFailed
+    m4 = make_manifest(4)
+    with pytest.raises(PreconditionFailed):
+        write_manifest(s, m4, None)
+    write_manifest(s, m4, etag)
+    assert read_manifest(s).version == 4
     assert raw["sampling"] == {"k": 8, "temperature": 1.0, "max_new_tokens": 32}
 
 
@@ -72,8 +79,11 @@ def test_publish_then_fetch_verifies_sha(tmp_path):
     m = make_manifest(3, files)
     out = fetch_checkpoint(s, m, tmp_path / "dest")
     assert (out / "model.safetensors").read_bytes() == b"w" * 1000
+    from volunteer_rl.storage import AlreadyExists
+    with pytest.raises(AlreadyExists):  # written once: a version folder is never refilled
+        publish_checkpoint(s, 3, src)
     # Someone swaps the bytes behind the manifest's back: fetch refuses, naming the object.
-    s.write("checkpoints/v000003/model.safetensors", b"x" * 1000)
+    (tmp_path / "bucket/checkpoints/v000003/model.safetensors").write_bytes(b"x" * 1000)
     with pytest.raises(CheckpointError, match="checkpoints/v000003/model.safetensors"):
         fetch_checkpoint(s, m, tmp_path / "dest2")
     assert not (tmp_path / "dest2" / "model.safetensors").exists()

@@ -107,3 +107,43 @@ def test_shared_prompt_scoring_matches_one_row_at_a_time(tiny):
     for a, p in zip(shared, policy.model.parameters()):
         assert torch.allclose(a, p.grad, atol=1e-5)
     policy.model.zero_grad()
+
+
+def test_trainer_publishes_any_hf_folder_through_the_same_path(tiny, tmp_path):
+    """`--model PATH`: an ordinary HF folder (no vrl.json, a chat template) becomes v0."""
+    from volunteer_rl.config import TrainerConfig
+    from volunteer_rl.evaluate import load_version
+    from volunteer_rl.trainer import Trainer
+
+    policy, _ = tiny
+    folder = tmp_path / "hf-model"
+    policy.model.save_pretrained(folder)
+    tok = policy.tokenizer
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    try:
+        tok.save_pretrained(folder)
+    finally:
+        tok.chat_template = None
+    bucket = f"memory://hf-folder-{tmp_path.name}"
+    cfg = TrainerConfig(bucket=bucket, model=str(folder), eval_prompts=20, work_dir=str(tmp_path / "w"))
+    t = Trainer(cfg, log=lambda m: None)
+    t.held_out = t.held_out[:20]
+    t.start()
+    assert t.manifest.version == 0 and t.manifest.prompt_format == "chat"
+    m, loaded = load_version(t.storage, 0, tmp_path / "ev")
+    assert loaded.prompt_format == "chat" and m.files["model.safetensors"].size > 0
+    assert torch.equal(loaded.model.model.embed_tokens.weight, policy.model.model.embed_tokens.weight)
+
+
+def test_warm_start_loss_matches_masked_scoring(tiny):
+    """The mask-free right-padded loss equals the masked, left-padded scorer's."""
+    from volunteer_rl.warmstart import target_nll
+
+    policy, problems = tiny
+    prompts = encode_prompts(policy, [p.prompt for p in problems[:5]])
+    targets = [list(policy.tokenizer(p.expression, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
+               for p in problems[:5]]
+    with torch.no_grad():
+        logp, mask = token_logprobs(policy, prompts, [[t] for t in targets], 1.0)
+        expected = -(logp * mask).sum() / mask.sum()
+        assert torch.allclose(target_nll(policy, prompts, targets), expected, atol=1e-5)

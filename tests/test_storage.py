@@ -98,3 +98,32 @@ def test_permanent_errors_are_not_retried():
     with pytest.raises(StorageError, match="access denied"):
         r.read("manifest.json")
     assert inner.calls == 1
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_create_is_write_once(tmp_path, kind):
+    from volunteer_rl.storage import AlreadyExists
+    s = open_storage(str(tmp_path) if kind == "local" else f"memory://create-{tmp_path.name}")
+    s.create("ck/a", b"first")
+    with pytest.raises(AlreadyExists, match="ck/a"):
+        s.create("ck/a", b"second")
+    assert s.read("ck/a") == b"first"
+    assert s.list("ck") == ["ck/a"]
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_compare_and_swap_and_conditional_read(tmp_path, kind):
+    from volunteer_rl.storage import PreconditionFailed
+    s = open_storage(str(tmp_path) if kind == "local" else f"memory://cas-{tmp_path.name}")
+    e1 = s.write_if_match("manifest.json", b"v1", None)      # None: must not exist yet
+    with pytest.raises(PreconditionFailed):
+        s.write_if_match("manifest.json", b"v1-again", None)
+    data, etag = s.read_if_changed("manifest.json", None)
+    assert data == b"v1" and etag == e1
+    assert s.read_if_changed("manifest.json", etag) == (None, etag)   # unchanged: no body
+    e2 = s.write_if_match("manifest.json", b"v2", e1)
+    with pytest.raises(PreconditionFailed):                 # a second trainer with the old etag
+        s.write_if_match("manifest.json", b"v2-other", e1)
+    assert s.read_if_changed("manifest.json", etag) == (b"v2", e2)
+    with pytest.raises(NotFound):
+        s.read_if_changed("missing", None)

@@ -32,8 +32,8 @@ def sha256_bytes(data: bytes) -> str:
 def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str, FileEntry]:
     """Upload every file of `folder` under checkpoints/vNNNNNN/ and verify each one landed.
 
-    Returns the per-file sha256 and size for the manifest. Objects are written once: a
-    version folder that already holds a file with other bytes is an error, not an overwrite.
+    Returns the per-file sha256 and size for the manifest. Objects are created write-once:
+    a version folder that already holds the file is an error (AlreadyExists), not an overwrite.
     """
     entries: dict[str, FileEntry] = {}
     for path in sorted(Path(folder).iterdir()):
@@ -42,7 +42,7 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str
         data = path.read_bytes()
         entry = FileEntry(sha256_bytes(data), len(data))
         key = layout.checkpoint_key(version, path.name)
-        storage.write(key, data)
+        storage.create(key, data)
         entries[path.name] = entry
     for name, entry in entries.items():
         key = layout.checkpoint_key(version, name)

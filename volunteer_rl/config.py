@@ -51,8 +51,8 @@ class TrainerConfig:
     """Stop after this many optimizer steps (0: no limit)."""
     max_seconds: float = 0.0
     """Stop after this many seconds of RL after v0 is published (0: no limit)."""
-    poll_seconds: float = 0.5
-    """Sleep between bucket listings while waiting for rollouts."""
+    poll_seconds: float = 0.2
+    """Sleep between bucket listings while waiting for rollouts (one LIST per window version)."""
     threads: int = 0
     """torch CPU threads during RL (0: torch's default); the warm start uses all cores."""
     device: str = "auto"
@@ -79,6 +79,10 @@ class VolunteerConfig:
     """...or once its oldest group is this many seconds old."""
     poll_seconds: float = 1.0
     """Sleep between manifest polls while there is nothing to do."""
+    max_groups_per_version: int = 0
+    """Generate at most this many groups with one version, then wait for the next (0: no cap).
+    A trainer takes only so many groups per version; past that, donated compute only makes
+    groups that go stale."""
     manifest_grace_seconds: float = 60.0
     """Keep generating through manifest read failures for at most this long."""
     max_seconds: float = 0.0

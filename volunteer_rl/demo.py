@@ -33,6 +33,10 @@ class DemoSettings:
     """RL learning rate."""
     threads: int = 1
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
+    groups_per_step: int = 16
+    """Prompt groups per optimizer step."""
+    groups_per_version: int = 48
+    """Each volunteer's cap of groups per version."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""
 
@@ -58,11 +62,17 @@ def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, li
         vrl_command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
+                    "--groups-per-step", str(s.groups_per_step), "--eval-every", "50",
                     *s.extra_trainer_args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     vols = [subprocess.Popen(
         vrl_command("volunteer", "--bucket", str(bucket), "--id", f"demo-{i + 1}",
                     "--threads", str(s.threads), "--seed", str(i + 1), "--shard-seconds", "5",
+                    # one shard per generate round: on one machine, latency beats fewer objects
+                    "--prompts-per-batch", "16", "--shard-groups", "16",
+                    # the trainer takes ~16 of every ~45 groups (most have one reward for
+                    # all K); more only burns the cores the trainer shares with us
+                    "--max-groups-per-version", str(s.groups_per_version), "--poll-seconds", "0.1",
                     "--work-dir", str(work / "volunteers")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for i in range(s.volunteers)]

@@ -94,6 +94,16 @@ class Manifest:
         return m
 
 
+def _parse(key: str, data: bytes, version: int | None) -> Manifest:
+    try:
+        m = Manifest.from_json(data)
+    except ManifestError as exc:
+        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
+    if version is not None and m.version != version:
+        raise ManifestError(f"{key}: holds version {m.version}")
+    return m
+
+
 def read_manifest(storage: Storage, version: int | None = None) -> Manifest | None:
     """The current manifest (or the kept copy of `version`'s), None if there is none yet.
 
@@ -106,17 +116,30 @@ def read_manifest(storage: Storage, version: int | None = None) -> Manifest | No
         return None
     except StorageError as exc:
         raise ManifestError(str(exc)) from None
+    return _parse(key, data, version)
+
+
+def poll_manifest(storage: Storage, etag: str | None) -> tuple[Manifest | None, str | None]:
+    """(manifest, etag) if manifest.json changed since `etag`, (None, etag) if it did not or
+    does not exist yet. On S3 an unchanged manifest costs a bodiless 304, so thousands of
+    idle volunteers polling cost almost nothing."""
     try:
-        m = Manifest.from_json(data)
-    except ManifestError as exc:
-        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
-    if version is not None and m.version != version:
-        raise ManifestError(f"{key}: holds version {m.version}")
-    return m
+        data, new_etag = storage.read_if_changed(layout.MANIFEST, etag, MAX_MANIFEST_BYTES)
+    except NotFound:
+        return None, None
+    except StorageError as exc:
+        raise ManifestError(str(exc)) from None
+    if data is None:
+        return None, etag
+    return _parse(layout.MANIFEST, data, None), new_etag
 
 
-def write_manifest(storage: Storage, manifest: Manifest) -> None:
-    """The version's write-once copy first, then the commit point that readers follow."""
+def write_manifest(storage: Storage, manifest: Manifest, etag: str | None) -> str:
+    """Commit a version: manifest.json as a compare-and-swap against `etag` (the manifest this
+    trainer last wrote or read; None on an empty bucket), so two trainers can never both
+    advance one bucket; then the version's write-once copy under manifests/, which only a
+    committed version gets. Returns the new etag."""
     data = manifest.to_json()
-    storage.write(layout.manifest_history_key(manifest.version), data)
-    storage.write(layout.MANIFEST, data)
+    new_etag = storage.write_if_match(layout.MANIFEST, data, etag)
+    storage.create(layout.manifest_history_key(manifest.version), data)
+    return new_etag

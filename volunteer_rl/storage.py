@@ -37,6 +37,14 @@ class TooLarge(StorageError):
     """The object is larger than the caller's byte cap."""
 
 
+class AlreadyExists(StorageError):
+    """A create-only write found the key taken: written-once objects are never replaced."""
+
+
+class PreconditionFailed(StorageError):
+    """A compare-and-swap lost: the object changed since the caller read it."""
+
+
 class Storage(Protocol):
     uri: str
 
@@ -46,6 +54,11 @@ class Storage(Protocol):
     def size(self, key: str) -> int: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
+    # Conditional operations. `etag` is an opaque version token of one object.
+    def create(self, key: str, data: bytes) -> None: ...
+    def read_if_changed(self, key: str, etag: str | None,
+                        max_bytes: int | None = None) -> tuple[bytes | None, str]: ...
+    def write_if_match(self, key: str, data: bytes, etag: str | None) -> str: ...
 
 
 def _check_cap(key: str, data: bytes, max_bytes: int | None) -> bytes:
@@ -77,21 +90,67 @@ class LocalStorage:
             raise NotFound(f"{key}: is a folder in {self.uri}") from None
         return _check_cap(key, data, max_bytes)
 
-    def write(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes, create_only: bool) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Hidden temp name in the same folder, then an atomic rename: a reader sees either
-        # the old object or the complete new one, never a prefix of it.
+        # Hidden temp name in the same folder, then an atomic rename (or, create-only, an
+        # atomic hard link that fails if the name is taken): a reader sees the old object or
+        # the complete new one, never a prefix of it.
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if create_only:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
+            else:
+                os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+    def write(self, key: str, data: bytes) -> None:
+        self._put(key, data, create_only=False)
+
+    def create(self, key: str, data: bytes) -> None:
+        self._put(key, data, create_only=True)
+
+    def _etag(self, key: str) -> str | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+    def read_if_changed(self, key: str, etag: str | None,
+                        max_bytes: int | None = None) -> tuple[bytes | None, str]:
+        current = self._etag(key)
+        if current is None:
+            raise NotFound(f"{key}: not found in {self.uri}")
+        if current == etag:
+            return None, etag
+        data = self.read(key, max_bytes)
+        return data, current
+
+    def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        """Replace `key` only if it is still the version `etag` names (None: must not exist).
+
+        Serialized by an advisory lock beside the object; every rename makes a new inode, so
+        the etag of a replaced object never repeats."""
+        import fcntl
+
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._etag(key) != etag:
+                raise PreconditionFailed(f"{key}: changed since it was read (another writer?)")
+            self.write(key, data)
+            return self._etag(key)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -150,10 +209,42 @@ class FsspecStorage:
                 data = self.fs.cat_file(self._path(key), start=0, end=max_bytes + 1)
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
+        except OSError:
+            if max_bytes is None or self.fs.size(self._path(key)) != 0:
+                raise
+            data = b""  # S3 answers any range of an empty object with 416
         return _check_cap(key, data, max_bytes)
 
     def write(self, key: str, data: bytes) -> None:
         self.fs.pipe_file(self._path(key), data)
+
+    def create(self, key: str, data: bytes) -> None:
+        # fsspec has no portable create-only PUT: check, then write. Two writers racing for
+        # one key can both succeed; layout makes every key unique to its writer anyway.
+        if self.exists(key):
+            raise AlreadyExists(f"{key}: already exists in {self.uri}")
+        self.write(key, data)
+
+    def read_if_changed(self, key: str, etag: str | None,
+                        max_bytes: int | None = None) -> tuple[bytes | None, str]:
+        import hashlib
+
+        data = self.read(key, max_bytes)
+        current = hashlib.sha256(data).hexdigest()
+        return (None, current) if current == etag else (data, current)
+
+    def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        # Check-then-write: not atomic on these stores (documented in docs/PROTOCOL.md).
+        import hashlib
+
+        try:
+            current = hashlib.sha256(self.read(key)).hexdigest()
+        except NotFound:
+            current = None
+        if current != etag:
+            raise PreconditionFailed(f"{key}: changed since it was read (another writer?)")
+        self.write(key, data)
+        return hashlib.sha256(data).hexdigest()
 
     def exists(self, key: str) -> bool:
         return self.fs.isfile(self._path(key))
@@ -173,15 +264,14 @@ class FsspecStorage:
         return sorted(p.lstrip("/")[cut:] if self.root else p.lstrip("/") for p in paths)
 
     def delete(self, key: str) -> None:
-        try:
-            self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            raise NotFound(f"{key}: not found in {self.uri}") from None
+        if not self.fs.isfile(self._path(key)):  # s3fs's rm_file is silent about missing keys
+            raise NotFound(f"{key}: not found in {self.uri}")
+        self.fs.rm_file(self._path(key))
 
 
 def _transient(exc: BaseException) -> bool:
     """Errors worth another try: network trouble, timeouts, throttling, 5xx."""
-    if isinstance(exc, (NotFound, TooLarge, FileNotFoundError, PermissionError)):
+    if isinstance(exc, (FileNotFoundError, PermissionError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
@@ -232,6 +322,16 @@ class Retrying:
     def delete(self, key: str) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key))
 
+    def create(self, key: str, data: bytes) -> None:
+        return self._call("create", key, lambda: self.inner.create(key, data))
+
+    def read_if_changed(self, key: str, etag: str | None,
+                        max_bytes: int | None = None) -> tuple[bytes | None, str]:
+        return self._call("read", key, lambda: self.inner.read_if_changed(key, etag, max_bytes))
+
+    def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        return self._call("write", key, lambda: self.inner.write_if_match(key, data, etag))
+
 
 def open_storage(uri: str, endpoint_url: str | None = None, retry: bool = True) -> Storage:
     """The storage for a bucket URI (see the module docstring for the forms accepted)."""
@@ -242,6 +342,10 @@ def open_storage(uri: str, endpoint_url: str | None = None, retry: bool = True) 
         inner: Storage = LocalStorage(uri)
     elif uri.startswith("file://"):
         inner = LocalStorage(uri[len("file://"):])
+    elif uri.startswith("s3://") and os.environ.get("VRL_S3_BACKEND", "") != "fsspec":
+        from .s3 import S3Storage  # boto3: conditional writes, ETag polls, multipart
+
+        inner = S3Storage(uri, endpoint_url=endpoint_url)
     elif uri.split("://", 1)[0] in ("s3", "gs", "gcs", "memory", "az", "abfs"):
         inner = FsspecStorage(uri, endpoint_url=endpoint_url)
     else:

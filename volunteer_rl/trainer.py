@@ -25,10 +25,10 @@ from .config import PACKAGE_DATA, TrainerConfig
 from .evaluate import greedy_and_sampled
 from .ingest import Ingest, IngestStats, Rules, ScoredGroup, split_fresh
 from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
-from .manifest import Dataset, Manifest, Sampling, read_manifest, write_manifest
+from .manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
-from .storage import Storage, open_storage
+from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
 from .warmstart import warm_start
 
@@ -67,15 +67,19 @@ def upload_dataset(storage: Storage, path: Path) -> Dataset:
     data = path.read_bytes()
     sha = sha256_bytes(data)
     key = layout.dataset_key(path.stem, sha)
-    if not storage.exists(key):
-        storage.write(key, data)
+    try:
+        storage.create(key, data)
+    except AlreadyExists:
+        pass  # content-addressed: an existing object of this name holds these very bytes
     rows = max(0, data.count(b"\n") - 1)
     return Dataset(name=path.stem, key=key, sha256=sha, size=len(data), rows=rows)
 
 
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
-            dataset: Dataset) -> Manifest:
-    """Write the checkpoint, verify it, then commit it with the manifest (in that order)."""
+            dataset: Dataset, etag: str | None) -> tuple[Manifest, str]:
+    """Write the checkpoint, verify it, then commit it with the manifest (in that order).
+
+    `etag` is the manifest this trainer last saw; returns the new manifest and its etag."""
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
@@ -87,8 +91,23 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format)
-    write_manifest(storage, manifest)
-    return manifest
+    try:
+        return manifest, write_manifest(storage, manifest, etag)
+    except PreconditionFailed:
+        raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
+                           "being published; is a second trainer running on this bucket?") from None
+
+
+def published_or_started(storage: Storage) -> list[int]:
+    """Every version with a checkpoint file or a kept manifest, complete or not. Read once at
+    start-up, so it may walk the whole history."""
+    versions = []
+    for prefix in (layout.CHECKPOINTS, layout.MANIFESTS):
+        for key in storage.list(prefix):
+            v = layout.parse_version_dir(key.split("/")[1].removesuffix(".json"))
+            if v is not None:
+                versions.append(v)
+    return versions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,13 +182,14 @@ class Trainer:
     def start(self) -> None:
         """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
         cfg = self.cfg
-        manifest = read_manifest(self.storage)
+        manifest, etag = poll_manifest(self.storage, None)
         if manifest is None:
             torch.manual_seed(cfg.seed)
             self.policy = initial_policy(cfg, self.problems, self.device, self.log)
             self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             self.dataset = upload_dataset(self.storage, self.train_path)
-            self.manifest = publish(self.storage, self.policy, 0, cfg, self.run_id, self.dataset)
+            self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
+                                               self.dataset, None)
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
             self._evaluate(0, full=True)
             self._flush_metrics(0)
@@ -180,8 +200,11 @@ class Trainer:
             folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume")
             self.policy = load_policy(folder, self.device)
             self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
+            self.etag = etag
             self.log(f"resuming {self.run_id} at v{manifest.version}")
         self.version = self.manifest.version
+        # Versions left half-published by a crash are never reused: the next one goes above.
+        self.last_used = max([self.version] + published_or_started(self.storage))
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
         tok = self.policy.tokenizer
@@ -203,7 +226,7 @@ class Trainer:
     def _flush_metrics(self, version: int) -> None:
         """Metrics of the steps that led to `version`, as one write-once object."""
         body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics_buffer)
-        self.storage.write(layout.metrics_key(version), body.encode())
+        self.storage.create(layout.metrics_key(version), body.encode())
         self.metrics_buffer = []
 
     def run(self) -> Manifest:
@@ -243,9 +266,9 @@ class Trainer:
                     or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
 
     def _publish_next(self, final: bool = False) -> None:
-        self.version += 1
-        self.manifest = publish(self.storage, self.policy, self.version, self.cfg, self.run_id,
-                                self.dataset)
+        self.version = self.last_used = self.last_used + 1
+        self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
+                                           self.run_id, self.dataset, self.etag)
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):
             self._evaluate(self.version, full=final)

@@ -22,7 +22,7 @@ import torch
 from . import layout
 from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
 from .config import VolunteerConfig
-from .manifest import Manifest, ManifestError, read_manifest
+from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
 from .shards import Completion, Group, encode_shard, new_shard_name
 from .storage import Storage, StorageError, open_storage
@@ -49,6 +49,7 @@ class ShardWriter:
         self.opened = 0.0
         self.seq = 0
         self.uploaded_groups = 0
+        self.per_version: dict[int, int] = {}
 
     def add(self, groups: list[Group], version: int) -> None:
         if self.version is not None and version != self.version:
@@ -57,14 +58,19 @@ class ShardWriter:
             self.opened = time.time()
         self.version = version
         self.groups.extend(groups)
+        self.per_version[version] = self.per_version.get(version, 0) + len(groups)
         if len(self.groups) >= self.max_groups or time.time() - self.opened >= self.max_seconds:
             self.flush()
+
+    def version_groups(self, manifest: Manifest | None) -> int:
+        """Groups made so far with the manifest's version."""
+        return self.per_version.get(manifest.version, 0) if manifest is not None else 0
 
     def flush(self) -> None:
         if not self.groups:
             return
         key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
-        self.storage.write(key, encode_shard(self.groups))
+        self.storage.create(key, encode_shard(self.groups))
         rewards = [c.reward for g in self.groups for c in g.completions]
         self.log(f"uploaded {key}: {len(self.groups)} groups, reward {sum(rewards) / len(rewards):.3f}")
         self.uploaded_groups += len(self.groups)
@@ -88,19 +94,26 @@ class Volunteer:
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
+        self.manifest_etag: str | None = None
+        self.latest: Manifest | None = None  # newest manifest read, loaded or not
 
     # -- following the manifest ---------------------------------------------------------------
 
     def _poll_manifest(self) -> Manifest | None:
+        """The newest manifest (the one already held when unchanged); None if none is readable."""
         try:
-            m = read_manifest(self.storage)
+            m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag)
         except ManifestError as exc:
+            self.manifest_etag = None  # read it in full again next time
             self._warn("manifest", f"{exc}; waiting for a valid one")
             return None
         self.warned.pop("manifest", None)
         if m is not None:
-            self.last_manifest_ok = time.time()
-        return m
+            self.latest = m
+        if self.manifest_etag is None:  # nothing published yet
+            return None
+        self.last_manifest_ok = time.time()
+        return self.latest
 
     def _load_dataset(self, m: Manifest) -> list[Problem]:
         data = self.storage.read(m.dataset.key, max_bytes=m.dataset.size)
@@ -166,6 +179,10 @@ class Volunteer:
             return time.time() - self.last_manifest_ok <= self.cfg.manifest_grace_seconds
         return m.run_id == self.manifest.run_id and m.version - self.manifest.version <= m.max_staleness
 
+    def _at_cap(self, writer: ShardWriter) -> bool:
+        cap = self.cfg.max_groups_per_version
+        return bool(cap) and writer.version_groups(self.manifest) >= cap
+
     def run(self) -> int:
         """Generate until stopped; returns the number of groups uploaded."""
         cfg = self.cfg
@@ -185,9 +202,10 @@ class Volunteer:
                                       or m.run_id != self.manifest.run_id):
                     writer.flush()  # its groups belong to the version we are leaving
                     self._try_switch(m)
-                if not self._usable(m):
-                    # Nothing published yet, or our weights fell out of the staleness window
-                    # and the new ones did not load: groups made now would only be dropped.
+                if not self._usable(m) or self._at_cap(writer):
+                    # Nothing published yet, our weights fell out of the staleness window and
+                    # the new ones did not load, or this version has had its share of groups:
+                    # groups made now would only be dropped.
                     self.stop.wait(cfg.poll_seconds)
                     continue
                 writer.add(self._generate(), self.manifest.version)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .policy import Policy, encode_prompts, token_logprobs
+from .policy import Policy, encode_prompts
 from .task import Problem
 
 
@@ -21,6 +21,24 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def target_nll(policy: Policy, prompts: list[list[int]], targets: list[list[int]]) -> torch.Tensor:
+    """Mean next-token loss on the target tokens of prompt+target rows.
+
+    Rows are right-padded and run with no attention mask: under causal attention a real token
+    never sees the padding after it, and without a mask PyTorch's attention takes its fused
+    causal path, several times faster on CPU (its backward above all) than a masked one."""
+    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
+    ids = torch.full((len(prompts), width), policy.pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), width), -100, dtype=torch.long)
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
+    ids, labels = ids.to(policy.device), labels.to(policy.device)
+    logits = policy.model(input_ids=ids).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
 def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: int = 64,
@@ -39,8 +57,7 @@ def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: 
         idx = rng.sample(range(len(problems)), min(batch_size, len(problems)))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
-        logp, mask = token_logprobs(policy, [prompts[i] for i in idx], [[targets[i]] for i in idx], 1.0)
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = target_nll(policy, [prompts[i] for i in idx], [targets[i] for i in idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)

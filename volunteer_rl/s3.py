@@ -1,0 +1,368 @@
+"""The S3 backend: boto3 against `s3://bucket/prefix`, with real conditional writes.
+
+Why not s3fs: the protocol needs create-only writes (checkpoints, shards), compare-and-swap
+on `manifest.json`, and a cheap "has the manifest changed?" poll. S3 does all three
+atomically with `If-None-Match: *`, `If-Match: <etag>` and a conditional GET that answers
+304 without a body, so thousands of idle volunteers polling the manifest cost almost nothing.
+
+Large objects (checkpoints) go up as a multipart upload with parts sent in parallel and come
+down as parallel ranged GETs. A multipart object only becomes visible when
+CompleteMultipartUpload succeeds, and that request carries the same condition as a single
+PUT would, so readers never see a partial or a replaced written-once object. A failed upload
+is aborted; give the bucket a lifecycle rule that aborts incomplete uploads after a day to
+catch the ones a killed process leaves behind.
+
+Works with AWS and with S3-compatible stores (MinIO, R2, moto) through `endpoint_url`.
+boto3 is imported only when a storage object is made: `vrl --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+from .storage import AlreadyExists, NotFound, PreconditionFailed, StorageError, TooLarge
+
+MiB = 1024 * 1024
+MULTIPART_THRESHOLD = 64 * MiB
+"""Objects this big or bigger are uploaded as multipart."""
+PART_SIZE = 64 * MiB
+"""Bytes per uploaded part and per ranged GET. Large on purpose: S3 servers that copy the
+whole object for each ranged GET (moto) make small parts quadratic; S3 allows 10,000 parts."""
+CONCURRENCY = 4
+"""Parts uploaded or downloaded at the same time."""
+
+CONNECT_TIMEOUT = 10
+READ_TIMEOUT = 120
+
+
+def _parse_uri(uri: str) -> tuple[str, str]:
+    """('bucket', 'some/prefix') for 's3://bucket/some/prefix/'."""
+    scheme, _, rest = uri.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if scheme != "s3" or not bucket:
+        raise StorageError(f"{uri}: not an s3://bucket[/prefix] URI")
+    return bucket, prefix.strip("/")
+
+
+def _status(exc) -> int:
+    """HTTP status of a botocore ClientError (0 if unknown)."""
+    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+
+
+def _code(exc) -> str:
+    """S3 error code of a botocore ClientError ('NoSuchKey', 'PreconditionFailed', ...)."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _retried(exc) -> bool:
+    """True if botocore retried the request that failed: an earlier attempt may have landed."""
+    return exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
+
+
+def _is_conflict(exc) -> bool:
+    """A condition did not hold: 412, or 409 when another conditional write was in flight."""
+    return _status(exc) == 412 or _code(exc) == "ConditionalRequestConflict"
+
+
+def _total_size(content_range: str | None, received: int) -> int:
+    """The object size from 'bytes 0-99/1234' (1234), or what we got if there is no header."""
+    if content_range and "/" in content_range:
+        total = content_range.rsplit("/", 1)[1]
+        if total.isdigit():
+            return int(total)
+    return received
+
+
+def _part_ranges(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
+    """[(first, last), ...] inclusive byte ranges covering [start, end) in part_size steps."""
+    return [(p, min(p + part_size, end) - 1) for p in range(start, end, part_size)]
+
+
+def expected_etag(data: bytes) -> str:
+    """The ETag S3 gives `data` when this module uploads it (no SSE-KMS / SSE-C).
+
+    A single PUT gets the MD5 of the body; a multipart upload the MD5 of the parts' MD5s
+    followed by '-<parts>'. Used to recognise our own object after a retried conditional write.
+    """
+    if len(data) < MULTIPART_THRESHOLD:
+        return f'"{hashlib.md5(data).hexdigest()}"'
+    ranges = _part_ranges(0, len(data), PART_SIZE)
+    digests = b"".join(hashlib.md5(data[a:b + 1]).digest() for a, b in ranges)
+    return f'"{hashlib.md5(digests).hexdigest()}-{len(ranges)}"'
+
+
+class S3Storage:
+    """A Storage on `s3://bucket/prefix`; keys are relative to the prefix."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None):
+        self.bucket, self.root = _parse_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.root}" if self.root else f"s3://{self.bucket}"
+        self.endpoint_url = endpoint_url
+        self.client = self._make_client(endpoint_url)
+
+    # --- setup -------------------------------------------------------------------------
+
+    @staticmethod
+    def _make_client(endpoint_url: str | None):
+        """A boto3 S3 client from the standard credential chain.
+
+        Retries: botocore's adaptive mode retries 5xx, throttling, timeouts and dropped
+        connections itself, with client-side rate limiting when the server throttles.
+        With an endpoint (MinIO, R2, a test server) requests are path-style, and checksums
+        are only sent where S3 requires them: several S3-compatible stores reject the
+        CRC trailers that botocore adds by default since 1.36.
+        """
+        import boto3
+        from botocore.config import Config
+
+        options = dict(
+            retries={"mode": "adaptive", "max_attempts": 8},
+            connect_timeout=CONNECT_TIMEOUT,
+            read_timeout=READ_TIMEOUT,
+            max_pool_connections=max(10, 2 * CONCURRENCY),
+            tcp_keepalive=True,
+        )
+        if endpoint_url:
+            options.update(s3={"addressing_style": "path"},
+                           request_checksum_calculation="when_required",
+                           response_checksum_validation="when_required")
+        return boto3.client("s3", endpoint_url=endpoint_url or None, config=Config(**options))
+
+    def _key(self, key: str) -> str:
+        """The full object key of a relative key."""
+        return f"{self.root}/{key}" if self.root else key
+
+    @contextlib.contextmanager
+    def _errors(self, key: str, what: str) -> Iterator[None]:
+        """Translate S3's answers into the Storage exceptions every backend raises.
+
+        404 → NotFound, 403 → PermissionError (permanent for Retrying), a missing bucket →
+        StorageError. Anything else propagates: botocore has already retried the transient
+        ones and Retrying classifies what is left.
+        """
+        from botocore.exceptions import ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            status, code = _status(exc), _code(exc)
+            if code == "NoSuchBucket":
+                raise StorageError(f"{key}: bucket {self.bucket} does not exist ({self.uri})") from None
+            if status == 404 or code in ("NoSuchKey", "NotFound"):
+                raise NotFound(f"{key}: not found in {self.uri}") from None
+            if status == 403 or code == "AccessDenied":
+                raise PermissionError(
+                    f"{key}: access denied ({what}) in bucket {self.bucket}; check the "
+                    "credentials and the bucket policy") from None
+            raise
+
+    # --- reads -------------------------------------------------------------------------
+
+    def _get(self, key: str, first: int, last: int | None, **conditions) -> dict:
+        """One GET of bytes first..last (None: to the end); returns the boto3 response
+        with the body already read into 'Data'."""
+        params = dict(Bucket=self.bucket, Key=self._key(key), **conditions)
+        if last is not None:
+            params["Range"] = f"bytes={first}-{last}"
+        response = self.client.get_object(**params)
+        response["Data"] = response["Body"].read()
+        return response
+
+    def _get_first(self, key: str, want: int, conditions: dict) -> dict | None:
+        """The first `want` bytes of the object (all of it if smaller); None on 304.
+
+        An empty object answers any Range with 416, so that case falls back to a plain GET.
+        """
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._get(key, 0, want - 1, **conditions)
+        except ClientError as exc:
+            if _status(exc) == 304:
+                return None
+            if _code(exc) != "InvalidRange":
+                raise
+        try:
+            return self._get(key, 0, None, **conditions)
+        except ClientError as exc:
+            if _status(exc) == 304:
+                return None
+            raise
+
+    def _get_rest(self, key: str, start: int, total: int, etag: str) -> list[bytes]:
+        """Bytes start..total-1 as parallel ranged GETs pinned to `etag`, in order.
+
+        If-Match makes a replaced object fail the read instead of mixing two versions.
+        """
+        from botocore.exceptions import ClientError
+
+        ranges = _part_ranges(start, total, PART_SIZE)
+        fetch = lambda r: self._get(key, r[0], r[1], IfMatch=etag)["Data"]  # noqa: E731
+        try:
+            with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
+                return list(pool.map(fetch, ranges))
+        except ClientError as exc:
+            if _status(exc) == 412:
+                raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
+            raise
+
+    def _read(self, key: str, max_bytes: int | None,
+              if_none_match: str | None = None) -> tuple[bytes | None, str]:
+        """(data, etag) of the object, or (None, etag) if its ETag is still `if_none_match`.
+
+        The first ranged GET asks for at most max_bytes + 1 bytes and learns the object size
+        from Content-Range: an oversized object costs at most the cap on the wire. Whatever
+        is left of a big object comes as parallel ranged GETs of PART_SIZE.
+        """
+        want = PART_SIZE if max_bytes is None else min(PART_SIZE, max_bytes + 1)
+        conditions = {"IfNoneMatch": if_none_match} if if_none_match else {}
+        with self._errors(key, "read"):
+            first = self._get_first(key, want, conditions)
+            if first is None:
+                return None, if_none_match
+            data, etag = first["Data"], first["ETag"]
+            total = _total_size(first.get("ContentRange"), len(data))
+            if max_bytes is not None and max(total, len(data)) > max_bytes:
+                raise TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
+            if len(data) < total:
+                data = b"".join([data, *self._get_rest(key, len(data), total, etag)])
+        return data, etag
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; TooLarge if it has more than max_bytes."""
+        return self._read(key, max_bytes)[0]
+
+    def read_if_changed(self, key: str, etag: str | None,
+                        max_bytes: int | None = None) -> tuple[bytes | None, str]:
+        """(None, etag) if the object is still the version `etag` names (a 304, no body),
+        else (data, new_etag). The manifest poll of every volunteer."""
+        return self._read(key, max_bytes, if_none_match=etag)
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except NotFound:
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        with self._errors(key, "size"):
+            response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        return int(response["ContentLength"])
+
+    def list(self, prefix: str) -> list[str]:
+        """All keys under `prefix/` (recursive), relative to the URI prefix, sorted."""
+        full = "/".join(part for part in (self.root, prefix.strip("/")) if part)
+        full = f"{full}/" if full else ""  # "r" must not list "rr/..."
+        cut = len(self.root) + 1 if self.root else 0
+        keys: list[str] = []
+        with self._errors(prefix, "list"):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full)
+            for page in pages:
+                keys += [obj["Key"][cut:] for obj in page.get("Contents", [])]
+        return sorted(keys)
+
+    # --- writes ------------------------------------------------------------------------
+
+    def _put(self, key: str, data: bytes, conditions: dict) -> str:
+        """Upload `data` (one PUT, or multipart when big) under `conditions`; the new ETag."""
+        if len(data) >= MULTIPART_THRESHOLD:
+            return self._put_multipart(key, data, conditions)
+        response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                          **conditions)
+        return response["ETag"]
+
+    def _put_multipart(self, key: str, data: bytes, conditions: dict) -> str:
+        """A multipart upload with parts sent in parallel; `conditions` go on the Complete
+        request, the moment the object becomes visible. Aborted on any failure."""
+        full = self._key(key)
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+        try:
+            ranges = _part_ranges(0, len(data), PART_SIZE)
+            send = lambda n: self._upload_part(full, upload_id, n + 1, data, ranges[n])  # noqa: E731
+            with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
+                parts = list(pool.map(send, range(len(ranges))))
+            response = self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}, **conditions)
+        except BaseException:
+            self._abort(full, upload_id)
+            raise
+        return response["ETag"]
+
+    def _upload_part(self, full: str, upload_id: str, number: int, data: bytes,
+                     byte_range: tuple[int, int]) -> dict:
+        """Upload one part; its {PartNumber, ETag} for CompleteMultipartUpload."""
+        first, last = byte_range
+        response = self.client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                           PartNumber=number, Body=data[first:last + 1])
+        return {"PartNumber": number, "ETag": response["ETag"]}
+
+    def _abort(self, full: str, upload_id: str) -> None:
+        """Drop an unfinished multipart upload; a failure here must not hide the real one."""
+        with contextlib.suppress(Exception):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+
+    def _is_ours(self, key: str, data: bytes) -> str | None:
+        """The object's ETag if it holds exactly `data` as we would have uploaded it, else None.
+
+        botocore retries a request whose answer was lost; if the first attempt had landed,
+        the retry of a conditional write fails its own condition. This tells that case apart
+        from a real conflict.
+        """
+        try:
+            with self._errors(key, "check"):
+                etag = self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
+        except NotFound:
+            return None
+        return etag if etag == expected_etag(data) else None
+
+    def write(self, key: str, data: bytes) -> None:
+        """Create or replace the object; readers see the old or the whole new one."""
+        with self._errors(key, "write"):
+            self._put(key, data, {})
+
+    def create(self, key: str, data: bytes) -> None:
+        """Write a new object; AlreadyExists (and the old content kept) if the key is taken."""
+        from botocore.exceptions import ClientError
+
+        with self._errors(key, "create"):
+            try:
+                self._put(key, data, {"IfNoneMatch": "*"})
+            except ClientError as exc:
+                if not _is_conflict(exc):
+                    raise
+                if not (_retried(exc) and self._is_ours(key, data)):
+                    raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
+
+    def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
+        """Replace `key` only if its ETag is still `etag` (None: it must not exist yet).
+
+        PreconditionFailed if another writer got there first; returns the new ETag.
+        """
+        from botocore.exceptions import ClientError
+
+        conditions = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        with self._errors(key, "write"):
+            try:
+                return self._put(key, data, conditions)
+            except ClientError as exc:
+                # If-Match on a key that no longer exists answers 404 NoSuchKey.
+                gone = etag is not None and _code(exc) in ("NoSuchKey", "404")
+                if not (_is_conflict(exc) or gone):
+                    raise
+                mine = _retried(exc) and self._is_ours(key, data)
+                if mine:
+                    return mine
+                raise PreconditionFailed(
+                    f"{key}: changed since it was read (another writer?) in {self.uri}") from None
+
+    def delete(self, key: str) -> None:
+        """Delete the object; NotFound if there is none (S3 itself would answer 204 anyway)."""
+        self.size(key)
+        with self._errors(key, "delete"):
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
