@@ -1,5 +1,4 @@
 """The real tiny transformers model: build, save as safetensors, load through the HF path."""
-import json
 
 import pytest
 import torch

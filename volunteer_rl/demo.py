@@ -62,7 +62,7 @@ def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, li
         vrl_command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
-                    "--groups-per-step", str(s.groups_per_step), "--eval-every", "50",
+                    "--groups-per-step", str(s.groups_per_step), "--eval-every", "100",
                     *s.extra_trainer_args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     vols = [subprocess.Popen(

@@ -18,6 +18,7 @@ from .storage import NotFound, Storage, StorageError, TooLarge
 from .task import Problem, reward
 
 MAX_READ_ATTEMPTS = 3  # a shard that fails to download this often is reported and skipped
+REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
 
 
 @dataclass
@@ -50,6 +51,19 @@ class Rules:
     k: int
     max_new_tokens: int
     decode: Callable[[list[int]], str]
+    cache: dict = field(default_factory=dict)
+    """(prompt id, token ids) -> reward. A policy that has learned a prompt answers it the
+    same way again and again, so most rescoring is a lookup."""
+
+    def reward(self, prompt_id: int, token_ids: list[int]) -> float:
+        key = (prompt_id, tuple(token_ids))
+        value = self.cache.get(key)
+        if value is None:
+            if len(self.cache) >= REWARD_CACHE_SIZE:
+                self.cache.clear()
+            value = reward(self.decode(token_ids), self.problems[prompt_id].expression)
+            self.cache[key] = value
+        return value
 
 
 def window(version: int, max_staleness: int) -> range:
@@ -87,8 +101,7 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules) ->
 
 
 def score_group(g: Group, key: str, rules: Rules) -> ScoredGroup:
-    target = rules.problems[g.prompt_id].expression
-    rewards = [reward(rules.decode(c.token_ids), target) for c in g.completions]
+    rewards = [rules.reward(g.prompt_id, c.token_ids) for c in g.completions]
     return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id,
                        [c.token_ids for c in g.completions],
                        [c.logprobs for c in g.completions], rewards, key)

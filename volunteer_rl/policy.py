@@ -9,15 +9,11 @@ Hugging Face checkpoint goes through exactly the same code as the tiny one.
 from __future__ import annotations
 
 import json
-import math
-import os
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 PLAIN_TEMPLATE = "Q: {question}\nA: "
 CHAT_INSTRUCTION = ("Write the arithmetic below as one Python expression. "

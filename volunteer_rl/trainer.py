@@ -8,8 +8,6 @@ under the rollout prefixes of the versions inside the staleness window.
 from __future__ import annotations
 
 import json
-import random
-import shutil
 import time
 import uuid
 from collections import Counter
@@ -177,7 +175,6 @@ class Trainer:
         self.problems = load_csv(train_path)
         self.held_out = load_csv(eval_path)
         self.metrics_buffer: list[dict] = []
-        self.rng = random.Random(cfg.seed)
 
     def start(self) -> None:
         """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
@@ -236,8 +233,9 @@ class Trainer:
         started = time.time()
         buffer: list[ScoredGroup] = []
         steps, stats = 0, IngestStats()
-        stale_dropped = 0
+        stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
         while not self._done(steps, started):
+            t0 = time.time()
             for g in self.ingest.poll(self.version, cfg.max_staleness, stats):
                 if max(g.rewards) == min(g.rewards):
                     stats.zero_variance += 1
@@ -245,19 +243,25 @@ class Trainer:
                     buffer.append(g)
             fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
             stale_dropped += len(stale)
+            t_ingest += time.time() - t0
             if len(fresh) < cfg.groups_per_step:
                 buffer = fresh
                 time.sleep(cfg.poll_seconds)
+                waited += cfg.poll_seconds
                 continue
             batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
             t0 = time.time()
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
             steps += 1
-            self._record_step(steps, batch, result, stats, stale_dropped, time.time() - t0)
-            stats, stale_dropped = IngestStats(), 0
+            timing = {"train/step_time": time.time() - t0, "time/ingest": t_ingest,
+                      "time/waiting_for_rollouts": waited, "time/last_publish": last_publish}
+            self._record_step(steps, batch, result, stats, stale_dropped, timing)
+            stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
             done = self._done(steps, started)
             if steps % cfg.publish_every == 0 or done:
+                t0 = time.time()
                 self._publish_next(final=done)
+                last_publish = time.time() - t0
         return self.manifest
 
     def _done(self, steps: int, started: float) -> bool:
@@ -275,14 +279,14 @@ class Trainer:
         self._flush_metrics(self.version)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
-                     stats: IngestStats, stale_dropped: int, seconds: float) -> None:
+                     stats: IngestStats, stale_dropped: int, timing: dict[str, float]) -> None:
         rewards = [r for g in batch for r in g.rewards]
         lags = Counter(self.version - g.policy_version for g in batch)
-        considered = stats.groups or 1
         m = {
             "kind": "step", "step": step, "version": self.version, "time": time.time(),
             "rollout/reward_mean": sum(rewards) / len(rewards),
-            "rollout/frac_reward_zero_std": stats.zero_variance / considered,
+            # None when nothing new arrived since the last step (the batch came from the buffer)
+            "rollout/frac_reward_zero_std": stats.zero_variance / stats.groups if stats.groups else None,
             "rollout/staleness_hist": {str(k): v for k, v in sorted(lags.items())},
             "rollout/stale_dropped": stale_dropped,
             "rollout/groups": len(batch), "rollout/tokens": result.tokens,
@@ -290,13 +294,14 @@ class Trainer:
             "ingest/shards": stats.shards, "ingest/groups": stats.groups,
             "ingest/rejected": dict(stats.rejected),
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
-            "train/step_time": seconds,
+            **timing,
             **{f"train/{k}": v for k, v in result.stats.items()},
         }
         self.metrics_buffer.append(m)
+        zero = m["rollout/frac_reward_zero_std"]
         self.log(f"step {step} v{self.version} reward {m['rollout/reward_mean']:.3f} "
-                 f"lag {dict(sorted(lags.items()))} zero-std {m['rollout/frac_reward_zero_std']:.2f} "
-                 f"dropped {stale_dropped} loss {result.loss:+.4f} ({seconds:.2f}s)")
+                 f"lag {dict(sorted(lags.items()))} zero-std {'-' if zero is None else f'{zero:.2f}'} "
+                 f"dropped {stale_dropped} loss {result.loss:+.4f} ({timing['train/step_time']:.2f}s)")
 
 
 def train(cfg: TrainerConfig, log: Callable[[str], None] = print) -> Manifest:

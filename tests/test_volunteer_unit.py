@@ -1,0 +1,39 @@
+"""Volunteer logic that needs no model: shard buffering and the per-version cap."""
+from volunteer_rl import layout
+from volunteer_rl.shards import Completion, Group, decode_shard
+from volunteer_rl.storage import open_storage
+from volunteer_rl.volunteer import ShardWriter, default_volunteer_id
+
+
+def groups(n, version):
+    return [Group(i, version, "me", [Completion([1, 2], [-0.1, -0.2], "3", 1.0)]) for i in range(n)]
+
+
+def test_writer_flushes_by_count_and_on_version_change():
+    s = open_storage("memory://writer-test")
+    w = ShardWriter(s, "me", max_groups=10, max_seconds=1e9, log=lambda m: None)
+    w.add(groups(4, 1), 1)
+    assert s.list("rollouts") == []                      # buffered, nothing visible yet
+    w.add(groups(4, 2), 2)                               # new version: v1's 4 groups go out
+    keys = s.list("rollouts")
+    assert len(keys) == 1 and layout.parse_shard_key(keys[0])[:2] == (1, "me")
+    w.add(groups(6, 2), 2)                               # 10 groups: flushed by count
+    w.flush()                                            # nothing left: no empty shard
+    keys = s.list("rollouts")
+    assert len(keys) == 2
+    assert [len(decode_shard(s.read(k))) for k in keys] == [4, 10]
+    assert w.uploaded_groups == 14
+
+
+def test_groups_per_version_are_counted():
+    class M:
+        version = 2
+    w = ShardWriter(open_storage("memory://writer-cap"), "me", 100, 1e9, lambda m: None)
+    w.add(groups(5, 1), 1)
+    w.add(groups(7, 2), 2)
+    assert w.version_groups(M()) == 7 and w.version_groups(None) == 0
+
+
+def test_default_ids_are_safe_and_distinct():
+    ids = {default_volunteer_id() for _ in range(50)}
+    assert len(ids) == 50 and all(layout.is_safe_name(i) for i in ids)
