@@ -37,3 +37,29 @@ def test_groups_per_version_are_counted():
 def test_default_ids_are_safe_and_distinct():
     ids = {default_volunteer_id() for _ in range(50)}
     assert len(ids) == 50 and all(layout.is_safe_name(i) for i in ids)
+
+
+def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
+    """A trainer that got too few useful groups waits for more; a capped volunteer waiting
+    for a new version would wait forever. The cap must give way after its patience."""
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.volunteer import Volunteer
+
+    cfg = VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", max_groups_per_version=8,
+                          prompts_per_batch=4, cap_patience_seconds=5.0)
+    v = Volunteer(cfg, log=lambda m: None)
+
+    class M:
+        version = 3
+    v.manifest = M()
+    w = ShardWriter(v.storage, "me", 100, 1e9, lambda m: None)
+    w.add(groups(8, 3), 3)
+    clock = [1000.0]
+    monkeypatch.setattr("volunteer_rl.volunteer.time.time", lambda: clock[0])
+    assert v._at_cap(w)            # at the cap: pause
+    clock[0] += 4.9
+    assert v._at_cap(w)            # still within its patience
+    clock[0] += 0.2
+    assert not v._at_cap(w)        # patience over: one more batch is allowed
+    w.add(groups(4, 3), 3)
+    assert v._at_cap(w)            # and then it pauses again

@@ -83,6 +83,8 @@ class VolunteerConfig:
     """Generate at most this many groups with one version, then wait for the next (0: no cap).
     A trainer takes only so many groups per version; past that, donated compute only makes
     groups that go stale."""
+    cap_patience_seconds: float = 2.0
+    """At the cap, wait this long for a new version before making one more batch anyway."""
     manifest_grace_seconds: float = 60.0
     """Keep generating through manifest read failures for at most this long."""
     max_seconds: float = 0.0

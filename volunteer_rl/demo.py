@@ -35,7 +35,7 @@ class DemoSettings:
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
     groups_per_step: int = 16
     """Prompt groups per optimizer step."""
-    groups_per_version: int = 48
+    groups_per_version: int = 32
     """Each volunteer's cap of groups per version."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""

@@ -96,6 +96,8 @@ class Volunteer:
         self.warned: dict[str, str] = {}
         self.manifest_etag: str | None = None
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
+        self.extra_groups = 0  # groups allowed past the per-version cap (see _at_cap)
+        self.capped_since: float | None = None
 
     # -- following the manifest ---------------------------------------------------------------
 
@@ -140,6 +142,7 @@ class Volunteer:
             self.policy = load_policy(folder, self.device)
             self.policy.model.eval()
         self.manifest = m
+        self.extra_groups, self.capped_since = 0, None
         self.log(f"now on v{m.version} of {m.run_id}")
 
     # -- the loop -----------------------------------------------------------------------------
@@ -180,8 +183,21 @@ class Volunteer:
         return m.run_id == self.manifest.run_id and m.version - self.manifest.version <= m.max_staleness
 
     def _at_cap(self, writer: ShardWriter) -> bool:
+        """Has this version had its share of groups? The cap pauses, it never stops: if no
+        new version comes within cap_patience_seconds, the trainer may need more groups than
+        the cap allows (too few with reward variance, say), so one more batch is made."""
         cap = self.cfg.max_groups_per_version
-        return bool(cap) and writer.version_groups(self.manifest) >= cap
+        if not cap or writer.version_groups(self.manifest) < cap + self.extra_groups:
+            self.capped_since = None
+            return False
+        now = time.time()
+        if self.capped_since is None:
+            self.capped_since = now
+        if now - self.capped_since < self.cfg.cap_patience_seconds:
+            return True
+        self.extra_groups += self.cfg.prompts_per_batch
+        self.capped_since = None
+        return False
 
     def run(self) -> int:
         """Generate until stopped; returns the number of groups uploaded."""
