@@ -10,9 +10,7 @@ seen with admin keys.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server", reason="moto[server] is needed for the IAM policy tests")
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
+from vrlproc import load_infra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ROOT / "terraform" / "aws" / "policies"
@@ -35,20 +34,8 @@ DATASET = b"prompt,answer\n1+1,2\n"
 HEARTBEAT_B = b'{"volunteer": "vol-b"}'
 
 
-def _load_infra(name: str):
-    """Import infra/<name>.py by path: infra/ is not a package of the project."""
-    module_name = f"_vrl_infra_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, ROOT / "infra" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-s3_server = _load_infra("s3_server")
-policy_template = _load_infra("policy_template")
+s3_server = load_infra("s3_server")
+policy_template = load_infra("policy_template")
 
 
 def volunteer_policy(volunteer_id: str) -> dict:

@@ -7,10 +7,8 @@ bucket with plain boto3, and each process's log.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server", reason="moto[server] is needed for the S3 loop test")
 from botocore.config import Config  # noqa: E402
 
-from vrlproc import Proc, wait_for  # noqa: E402
+from vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, wait_for  # noqa: E402
 from volunteer_rl import layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,19 +25,7 @@ BUCKET = "vrl-loop"
 PREFIX = "run"
 STEPS = 8
 MAX_STALENESS = 2  # the trainer's default
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _load_infra(name: str):
-    """Import infra/<name>.py by path: infra/ is not a package of the project."""
-    module_name = f"_vrl_infra_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "infra" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
+CREDENTIALS = FAKE_AWS_CREDENTIALS
 
 
 class Bucket:
@@ -75,7 +61,7 @@ def run(tmp_path_factory):
         for name, value in CREDENTIALS.items():  # the subprocesses inherit os.environ
             mp.setenv(name, value)
         mp.delenv("AWS_PROFILE", raising=False)
-        server, endpoint = _load_infra("s3_server").start_s3_server()
+        server, endpoint = load_infra("s3_server").start_s3_server()
         try:
             bucket = Bucket(endpoint)
             bucket.client.create_bucket(Bucket=BUCKET)

@@ -9,7 +9,6 @@ shrink the part size to 5 MiB (S3's minimum) so a 12 MiB object takes three part
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,27 +27,16 @@ from volunteer_rl import s3  # noqa: E402
 from volunteer_rl.s3 import S3Storage, expected_etag  # noqa: E402
 from volunteer_rl.storage import (AlreadyExists, FsspecStorage, NotFound,  # noqa: E402
                                   PreconditionFailed, TooLarge)
+from vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "vrl-s3-test"
 URI = f"s3://{BUCKET}/some/prefix"
 MiB = 1024 * 1024
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = FAKE_AWS_CREDENTIALS
 
 
-def _load_infra(name: str):
-    """Import infra/<name>.py by path: infra/ is not a package of the project."""
-    module_name = f"_vrl_infra_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, ROOT / "infra" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-s3_server = _load_infra("s3_server")
+s3_server = load_infra("s3_server")
 
 
 # --- fixtures ----------------------------------------------------------------------------

@@ -53,3 +53,21 @@ def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Comp
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+FAKE_AWS_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def load_infra(name: str):
+    """Import infra/<name>.py by path: infra/ is not a package of the project."""
+    import importlib.util
+
+    module_name = f"_vrl_infra_{name}"
+    if module_name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "infra" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
