@@ -67,6 +67,7 @@ def trainer(
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: never).")] = 0,
     max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds of RL (0: never).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    poll_seconds: Annotated[float, typer.Option(help="Seconds between rollout listings while waiting.")] = 0.2,
     threads: Threads = 0,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local scratch folder.")] = ".vrl/trainer",

@@ -35,7 +35,7 @@ class DemoSettings:
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
     groups_per_step: int = 16
     """Prompt groups per optimizer step."""
-    groups_per_version: int = 32
+    groups_per_version: int = 48
     """Each volunteer's cap of groups per version."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""
@@ -63,6 +63,7 @@ def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, li
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
                     "--groups-per-step", str(s.groups_per_step), "--eval-every", "100",
+                    "--poll-seconds", "0.05",  # listing a local folder costs next to nothing
                     *s.extra_trainer_args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     vols = [subprocess.Popen(
