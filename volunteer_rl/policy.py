@@ -250,7 +250,7 @@ def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
     return result
 
 
-def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -283,7 +283,7 @@ def token_logprobs(policy: Policy, prompts: list[list[int]], completions: list[l
     cache = out.past_key_values
     cache.batch_repeat_interleave(k)
     flat = [c for group in completions for c in group]
-    c_ids, c_mask = _right_pad(flat, policy.pad_id, policy.device)
+    c_ids, c_mask = right_pad(flat, policy.pad_id, policy.device)
     c_pos = p_pos[:, -1:].repeat_interleave(k, 0) + 1 + torch.arange(c_ids.shape[1], device=policy.device)
     mask = torch.cat([p_mask.repeat_interleave(k, 0), c_mask], dim=1)
     logits = policy.model(input_ids=c_ids, attention_mask=mask, position_ids=c_pos,

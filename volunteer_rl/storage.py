@@ -15,6 +15,7 @@ Guarantees every backend gives the rest of the code:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import time
@@ -225,20 +226,17 @@ class FsspecStorage:
             raise AlreadyExists(f"{key}: already exists in {self.uri}")
         self.write(key, data)
 
+    # These stores have no portable ETag through fsspec: the content's sha256 stands in.
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]:
-        import hashlib
-
         data = self.read(key, max_bytes)
         current = hashlib.sha256(data).hexdigest()
         return (None, current) if current == etag else (data, current)
 
     def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
         # Check-then-write: not atomic on these stores (documented in docs/PROTOCOL.md).
-        import hashlib
-
         try:
-            current = hashlib.sha256(self.read(key)).hexdigest()
+            _, current = self.read_if_changed(key, None)
         except NotFound:
             current = None
         if current != etag:

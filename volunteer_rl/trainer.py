@@ -199,7 +199,6 @@ class Trainer:
             self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
             self.etag = etag
             self.log(f"resuming {self.run_id} at v{manifest.version}")
-        self.version = self.manifest.version
         # Versions left half-published by a crash are never reused: the next one goes above.
         self.last_used = max([self.version] + published_or_started(self.storage))
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -208,6 +207,11 @@ class Trainer:
         rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
                       lambda ids: tok.decode(ids, skip_special_tokens=True))
         self.ingest = Ingest(self.storage, rules, self.log)
+
+    @property
+    def version(self) -> int:
+        """The published version the trainer is training from: the manifest's."""
+        return self.manifest.version
 
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
@@ -270,8 +274,8 @@ class Trainer:
                     or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
 
     def _publish_next(self, final: bool = False) -> None:
-        self.version = self.last_used = self.last_used + 1
-        self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
+        self.last_used += 1
+        self.manifest, self.etag = publish(self.storage, self.policy, self.last_used, self.cfg,
                                            self.run_id, self.dataset, self.etag)
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .policy import Policy, encode_prompts
+from .policy import Policy, encode_prompts, right_pad
 from .task import Problem
 
 
@@ -29,13 +29,10 @@ def target_nll(policy: Policy, prompts: list[list[int]], targets: list[list[int]
     Rows are right-padded and run with no attention mask: under causal attention a real token
     never sees the padding after it, and without a mask PyTorch's attention takes its fused
     causal path, several times faster on CPU (its backward above all) than a masked one."""
-    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
-    ids = torch.full((len(prompts), width), policy.pad_id, dtype=torch.long)
-    labels = torch.full((len(prompts), width), -100, dtype=torch.long)
+    ids, _ = right_pad([p + t for p, t in zip(prompts, targets)], policy.pad_id, policy.device)
+    labels = torch.full_like(ids, -100)
     for i, (p, t) in enumerate(zip(prompts, targets)):
-        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
         labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
-    ids, labels = ids.to(policy.device), labels.to(policy.device)
     logits = policy.model(input_ids=ids).logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                              labels[:, 1:].reshape(-1), ignore_index=-100)
