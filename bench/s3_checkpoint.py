@@ -1,16 +1,24 @@
 """Publish and fetch a checkpoint-sized object through S3Storage, next to plain boto3.
 
-    python -m bench.s3_checkpoint [--mb 256] [--repeat 2]
+    python -m bench.s3_checkpoint [--mb 256] [--repeat 2] [--stream-mbps 50]
 
 Starts moto's S3 server (infra/s3_server.py) in its own process on 127.0.0.1, so server and
-client do not share one GIL, then for each repeat on an emptied bucket:
+client do not share one GIL, then measures two links to it:
+
+- `loopback`: straight to the server. One TCP stream moves GB/s here, so this shows what
+  the parallel path costs the server (moto copies the whole object for each ranged GET and
+  again when it completes a multipart upload).
+- `capped`: through bench/link.py, which caps every connection at --stream-mbps like one
+  stream over the internet. This is the case the parallel path is built for.
+
+For each link and repeat, on an emptied bucket:
 
 - S3Storage.create of `checkpoints/v000001/model.safetensors` (multipart, parallel parts,
   If-None-Match on Complete) and S3Storage.read of it (parallel ranged GETs), sha256-checked;
 - one plain boto3 put_object and one get_object of the same bytes on the same client.
 
-Prints MB/s of each and the ratio S3Storage / plain for upload and download. The figures
-are those of moto on loopback (it copies the whole object for each ranged GET), not of AWS.
+Prints MB/s of each and, for the best round, the ratio S3Storage / plain for upload and
+download.
 """
 
 from __future__ import annotations
@@ -32,15 +40,15 @@ KEY = "checkpoints/v000001/model.safetensors"
 MB = 1_000_000
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """moto in a child process; returns it and the endpoint URL it prints first."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "infra" / "s3_server.py")],
+def start(args: list[str], what: str) -> tuple[subprocess.Popen, str]:
+    """A child process that prints its URL first; returns it and the URL."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    endpoint = proc.stdout.readline().strip()
-    if not endpoint.startswith("http"):
+    url = proc.stdout.readline().strip()
+    if not url.startswith("http"):
         proc.kill()
-        raise SystemExit("the moto server did not start")
-    return proc, endpoint
+        raise SystemExit(f"{what} did not start")
+    return proc, url
 
 
 def reset_bucket(store: S3Storage, endpoint: str) -> None:
@@ -74,22 +82,35 @@ def one_round(store: S3Storage, data: bytes, digest: str) -> dict[str, float]:
     return {"up": up, "down": down, "plain_up": plain_up, "plain_down": plain_down}
 
 
-def report(size: int, rounds: list[dict[str, float]]) -> None:
+def report(link: str, size: int, rounds: list[dict[str, float]]) -> None:
     """MB/s of every round, then the best of each and the ratios."""
     rate = lambda seconds: size / MB / seconds  # noqa: E731
     for n, r in enumerate(rounds, 1):
-        print(f"round {n}: " + ", ".join(f"{k} {rate(v):6.1f} MB/s" for k, v in r.items()))
+        print(f"{link} round {n}: " + ", ".join(f"{k} {rate(v):6.1f} MB/s" for k, v in r.items()))
     best = {k: rate(min(r[k] for r in rounds)) for k in rounds[0]}
-    print(f"best   upload: S3Storage.create {best['up']:.1f} MB/s, put_object "
-          f"{best['plain_up']:.1f} MB/s, ratio {best['up'] / best['plain_up']:.2f}")
-    print(f"best download: S3Storage.read {best['down']:.1f} MB/s, get_object "
-          f"{best['plain_down']:.1f} MB/s, ratio {best['down'] / best['plain_down']:.2f}")
+    print(f"{link}   upload: S3Storage.create {best['up']:7.1f} MB/s, put_object "
+          f"{best['plain_up']:7.1f} MB/s, ratio {best['up'] / best['plain_up']:.2f}")
+    print(f"{link} download: S3Storage.read   {best['down']:7.1f} MB/s, get_object "
+          f"{best['plain_down']:7.1f} MB/s, ratio {best['down'] / best['plain_down']:.2f}",
+          flush=True)
+
+
+def measure(link: str, url: str, server: str, data: bytes, digest: str, repeat: int) -> None:
+    """`repeat` rounds through `url` (the server itself, or the relay in front of it)."""
+    store = S3Storage(f"s3://{BUCKET}/bench", endpoint_url=url)
+    rounds = []
+    for _ in range(repeat):
+        reset_bucket(store, server)
+        rounds.append(one_round(store, data, digest))
+    report(link, len(data), rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="object size in MiB (default 256)")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds (default 2)")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds per link (default 2)")
+    parser.add_argument("--stream-mbps", type=float, default=50.0,
+                        help="cap per connection on the capped link, MB/s (default 50)")
     args = parser.parse_args(argv)
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -97,20 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     data = os.urandom(args.mb * 1024 * 1024)
     digest = hashlib.sha256(data).hexdigest()
-    server, endpoint = start_server()
+    server, endpoint = start([str(ROOT / "infra" / "s3_server.py")], "the moto server")
+    relay, relayed = start(["-m", "bench.link", "--to", endpoint,
+                            "--mbps", str(args.stream_mbps)], "the capped link")
     try:
-        store = S3Storage(f"s3://{BUCKET}/bench", endpoint_url=endpoint)
         print(f"moto server {endpoint} (own process); {len(data) / MB:.0f} MB object; "
-              f"part {s3.PART_SIZE // 2**20} MiB, threshold {s3.MULTIPART_THRESHOLD // 2**20} MiB, "
-              f"concurrency {s3.CONCURRENCY}", flush=True)
-        rounds = []
-        for _ in range(args.repeat):
-            reset_bucket(store, endpoint)
-            rounds.append(one_round(store, data, digest))
-        report(len(data), rounds)
+              f"parts of {s3.MIN_PART // 2**20}-{s3.PART_SIZE // 2**20} MiB from "
+              f"{s3.MULTIPART_THRESHOLD // 2**20} MiB on, {s3.CONCURRENCY} at a time; "
+              f"capped link {args.stream_mbps:g} MB/s per connection", flush=True)
+        measure("loopback", endpoint, endpoint, data, digest, args.repeat)
+        measure("capped  ", relayed, endpoint, data, digest, args.repeat)
     finally:
-        server.terminate()
-        server.wait(30)
+        for proc in (relay, server):
+            proc.terminate()
+            proc.wait(30)
     return 0
 
 

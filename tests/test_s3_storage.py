@@ -83,6 +83,7 @@ def small_parts(monkeypatch):
     """Multipart from 5 MiB on, in 5 MiB parts: a 12 MiB object becomes 5 + 5 + 2 MiB."""
     monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * MiB)
     monkeypatch.setattr(s3, "PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(s3, "MIN_PART", 5 * MiB)
 
 
 class Requests:

@@ -33,6 +33,9 @@ PART_SIZE = 64 * MiB
 whole object for each ranged GET (moto) make small parts quadratic; S3 allows 10,000 parts."""
 CONCURRENCY = 4
 """Parts uploaded or downloaded at the same time."""
+MIN_PART = 8 * MiB
+"""Smallest part worth its own request (S3's own floor is 5 MiB). Also the size of the first
+GET of every read, which fetches manifests and shards whole in one request."""
 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
@@ -81,6 +84,13 @@ def _part_ranges(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
     return [(p, min(p + part_size, end) - 1) for p in range(start, end, part_size)]
 
 
+def _split(start: int, end: int) -> list[tuple[int, int]]:
+    """Ranges of [start, end) for parallel transfer: CONCURRENCY parts of equal size when that
+    is between MIN_PART and PART_SIZE, so every connection carries the same share."""
+    share = -(-(end - start) // CONCURRENCY)
+    return _part_ranges(start, end, max(MIN_PART, min(PART_SIZE, share)))
+
+
 def expected_etag(data: bytes) -> str:
     """The ETag S3 gives `data` when this module uploads it (no SSE-KMS / SSE-C).
 
@@ -89,7 +99,7 @@ def expected_etag(data: bytes) -> str:
     """
     if len(data) < MULTIPART_THRESHOLD:
         return f'"{hashlib.md5(data).hexdigest()}"'
-    ranges = _part_ranges(0, len(data), PART_SIZE)
+    ranges = _split(0, len(data))
     digests = b"".join(hashlib.md5(data[a:b + 1]).digest() for a, b in ranges)
     return f'"{hashlib.md5(digests).hexdigest()}-{len(ranges)}"'
 
@@ -199,7 +209,7 @@ class S3Storage:
         """
         from botocore.exceptions import ClientError
 
-        ranges = _part_ranges(start, total, PART_SIZE)
+        ranges = _split(start, total)
         fetch = lambda r: self._get(key, r[0], r[1], IfMatch=etag)["Data"]  # noqa: E731
         try:
             with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
@@ -215,9 +225,9 @@ class S3Storage:
 
         The first ranged GET asks for at most max_bytes + 1 bytes and learns the object size
         from Content-Range: an oversized object costs at most the cap on the wire. Whatever
-        is left of a big object comes as parallel ranged GETs of PART_SIZE.
+        is left of a big object comes as parallel ranged GETs (_split).
         """
-        want = PART_SIZE if max_bytes is None else min(PART_SIZE, max_bytes + 1)
+        want = MIN_PART if max_bytes is None else min(MIN_PART, max_bytes + 1)
         conditions = {"IfNoneMatch": if_none_match} if if_none_match else {}
         with self._errors(key, "read"):
             first = self._get_first(key, want, conditions)
@@ -282,7 +292,7 @@ class S3Storage:
         full = self._key(key)
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
         try:
-            ranges = _part_ranges(0, len(data), PART_SIZE)
+            ranges = _split(0, len(data))
             send = lambda n: self._upload_part(full, upload_id, n + 1, data, ranges[n])  # noqa: E731
             with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
                 parts = list(pool.map(send, range(len(ranges))))
