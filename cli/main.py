@@ -7,6 +7,7 @@ instant. Known errors become one line on stderr and exit code 1, never a traceba
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
 from typing import Annotated, Optional
 
@@ -32,6 +33,7 @@ def _log(msg: str) -> None:
 def _clean_errors():
     """Map the library's known errors to one line naming the object or flag."""
     from volunteer_rl.checkpoint import CheckpointError
+    from volunteer_rl.fleet import DenylistError
     from volunteer_rl.manifest import ManifestError
     from volunteer_rl.storage import StorageError
     from volunteer_rl.task import DatasetError
@@ -39,7 +41,8 @@ def _clean_errors():
 
     try:
         yield
-    except (CheckpointError, ManifestError, StorageError, DatasetError, TrainerError, ValueError) as exc:
+    except (CheckpointError, DenylistError, ManifestError, StorageError, DatasetError,
+            TrainerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(1)
     except KeyboardInterrupt:
@@ -70,7 +73,11 @@ def trainer(
     poll_seconds: Annotated[float, typer.Option(help="Seconds between rollout listings while waiting.")] = 0.2,
     threads: Threads = 0,
     device: Device = "auto",
-    work_dir: Annotated[str, typer.Option(help="Local scratch folder.")] = ".vrl/trainer",
+    work_dir: Annotated[str, typer.Option(help="Local scratch folder; its state/ holds the optimizer between publishes.")] = ".vrl/trainer",
+    audit_tolerance: Annotated[float, typer.Option(help="Max gap (nats) between claimed and recomputed behavior logprobs (0: no audit).")] = 0.05,
+    deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
+    deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
+    log_shards: Annotated[bool, typer.Option("--log-shards", help="One log line per shard taken.")] = False,
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
     rollout shards, publish a new version every --publish-every steps.
@@ -124,6 +131,79 @@ def volunteer(
         v.install_signal_handlers()
         groups = v.run()
         _log(f"volunteer {v.id} stopped after uploading {groups} groups")
+
+
+volunteers_app = typer.Typer(help="See and edit the denylist of volunteers (denylist.json).",
+                              no_args_is_help=True)
+app.add_typer(volunteers_app, name="volunteers")
+
+
+@volunteers_app.command("list")
+def volunteers_list(bucket: Bucket, endpoint_url: Endpoint = None):
+    """Print the denied volunteers, why and since when.
+
+    Example: vrl volunteers list --bucket s3://my-bucket/run1
+    """
+    with _clean_errors():
+        from volunteer_rl.fleet import read_denylist
+        from volunteer_rl.storage import open_storage
+
+        entries, _ = read_denylist(open_storage(bucket, endpoint_url))
+        if not entries:
+            print("no volunteer is denied")
+        for vid, e in sorted(entries.items()):
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.get("since", 0)))
+            print(f"{vid}\tdenied {since} UTC by {e.get('by', '?')}: {e.get('reason', '')}")
+
+
+def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, deny: bool,
+                   reason: str = "") -> bool:
+    """Add or remove one id with a compare-and-swap; True if the list changed."""
+    from volunteer_rl.fleet import update_denylist
+    from volunteer_rl.layout import is_safe_name
+    from volunteer_rl.storage import open_storage
+
+    if not is_safe_name(volunteer_id):
+        raise typer.BadParameter(f"{volunteer_id!r} is not a volunteer id", param_hint="ID")
+    changed = []
+
+    def change(entries: dict) -> bool:
+        if deny and volunteer_id not in entries:
+            entries[volunteer_id] = {"since": time.time(), "by": "operator", "reason": reason}
+        elif not deny and volunteer_id in entries:
+            del entries[volunteer_id]
+        else:
+            return False
+        changed.append(True)
+        return True
+
+    update_denylist(open_storage(bucket, endpoint_url), change)
+    return bool(changed)
+
+
+@volunteers_app.command("allow")
+def volunteers_allow(volunteer_id: Annotated[str, typer.Argument(metavar="ID")], bucket: Bucket,
+                     endpoint_url: Endpoint = None):
+    """Lift a denial: the trainer reads this volunteer's shards again, counts reset.
+
+    Example: vrl volunteers allow laptop-3f2a --bucket s3://my-bucket/run1
+    """
+    with _clean_errors():
+        changed = _edit_denylist(bucket, endpoint_url, volunteer_id, deny=False)
+    print(f"{volunteer_id}: {'allowed again' if changed else 'was not denied'}")
+
+
+@volunteers_app.command("deny")
+def volunteers_deny(volunteer_id: Annotated[str, typer.Argument(metavar="ID")], bucket: Bucket,
+                    endpoint_url: Endpoint = None,
+                    reason: Annotated[str, typer.Option(help="Why, for the record.")] = "denied by an operator"):
+    """Stop the trainer from reading a volunteer's shards until `vrl volunteers allow`.
+
+    Example: vrl volunteers deny laptop-3f2a --bucket s3://my-bucket/run1 --reason "spam"
+    """
+    with _clean_errors():
+        changed = _edit_denylist(bucket, endpoint_url, volunteer_id, deny=True, reason=reason)
+    print(f"{volunteer_id}: {'denied' if changed else 'was already denied'}")
 
 
 @app.command("eval")

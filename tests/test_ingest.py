@@ -2,7 +2,9 @@
 import pytest
 
 from volunteer_rl import layout
-from volunteer_rl.ingest import Ingest, IngestStats, Rules, window
+from volunteer_rl.fleet import Fleet, read_denylist
+from volunteer_rl.ingest import Ingest, IngestStats, Rules, Window, window
+from volunteer_rl.ledger import Ledger, rebuild
 from volunteer_rl.shards import Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
 from volunteer_rl.task import Problem
@@ -22,7 +24,11 @@ def put(storage, version, vol, groups, name="s1"):
     return key
 
 
-def g(prompt_id, version, vol, tokens, claimed=(0.0, 0.0)):
+def g(prompt_id, version, vol, tokens, claimed=None):
+    """A group whose claimed rewards are the true ones unless `claimed` says otherwise."""
+    if claimed is None:
+        claimed = [rules().reward(prompt_id, t) if prompt_id < len(PROBLEMS) else 0.0
+                   for t in tokens]
     return Group(prompt_id, version, vol, [Completion(t, [-0.5] * len(t), "", r)
                                            for t, r in zip(tokens, claimed)])
 
@@ -31,36 +37,50 @@ def fresh_storage(name):
     return open_storage(f"memory://ingest-{name}")
 
 
+def make(s, log=lambda m: None, audit=None, fleet=None):
+    return Ingest(s, rules(), Ledger(), fleet or Fleet(), audit, log)
+
+
+def win(version, staleness=2, published=None):
+    low = max(0, version - staleness)
+    return Window(version, staleness, set(range(low, version + 1)) if published is None else published)
+
+
 def test_window():
     assert list(window(5, 2)) == [3, 4, 5]
     assert list(window(1, 3)) == [0, 1]
 
 
-def test_rewards_are_recomputed_not_trusted():
+def test_rewards_are_recomputed_and_a_forged_claim_rejects_the_shard():
     s = fresh_storage("rewards")
-    # completion [12] decodes to "12" (= 5 + 7, right); [99] is wrong but claims reward 1
-    put(s, 3, "v1", [g(0, 3, "v1", [[12], [99]], claimed=(0.0, 1.0))])
-    out = Ingest(s, rules(), log=lambda m: None).poll(3, 2, IngestStats())
-    assert [x.rewards for x in out] == [[1.0, 0.0]]
+    # completion [12] decodes to "12" (= 5 + 7, right); [99] is wrong
+    put(s, 3, "v1", [g(0, 3, "v1", [[12], [99]], claimed=(1.0, 0.0))], name="honest")
+    put(s, 3, "v2", [g(0, 3, "v2", [[12], [98]], claimed=(1.0, 1.0))], name="forged")
+    stats = IngestStats()
+    out = make(s).poll(win(3), stats)
+    assert [x.rewards for x in out] == [[1.0, 0.0]] and out[0].volunteer_id == "v1"
+    assert stats.rejected == {"reward_mismatch": 1}
 
 
 def test_only_the_window_is_listed_and_shards_are_taken_once():
     s = fresh_storage("window")
     put(s, 0, "v1", [g(0, 0, "v1", [[12], [1]])])
     put(s, 4, "v1", [g(1, 4, "v1", [[8], [1]])])
-    ing = Ingest(s, rules(), log=lambda m: None)
+    ing = make(s)
     listed = []
     real_list = s.list
     s.list = lambda prefix: listed.append(prefix) or real_list(prefix)
-    out = ing.poll(5, 2, IngestStats())
+    out = ing.poll(win(5), IngestStats())
     assert [x.policy_version for x in out] == [4]
     assert listed == ["rollouts/v000003", "rollouts/v000004", "rollouts/v000005"]
-    assert ing.poll(5, 2, IngestStats()) == []
+    assert ing.poll(win(5), IngestStats()) == []
 
 
 @pytest.mark.parametrize("groups, vol_in_key, reason", [
     ([g(7, 3, "v1", [[1], [2]])], "v1", "unknown_prompt"),
     ([g(0, 2, "v1", [[1], [2]])], "v1", "version_mismatch"),
+    ([g(0, 4, "v1", [[1], [2]])], "v1", "unpublished_version"),
+    ([g(0, 0, "v1", [[1], [2]])], "v1", "stale_version"),
     ([g(0, 3, "other", [[1], [2]])], "v1", "volunteer_mismatch"),
     ([g(0, 3, "v1", [[1], [200]])], "v1", "bad_token"),
     ([g(0, 3, "v1", [[1] * 9, [2]])], "v1", "too_many_tokens"),
@@ -72,9 +92,11 @@ def test_bad_groups_reject_the_whole_shard(groups, vol_in_key, reason):
     put(s, 3, vol_in_key, [good] + groups)
     stats = IngestStats()
     logs = []
-    out = Ingest(s, rules(), log=logs.append).poll(3, 2, stats)
+    out = make(s, logs.append).poll(win(3), stats)
     assert out == [] and stats.rejected == {reason: 1}
     assert logs and "rollouts/v000003/" in logs[0]
+    record = s.read(f"quarantine/v000003/{vol_in_key}/s1.json")
+    assert f'"reason": "{reason}"' in record.decode()
 
 
 def test_unreadable_shard_is_reported_and_skipped():
@@ -83,7 +105,7 @@ def test_unreadable_shard_is_reported_and_skipped():
     s.write("rollouts/v000001/v1/notes.txt", b"not a shard key")
     stats = IngestStats()
     logs = []
-    assert Ingest(s, rules(), log=logs.append).poll(1, 2, stats) == []
+    assert make(s, logs.append).poll(win(1), stats) == []
     assert stats.rejected == {"bad_gzip": 1, "bad_key": 1}
     assert len(logs) == 2
 
@@ -101,3 +123,71 @@ def test_staleness_filter():
     assert sorted(g.policy_version for g in stale) == [3, 4, 8]  # too old, or from the future
     fresh, stale = split_fresh(groups, version=7, max_staleness=0)
     assert [g.policy_version for g in fresh] == [7]
+
+
+def test_a_version_whose_publish_crashed_is_not_accepted():
+    s = fresh_storage("gap")
+    put(s, 2, "v1", [g(1, 2, "v1", [[8], [1]])])
+    stats = IngestStats()
+    assert make(s).poll(win(3, published={1, 3}), stats) == []
+    assert stats.rejected == {"unpublished_version": 1}
+
+
+def test_duplicates_count_once_across_keys_and_volunteers():
+    s = fresh_storage("dups")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s2")          # replayed under a new key
+    put(s, 3, "b", [g(1, 3, "b", [[8], [1]]), g(0, 3, "b", [[12], [3]])], name="s3")
+    stats = IngestStats()
+    ing = make(s)
+    out = ing.poll(win(3), stats)
+    assert [(x.volunteer_id, x.prompt_id) for x in out] == [("a", 1), ("b", 0)]
+    assert stats.duplicates == 2 and not stats.rejected
+    outcomes = {(r["key"].split("/")[-1], r["outcome"]) for r in ing.ledger.pending}
+    assert outcomes == {("s2.jsonl.gz", "duplicate"), ("s3.jsonl.gz", "duplicate")}
+
+
+def test_the_ledger_survives_a_restart_through_the_bucket():
+    s = fresh_storage("ledger")
+    key = put(s, 3, "a", [g(1, 3, "a", [[8], [1]]), g(1, 3, "a", [[8], [2]])])
+    ing = make(s)
+    first, second = ing.poll(win(3), IngestStats())
+    ing.ledger.record(key, "trained", [first.line], 2, [first.digest], step=1)
+    ing.ledger.flush(s, 4)
+    # a new trainer process: rebuilt from ledger/v000004.jsonl, it takes only the other group
+    again = Ingest(s, rules(), rebuild(s, [4]), Fleet(), None, lambda m: None)
+    assert [x.line for x in again.poll(win(3), IngestStats())] == [second.line]
+    again.ledger.record(key, "trained", [second.line], 2, [second.digest], step=2)
+    assert again.ledger.finished(key)
+    assert again.poll(win(3), IngestStats()) == []
+
+
+def test_audit_mismatch_rejects_the_shard():
+    s = fresh_storage("audit")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])])
+    stats = IngestStats()
+    ing = make(s, audit=lambda groups: "logprobs differ by 0.7")
+    ing.audit_version = 3
+    assert ing.poll(win(3), stats) == [] and stats.rejected == {"logprob_mismatch": 1}
+    put(s, 2, "a", [g(1, 2, "a", [[8], [1]])])       # other weights than those in memory:
+    assert len(ing.poll(win(3), IngestStats())) == 1  # not audited
+
+
+def test_a_volunteer_that_keeps_failing_is_denied_until_allowed():
+    s = fresh_storage("deny")
+    for i in range(3):
+        put(s, 3, "evil", [g(7, 3, "evil", [[1], [2]])], name=f"bad{i}")
+    fleet = Fleet(deny_after=3, deny_rate=0.5)
+    ing = make(s, fleet=fleet)
+    stats = IngestStats()
+    ing.poll(win(3), stats)
+    assert stats.rejected == {"unknown_prompt": 3}
+    entries, _ = read_denylist(s)
+    assert set(entries) == {"evil"} and entries["evil"]["rejected"] == 3
+    put(s, 3, "evil", [g(1, 3, "evil", [[8], [1]])], name="good")
+    stats = IngestStats()
+    assert ing.poll(win(3), stats) == [] and stats.denied == 1
+    from volunteer_rl.fleet import update_denylist
+    update_denylist(s, lambda e: bool(e.pop("evil", None)))           # what `allow` does
+    assert len(ing.poll(win(3), IngestStats())) == 1
+    assert fleet.counts["evil"].rejected == 0 and fleet.counts["evil"].accepted == 1

@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 class Proc:
-    def __init__(self, args: list[str], log: Path, cwd: Path):
+    def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None):
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._f = open(log, "w")
         self.p = subprocess.Popen([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd,
                                   stdout=self._f, stderr=subprocess.STDOUT, env=env)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from . import layout
+from .faults import crash_point
 from .manifest import FileEntry, Manifest
 from .storage import Storage
 
@@ -43,6 +44,7 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str
         entry = FileEntry(sha256_bytes(data), len(data))
         key = layout.checkpoint_key(version, path.name)
         storage.create(key, data)
+        crash_point("checkpoint_upload")
         entries[path.name] = entry
     for name, entry in entries.items():
         key = layout.checkpoint_key(version, name)

@@ -61,6 +61,16 @@ class TrainerConfig:
     """Local scratch folder for checkpoint staging."""
     micro_batch: int = 256
     """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
+    audit_tolerance: float = 0.05
+    """Largest difference (nats) allowed between a volunteer's behavior logprob of a token and
+    the trainer's own, for the one random group of each shard made with the weights the
+    trainer holds; a shard beyond it is rejected (`logprob_mismatch`). 0 turns audits off."""
+    deny_after: int = 5
+    """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
+    deny_rate: float = 0.5
+    """...provided at least this share of all its shards was rejected."""
+    log_shards: bool = False
+    """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
 
 
 @dataclass

@@ -8,14 +8,24 @@ from the token ids, and the reward is recomputed from the trainer's own target.
 
 from __future__ import annotations
 
+import json
+import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 from . import layout
+from .faults import crash_point
+from .fleet import Fleet
+from .ledger import Ledger, group_digest
 from .shards import MAX_SHARD_BYTES, Group, ShardError, decode_shard
-from .storage import NotFound, Storage, StorageError, TooLarge
+from .storage import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from .task import Problem, reward
+
+Audit = Callable[[list["ScoredGroup"]], "str | None"]
+"""Recomputes the behavior logprobs of groups under the weights in memory; a description of
+the first mismatch, or None if all agree."""
 
 MAX_READ_ATTEMPTS = 3  # a shard that fails to download this often is reported and skipped
 REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
@@ -32,6 +42,12 @@ class ScoredGroup:
     behavior_logprobs: list[list[float]]
     rewards: list[float]
     key: str
+    line: int = 0
+    """Index of the group in its shard: with `key`, its identity in the ledger."""
+    digest: str = ""
+    """Content hash (ledger.group_digest)."""
+    shard_size: int = 0
+    """Groups in its shard (the ledger's completeness count)."""
 
 
 @dataclass
@@ -39,7 +55,26 @@ class IngestStats:
     shards: int = 0
     groups: int = 0
     zero_variance: int = 0
+    duplicates: int = 0
+    denied: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
+
+
+@dataclass
+class Window:
+    """The versions whose groups may be taken now, as the trainer knows them."""
+
+    version: int
+    max_staleness: int
+    published: set[int]
+    """Committed versions inside the window (a crashed publish leaves gaps)."""
+
+    @property
+    def low(self) -> int:
+        return max(0, self.version - self.max_staleness)
+
+    def versions(self) -> range:
+        return range(self.low, self.version + 1)
 
 
 @dataclass
@@ -83,10 +118,19 @@ def split_fresh(groups: list[ScoredGroup], version: int,
     return fresh, stale
 
 
-def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules) -> None:
+def check_version(claimed: int, key_version: int, win: Window) -> None:
+    """The group's policy version must be a committed one inside the window, and its key's."""
+    if claimed > win.version or (win.low <= claimed and claimed not in win.published):
+        raise ShardError("unpublished_version", f"v{claimed} was never published")
+    if claimed < win.low:
+        raise ShardError("stale_version", f"v{claimed} is older than the window's v{win.low}")
+    if claimed != key_version:
+        raise ShardError("version_mismatch", f"group says v{claimed}, key says v{key_version}")
+
+
+def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, win: Window) -> None:
     """Raise ShardError if a decoded group breaks a rule the schema alone cannot see."""
-    if g.policy_version != key_version:
-        raise ShardError("version_mismatch", f"group says v{g.policy_version}, key says v{key_version}")
+    check_version(g.policy_version, key_version, win)
     if g.volunteer_id != key_volunteer:
         raise ShardError("volunteer_mismatch", f"group says {g.volunteer_id!r}")
     if not 0 <= g.prompt_id < len(rules.problems):
@@ -100,14 +144,20 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules) ->
             raise ShardError("bad_token", "token id outside the vocabulary")
 
 
-def score_group(g: Group, key: str, rules: Rules) -> ScoredGroup:
+def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
+    """Rescore every completion; a reward that differs from the volunteer's claim means it
+    runs another task or lies, and its shard is not taken."""
     rewards = [rules.reward(g.prompt_id, c.token_ids) for c in g.completions]
-    return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id,
-                       [c.token_ids for c in g.completions],
-                       [c.logprobs for c in g.completions], rewards, key)
+    for c, r in zip(g.completions, rewards):
+        if abs(c.reward - r) > 1e-6:
+            raise ShardError("reward_mismatch", f"claims reward {c.reward:g}, the trainer finds {r:g}")
+    ids = [c.token_ids for c in g.completions]
+    return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id, ids,
+                       [c.logprobs for c in g.completions], rewards, key, line,
+                       group_digest(g.prompt_id, g.policy_version, ids))
 
 
-def read_shard(storage: Storage, key: str, rules: Rules) -> list[ScoredGroup]:
+def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
     """Download, decode, check and rescore one shard; ShardError if any part of it is bad.
 
     A shard is accepted or rejected whole: one bad line means its author is not following
@@ -122,54 +172,145 @@ def read_shard(storage: Storage, key: str, rules: Rules) -> list[ScoredGroup]:
         raise ShardError("too_large", f"more than {MAX_SHARD_BYTES} compressed bytes") from None
     groups = decode_shard(data)
     for g in groups:
-        check_group(g, version, volunteer, rules)
-    return [score_group(g, key, rules) for g in groups]
+        check_group(g, version, volunteer, rules, win)
+    return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
 
 
 class Ingest:
-    """Remembers which shards were handled and pulls in the new ones each poll."""
+    """Pulls in the new shards of the window each poll, against the ledger.
 
-    def __init__(self, storage: Storage, rules: Rules, log: Callable[[str], None] = print):
+    A shard is read once per process; one whose groups all have an outcome in the ledger is
+    never read again, one left half-taken by a crash is read again and only its groups
+    without an outcome are taken."""
+
+    def __init__(self, storage: Storage, rules: Rules, ledger: Ledger, fleet: Fleet,
+                 audit: Audit | None = None, log: Callable[[str], None] = print,
+                 log_shards: bool = False, seed: int = 0):
         self.storage = storage
         self.rules = rules
+        self.ledger = ledger
+        self.fleet = fleet
+        self.audit = audit
+        self.audit_version: int | None = None
+        """The version of the weights in memory, when they are a published one."""
         self.log = log
-        self.seen: set[str] = set()
+        self.log_shards = log_shards
+        self.rng = random.Random(seed)  # audit sampling; not torch's RNG, which training owns
+        self.taken: set[str] = set()
         self.failures: Counter = Counter()
 
-    def poll(self, version: int, max_staleness: int, stats: IngestStats) -> list[ScoredGroup]:
-        """New groups from shards of versions in the window. Only the window's prefixes are
+    def poll(self, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+        """New usable groups from shards of the window. Only the window's prefixes are
         listed, so the cost of a poll does not grow with the run's history."""
+        self._refresh_denylist()
         out: list[ScoredGroup] = []
-        for v in window(version, max_staleness):
+        for v in win.versions():
             try:
                 keys = self.storage.list(layout.rollout_version_prefix(v))
             except StorageError as exc:
                 self.log(f"warning: {exc}")
                 continue
             for key in keys:
-                if key not in self.seen:
-                    out.extend(self._take(key, stats))
+                if key in self.taken or self.ledger.finished(key):
+                    continue
+                parsed = layout.parse_shard_key(key)
+                if parsed and self.fleet.is_denied(parsed[1]):
+                    stats.denied += 1
+                    continue
+                out.extend(self._take(key, win, stats))
         return out
 
-    def _take(self, key: str, stats: IngestStats) -> list[ScoredGroup]:
+    def _refresh_denylist(self) -> None:
         try:
-            groups = read_shard(self.storage, key, self.rules)
+            self.fleet.refresh(self.storage)
+        except Exception as exc:  # a broken denylist must not stop training
+            self.log(f"warning: {layout.DENYLIST}: {exc}")
+
+    def _take(self, key: str, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+        try:
+            groups = read_shard(self.storage, key, self.rules, win)
+            self._audit(groups)
         except ShardError as exc:
-            self.seen.add(key)
-            stats.rejected[exc.reason] += 1
-            self.log(f"rejected {key}: {exc}")
+            self._reject(key, exc.reason, str(exc), stats)
             return []
         except NotFound:
-            self.seen.add(key)  # deleted between list and read (retention): nothing to take
+            self.taken.add(key)  # deleted between list and read (retention): nothing to take
             return []
         except StorageError as exc:
             self.failures[key] += 1
             if self.failures[key] >= MAX_READ_ATTEMPTS:
-                self.seen.add(key)
-                stats.rejected["unreadable"] += 1
-                self.log(f"skipped {key} after {MAX_READ_ATTEMPTS} failed reads: {exc}")
+                self._reject(key, "unreadable", f"{MAX_READ_ATTEMPTS} failed reads: {exc}", stats)
             return []
-        self.seen.add(key)
+        crash_point("ingest")
+        self.taken.add(key)
         stats.shards += 1
+        self._count(key, accepted=True)
+        return self._sort(key, groups, stats)
+
+    def _audit(self, groups: list[ScoredGroup]) -> None:
+        """Check one random group made with the weights in memory (if the shard has one)."""
+        if self.audit is None or self.audit_version is None:
+            return
+        eligible = [g for g in groups if g.policy_version == self.audit_version]
+        if eligible:
+            problem = self.audit([self.rng.choice(eligible)])
+            if problem:
+                raise ShardError("logprob_mismatch", problem)
+
+    def _sort(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
+        """Give zero-variance and duplicate groups their outcome now; return the rest."""
+        usable, zero, dup = [], [], []
+        for g in groups:
+            g.shard_size = len(groups)
+            if self.ledger.is_done(key, g.line):
+                continue
+            if not self.ledger.claim(g.digest, g.policy_version):
+                dup.append(g)
+            elif max(g.rewards) == min(g.rewards):
+                zero.append(g)
+            else:
+                usable.append(g)
+        n = len(groups)
+        if zero:
+            self.ledger.record(key, "zero_variance", [g.line for g in zero], n, [g.digest for g in zero])
+        if dup:
+            self.ledger.record(key, "duplicate", [g.line for g in dup], n)
+        self.ledger.groups[key] = n
         stats.groups += len(groups)
-        return groups
+        stats.zero_variance += len(zero)
+        stats.duplicates += len(dup)
+        if self.log_shards:
+            self.log(f"took {key}: {len(usable)} usable, {len(zero)} zero-variance, "
+                     f"{len(dup)} duplicate")
+        return usable
+
+    def _reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
+        """Record the rejection (ledger, quarantine/, counts); deny a volunteer that keeps
+        sending bad shards."""
+        self.taken.add(key)
+        stats.rejected[reason] += 1
+        self.ledger.record(key, "rejected", [], 0, reason=reason)
+        self.log(f"rejected {key}: {detail}")
+        record = {"key": key, "reason": reason, "detail": detail, "time": time.time()}
+        try:
+            self.storage.create(layout.quarantine_key(key), json.dumps(record).encode())
+        except (AlreadyExists, ValueError):
+            pass  # rejected before a restart: the first record stands
+        except StorageError as exc:
+            self.log(f"warning: {exc}")
+        self._count(key, accepted=False)
+
+    def _count(self, key: str, accepted: bool) -> None:
+        parsed = layout.parse_shard_key(key)
+        if parsed is None:
+            return
+        volunteer = parsed[1]
+        if self.fleet.note(volunteer, accepted):
+            c = self.fleet.counts[volunteer]
+            reason = f"{c.rejected} of {c.accepted + c.rejected} shards rejected"
+            try:
+                self.fleet.deny(self.storage, volunteer, reason)
+                self.log(f"denied volunteer {volunteer}: {reason}; lift with "
+                         f"`vrl volunteers allow {volunteer}`")
+            except Exception as exc:
+                self.log(f"warning: could not deny {volunteer}: {exc}")

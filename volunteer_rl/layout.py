@@ -10,6 +10,9 @@ relative to the bucket root (the storage object adds any prefix from the URI).
     datasets/<name>-<sha12>.csv                     the train split volunteers sample prompts from
     rollouts/v000042/<volunteer_id>/<shard>.jsonl.gz  gzip JSONL shards, one line per prompt group
     metrics/v000042.jsonl                           trainer metrics of the steps that led to v42
+    ledger/v000042.jsonl                            what the steps that led to v42 did with each shard
+    quarantine/v000042/<volunteer_id>/<shard>.json  why a shard was rejected
+    denylist.json                                   volunteers whose shards are skipped
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ CHECKPOINTS = "checkpoints"
 ROLLOUTS = "rollouts"
 DATASETS = "datasets"
 METRICS = "metrics"
+LEDGER = "ledger"
+QUARANTINE = "quarantine"
+DENYLIST = "denylist.json"
 
 # Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
 # can climb out of its prefix ("../") or collide with another after normalisation.
@@ -103,3 +109,17 @@ def parse_shard_key(key: str) -> tuple[int, str, str] | None:
 
 def metrics_key(version: int) -> str:
     return f"{METRICS}/{version_dir(version)}.jsonl"
+
+
+def ledger_key(version: int) -> str:
+    """The trainer's record of every shard outcome in the steps that led to `version`."""
+    return f"{LEDGER}/{version_dir(version)}.jsonl"
+
+
+def quarantine_key(shard: str) -> str:
+    """Where the reason a shard was rejected is kept: its rollout key under quarantine/, .json."""
+    parsed = parse_shard_key(shard)
+    if parsed is None:
+        raise ValueError(f"not a shard key: {shard!r}")
+    version, volunteer, name = parsed
+    return f"{QUARANTINE}/{version_dir(version)}/{volunteer}/{name}.json"

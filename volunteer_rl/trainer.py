@@ -21,11 +21,15 @@ from . import layout
 from .checkpoint import clear_folder, fetch_checkpoint, publish_checkpoint, sha256_bytes
 from .config import PACKAGE_DATA, TrainerConfig
 from .evaluate import greedy_and_sampled
-from .ingest import Ingest, IngestStats, Rules, ScoredGroup, split_fresh
+from .faults import crash_point
+from .fleet import Fleet
+from .ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from .ledger import Ledger, rebuild
 from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
-from .manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
+from .manifest import Dataset, Manifest, Sampling, poll_manifest, read_manifest, write_manifest
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
+from .state import load_state, prune_states, save_state
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
 from .warmstart import warm_start
@@ -74,8 +78,11 @@ def upload_dataset(storage: Storage, path: Path) -> Dataset:
 
 
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
-            dataset: Dataset, etag: str | None) -> tuple[Manifest, str]:
-    """Write the checkpoint, verify it, then commit it with the manifest (in that order).
+            dataset: Dataset, etag: str | None,
+            before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
+    """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
+    commit it all with the manifest: in that order, so a crash anywhere before the manifest
+    leaves the previous version standing, complete.
 
     `etag` is the manifest this trainer last saw; returns the new manifest and its etag."""
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
@@ -89,6 +96,8 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format)
+    before_commit()
+    crash_point("before_manifest")
     try:
         return manifest, write_manifest(storage, manifest, etag)
     except PreconditionFailed:
@@ -156,9 +165,28 @@ def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGr
         (loss * share).backward()
         loss_sum += loss.item() * share
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    crash_point("optimizer_step")
     opt.step()
     policy.model.eval()
     return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
+
+
+def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                   temperature: float, tolerance: float) -> str | None:
+    """Score the submitted tokens under the weights in memory; a description if any token's
+    claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
+
+    Catches a volunteer that runs other weights or samples at another temperature: its
+    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5."""
+    with torch.no_grad():
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
+                                    [g.token_ids for g in groups], temperature)
+    claimed = _behavior_tensor([lp for g in groups for lp in g.behavior_logprobs],
+                               logp.shape[1], policy.device)
+    worst = ((logp - claimed).abs() * mask).max().item()
+    if worst > tolerance:
+        return f"behavior logprobs differ from the trainer's by up to {worst:.3f} (tolerance {tolerance:g})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,43 +203,104 @@ class Trainer:
         self.problems = load_csv(train_path)
         self.held_out = load_csv(eval_path)
         self.metrics_buffer: list[dict] = []
+        self.state_root = Path(cfg.work_dir) / "state"
+        self.steps = 0  # optimizer steps of the whole run, restored on resume
+        self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
 
     def start(self) -> None:
         """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
         cfg = self.cfg
         manifest, etag = poll_manifest(self.storage, None)
         if manifest is None:
-            torch.manual_seed(cfg.seed)
-            self.policy = initial_policy(cfg, self.problems, self.device, self.log)
-            self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            self.dataset = upload_dataset(self.storage, self.train_path)
-            self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
-                                               self.dataset, None)
-            self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
-            self._evaluate(0, full=True)
-            self._flush_metrics(0)
+            self._start_fresh()
         else:
-            if manifest.dataset.sha256 != file_sha256(self.train_path):
-                raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
-                                   f"{self.train_path}; resume with the same --dataset")
-            folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume")
-            self.policy = load_policy(folder, self.device)
-            self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
-            self.etag = etag
-            self.log(f"resuming {self.run_id} at v{manifest.version}")
+            self._resume(manifest, etag)
         # Versions left half-published by a crash are never reused: the next one goes above.
         self.last_used = max([self.version] + published_or_started(self.storage))
-        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
         tok = self.policy.tokenizer
         rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
                       lambda ids: tok.decode(ids, skip_special_tokens=True))
-        self.ingest = Ingest(self.storage, rules, self.log)
+        self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, self._audit,
+                             self.log, cfg.log_shards, cfg.seed)
+        self.ingest.audit_version = self.version
+
+    def _start_fresh(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.policy = initial_policy(cfg, self.problems, self.device, self.log)
+        self._make_optimizer()
+        self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.dataset = upload_dataset(self.storage, self.train_path)
+        self.ledger = Ledger()
+        self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
+                                           self.dataset, None, lambda: self._save(0))
+        self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
+        self.published = {0}
+        self._evaluate(0, full=True)
+        self._flush_metrics(0)
+
+    def _resume(self, manifest: Manifest, etag: str | None) -> None:
+        """Weights from the manifest's checkpoint; optimizer, step and counts from the state
+        saved for that version; the ledger from the committed ledger objects of the window."""
+        cfg = self.cfg
+        if manifest.dataset.sha256 != file_sha256(self.train_path):
+            raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
+                               f"{self.train_path}; resume with the same --dataset")
+        folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume")
+        self.policy = load_policy(folder, self.device)
+        self._make_optimizer()
+        self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
+        self.etag = etag
+        self._repair_history(manifest)
+        self.published = self._committed(Window(manifest.version, cfg.max_staleness, set()))
+        self.ledger = rebuild(self.storage, sorted(self.published))
+        self.ledger.prune(max(0, manifest.version - cfg.max_staleness))
+        meta = load_state(self.state_root, manifest.version, self.opt)
+        if meta is None or meta.get("run_id") != self.run_id:
+            self.log(f"warning: no saved trainer state for v{manifest.version} in "
+                     f"{self.state_root}: fresh optimizer moments")
+        else:
+            self.steps = int(meta["steps"])
+            self.fleet.load_counts(meta.get("volunteers", {}))
+        self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
+
+    def _repair_history(self, manifest: Manifest) -> None:
+        """A crash between manifest.json and its manifests/ copy leaves the copy missing."""
+        key = layout.manifest_history_key(manifest.version)
+        if not self.storage.exists(key):
+            try:
+                self.storage.create(key, manifest.to_json())
+            except AlreadyExists:
+                pass
+
+    def _committed(self, win: Window) -> set[int]:
+        """Versions of the window that were committed (have their manifest copy)."""
+        return {v for v in win.versions()
+                if v == win.version or self.storage.exists(layout.manifest_history_key(v))}
+
+    def _make_optimizer(self) -> None:
+        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+
+    def _save(self, version: int) -> None:
+        """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
+        self.ledger.flush(self.storage, version)
+        save_state(self.state_root, version, self.opt,
+                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()})
+
+    def _audit(self, groups: list[ScoredGroup]) -> str | None:
+        if self.cfg.audit_tolerance <= 0:
+            return None
+        return audit_logprobs(self.policy, groups, self.prompt_ids, self.cfg.temperature,
+                              self.cfg.audit_tolerance)
 
     @property
     def version(self) -> int:
         """The published version the trainer is training from: the manifest's."""
         return self.manifest.version
+
+    def window(self) -> Window:
+        return Window(self.version, self.cfg.max_staleness, self.published)
 
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
@@ -240,12 +329,9 @@ class Trainer:
         stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
         while not self._done(steps, started):
             t0 = time.time()
-            for g in self.ingest.poll(self.version, cfg.max_staleness, stats):
-                if max(g.rewards) == min(g.rewards):
-                    stats.zero_variance += 1
-                else:
-                    buffer.append(g)
+            buffer += self.ingest.poll(self.window(), stats)
             fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
+            self._record(stale, "stale")
             stale_dropped += len(stale)
             t_ingest += time.time() - t0
             if len(fresh) < cfg.groups_per_step:
@@ -255,11 +341,14 @@ class Trainer:
                 continue
             batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
             t0 = time.time()
+            self.ingest.audit_version = None  # the weights in memory are about to move on
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
             steps += 1
+            self.steps += 1
+            self._record(batch, "trained", self.steps)
             timing = {"train/step_time": time.time() - t0, "time/ingest": t_ingest,
                       "time/waiting_for_rollouts": waited, "time/last_publish": last_publish}
-            self._record_step(steps, batch, result, stats, stale_dropped, timing)
+            self._record_step(self.steps, batch, result, stats, stale_dropped, timing)
             stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
             done = self._done(steps, started)
             if steps % cfg.publish_every == 0 or done:
@@ -268,6 +357,15 @@ class Trainer:
                 last_publish = time.time() - t0
         return self.manifest
 
+    def _record(self, groups: list[ScoredGroup], outcome: str, step: int | None = None) -> None:
+        """Ledger records for `groups`, one per shard."""
+        by_key: dict[str, list[ScoredGroup]] = {}
+        for g in groups:
+            by_key.setdefault(g.key, []).append(g)
+        for key, gs in by_key.items():
+            self.ledger.record(key, outcome, [g.line for g in gs], gs[0].shard_size,
+                               [g.digest for g in gs], step=step)
+
     def _done(self, steps: int, started: float) -> bool:
         cfg = self.cfg
         return bool((cfg.max_steps and steps >= cfg.max_steps)
@@ -275,8 +373,14 @@ class Trainer:
 
     def _publish_next(self, final: bool = False) -> None:
         self.last_used += 1
-        self.manifest, self.etag = publish(self.storage, self.policy, self.last_used, self.cfg,
-                                           self.run_id, self.dataset, self.etag)
+        version = self.last_used
+        self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
+                                           self.run_id, self.dataset, self.etag,
+                                           lambda: self._save(version))
+        self.ingest.audit_version = version
+        self.published = {v for v in self.published | {version} if v >= self.window().low}
+        self.ledger.prune(self.window().low)
+        prune_states(self.state_root, {version})
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):
             self._evaluate(self.version, full=final)
@@ -297,6 +401,7 @@ class Trainer:
             "rollout/sources": dict(Counter(g.key for g in batch)),
             "ingest/shards": stats.shards, "ingest/groups": stats.groups,
             "ingest/rejected": dict(stats.rejected),
+            "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
             **timing,
             **{f"train/{k}": v for k, v in result.stats.items()},
