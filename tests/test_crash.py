@@ -88,3 +88,17 @@ def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_p
     for name in [p for p, _ in CRASHES[1:]] + ["final"]:
         assert "resuming" in (tmp_path / f"{name}.log").read_text()
     assert "fresh optimizer" not in (tmp_path / "final.log").read_text()
+
+
+def test_a_volunteer_killed_mid_upload_leaves_nothing_visible(template, tmp_path):
+    """SIGKILL after the shard's bytes are in the temp file, before the rename: readers see
+    no shard, and no partial one."""
+    bucket = template.copy(tmp_path / "bucket")
+    proc = Proc(["volunteer", "--bucket", str(bucket), "--id", "doomed", "--threads", "1",
+                 "--shard-groups", "4", "--prompts-per-batch", "4", "--seed", "1",
+                 "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path,
+                {"VRL_CRASH_AT": "local_write:1"})
+    assert proc.wait(120) == -9 and "crash point local_write" in proc.text(), proc.text()[-2000:]
+    folder = bucket / "rollouts" / layout.version_dir(TEMPLATE_VERSION) / "doomed"
+    assert [p.name for p in folder.iterdir()][0].startswith(".")  # the cut-short temp file
+    assert open_storage(str(bucket)).list("rollouts") == []

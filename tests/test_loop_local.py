@@ -47,7 +47,7 @@ def stale_shard(bucket: Path) -> str:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
     bucket = root / "bucket"
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "500",
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "800",
                     "--max-steps", str(STEPS), "--groups-per-step", "16", "--publish-every", "2",
                     "--max-staleness", str(MAX_STALENESS), "--eval-every", "0", "--lr", "5e-4",
                     "--threads", "1", "--work-dir", str(root / "tw")], root / "trainer.log", root)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("ingest", "optimizer_step", "checkpoint_upload", "before_manifest", "state_save")
+POINTS = ("ingest", "optimizer_step", "checkpoint_upload", "before_manifest", "state_save",
+          "local_write")
 _hits: dict[str, int] = {}
 
 

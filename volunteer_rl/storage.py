@@ -23,6 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
+from .faults import crash_point
+
 T = TypeVar("T")
 
 
@@ -102,6 +104,7 @@ class LocalStorage:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
+                crash_point("local_write")
                 os.fsync(f.fileno())
             if create_only:
                 try:
