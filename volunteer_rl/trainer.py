@@ -26,6 +26,7 @@ from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_
 from .manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
+from .retention import TrainerRetention
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
 from .warmstart import warm_start
@@ -169,6 +170,7 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log)
         self.device = pick_device(cfg.device)
         train_path, eval_path = dataset_paths(cfg)
         self.train_path = train_path
@@ -277,6 +279,7 @@ class Trainer:
         self.last_used += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.last_used, self.cfg,
                                            self.run_id, self.dataset, self.etag)
+        self.retention.after_publish(self.manifest)
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):
             self._evaluate(self.version, full=final)
