@@ -65,6 +65,8 @@ def trainer(
     max_staleness: Annotated[int, typer.Option(help="Versions a group may lag the trainer and still be used.")] = 2,
     groups_per_step: Annotated[int, typer.Option(help="Prompt groups per optimizer step.")] = 32,
     publish_every: Annotated[int, typer.Option(help="Optimizer steps per published version.")] = 1,
+    keep_versions: Annotated[int, typer.Option(min=1, help="Retention keeps the newest N versions (and the staleness window).")] = 10,
+    gc_every: Annotated[int, typer.Option(min=0, help="Retention pass after every M publishes, as `vrl gc` (0: off).")] = 0,
     eval_every: Annotated[int, typer.Option(help="Versions between held-out evals (0: off).")] = 10,
     warm_start_steps: Annotated[int, typer.Option(help="Supervised steps before v0 for --model tiny.")] = 900,
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: never).")] = 0,
@@ -234,6 +236,40 @@ def eval_(
                                  m.sampling.max_new_tokens)
         _log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
              f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} on {len(problems)} prompts")
+
+
+GC_REPORTED_FAILURES = 20  # `vrl gc` names this many objects it could not delete, then counts
+
+
+@app.command()
+def gc(
+    bucket: Bucket,
+    endpoint_url: Endpoint = None,
+    keep_versions: Annotated[int, typer.Option(min=1, help="Keep the newest N versions (the staleness window is always kept).")] = 10,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; delete nothing.")] = False,
+):
+    """Retention: delete checkpoints and rollout shards of versions older than the newest
+    --keep-versions and the staleness window. The manifest's version, manifest.json,
+    manifests/, metrics/ and datasets/ are never deleted. Run it with the trainer's
+    credentials; it is safe while the trainer runs.
+
+    Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
+    """
+    with _clean_errors():
+        from volunteer_rl.retention import collect, summary_lines
+        from volunteer_rl.storage import open_storage
+
+        plan, outcome = collect(open_storage(bucket, endpoint_url), keep_versions, dry_run)
+    for line in summary_lines(plan, outcome, dry_run):
+        _log(line)
+    for _, message in outcome.failed[:GC_REPORTED_FAILURES]:
+        print(f"error: could not delete {message}", file=sys.stderr)
+    if outcome.failed:
+        more = len(outcome.failed) - GC_REPORTED_FAILURES
+        print(f"error: {len(outcome.failed)} objects could not be deleted"
+              + (f" ({more} not shown)" if more > 0 else "") + "; run vrl gc again to retry",
+              file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -37,6 +37,13 @@ class TrainerConfig:
     """Prompt groups in one optimizer step."""
     publish_every: int = 1
     """Optimizer steps between published versions."""
+    keep_versions: int = 10
+    """Retention keeps the newest this many versions (and always the staleness window); older
+    checkpoints and rollout shards are deleted by the passes `gc_every` turns on."""
+    gc_every: int = 0
+    """Run a retention pass after every this many publishes (0: never; `vrl gc` does the same
+    by hand). The first pass lists checkpoints/ and rollouts/ whole, later ones only the
+    versions that fell out of the kept range since."""
     eval_every: int = 10
     """Versions between held-out evaluations (0 disables them)."""
     eval_prompts: int = 200

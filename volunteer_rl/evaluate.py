@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import layout
-from .checkpoint import fetch_checkpoint
+from .checkpoint import CheckpointError, fetch_checkpoint
 from .manifest import Manifest, ManifestError, read_manifest
 from .policy import Policy, encode_prompts, load_policy, sample
+from .retention import is_missing
+from .storage import StorageError
 from .task import Problem, reward
 
 
@@ -43,5 +45,12 @@ def load_version(storage, version: int | None, work_dir: Path, device="cpu") -> 
     if m is None:
         what = layout.MANIFEST if version is None else layout.manifest_history_key(version)
         raise ManifestError(f"{what}: not found in {storage.uri} (nothing published there?)")
-    folder = fetch_checkpoint(storage, m, Path(work_dir) / layout.version_dir(m.version))
+    try:
+        folder = fetch_checkpoint(storage, m, Path(work_dir) / layout.version_dir(m.version))
+    except StorageError as exc:
+        if version is None or not is_missing(exc):
+            raise
+        raise CheckpointError(
+            f"{m.checkpoint}: removed by retention (`vrl gc` or `vrl trainer --gc-every`); "
+            f"{layout.manifest_history_key(version)} is kept as history, the weights are not") from None
     return m, load_policy(folder, device)

@@ -55,6 +55,30 @@ def parse_version_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_VERSIONED_NAME = re.compile(r"^v(\d{6,})(?:\.[a-z]+)*$")
+
+
+def versioned_prefix(top: str, version: int) -> str:
+    """`checkpoints/v000042` for ("checkpoints", 42): everything one version filed under `top`."""
+    return f"{top}/{version_dir(version)}"
+
+
+def split_versioned_key(key: str) -> tuple[str, int] | None:
+    """(top-level prefix, version) of a key filed by version, else None.
+
+    Both shapes of the layout parse: a version folder (`checkpoints/v000042/model.safetensors`,
+    `rollouts/v000042/<id>/<shard>.jsonl.gz`) and a version file (`manifests/v000042.json`,
+    `metrics/v000042.jsonl`). Retention decides what to keep by this; a key that does not
+    parse is never deleted by it."""
+    parts = key.strip("/").split("/")
+    if len(parts) < 2:
+        return None
+    m = _VERSIONED_NAME.match(parts[1])
+    if m is None or (len(parts) > 2 and "." in parts[1]):
+        return None
+    return parts[0], int(m.group(1))
+
+
 def manifest_history_key(version: int) -> str:
     """Each version's manifest, kept so any published version can be fetched and verified."""
     return f"{MANIFESTS}/{version_dir(version)}.json"

@@ -93,15 +93,26 @@ class LocalStorage:
             raise NotFound(f"{key}: is a folder in {self.uri}") from None
         return _check_cap(key, data, max_bytes)
 
+    @staticmethod
+    def _open_new(tmp: Path):
+        """Open a temp file, creating its folder; again if a delete pruned the folder
+        between the mkdir and the open (see `delete`)."""
+        for attempt in range(3):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                return open(tmp, "wb")
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+
     def _put(self, key: str, data: bytes, create_only: bool) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Hidden temp name in the same folder, then an atomic rename (or, create-only, an
         # atomic hard link that fails if the name is taken): a reader sees the old object or
         # the complete new one, never a prefix of it.
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
+            with self._open_new(tmp) as f:
                 f.write(data)
                 f.flush()
                 crash_point("local_write")
@@ -179,10 +190,20 @@ class LocalStorage:
         return sorted(keys)
 
     def delete(self, key: str) -> None:
+        """Remove the object, then the folders that leaves empty, so retention does not
+        leave a folder bucket full of empty version folders."""
+        path = self._path(key)
         try:
-            self._path(key).unlink()
+            path.unlink()
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
+        folder = path.parent
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (a hidden temp or lock file counts): stop here
+                return
+            folder = folder.parent
 
 
 class FsspecStorage:

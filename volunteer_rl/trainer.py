@@ -29,6 +29,7 @@ from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_
 from .manifest import Dataset, Manifest, Sampling, poll_manifest, read_manifest, write_manifest
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
+from .retention import TrainerRetention
 from .state import load_state, prune_states, save_state
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
@@ -197,6 +198,7 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log)
         self.device = pick_device(cfg.device)
         train_path, eval_path = dataset_paths(cfg)
         self.train_path = train_path
@@ -377,6 +379,7 @@ class Trainer:
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag,
                                            lambda: self._save(version))
+        self.retention.after_publish(self.manifest)
         self.ingest.audit_version = version
         self.published = {v for v in self.published | {version} if v >= self.window().low}
         self.ledger.prune(self.window().low)

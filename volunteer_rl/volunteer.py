@@ -24,6 +24,7 @@ from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
 from .config import VolunteerConfig
 from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
+from .retention import is_missing
 from .shards import Completion, Group, encode_shard, new_shard_name
 from .storage import Storage, StorageError, open_storage
 from .task import DatasetError, Problem, load_csv, reward
@@ -159,14 +160,30 @@ class Volunteer:
                 for p, samples in zip(picked, out)]
 
     def _try_switch(self, m: Manifest) -> bool:
-        """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure."""
-        try:
-            self._switch(m)
-        except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
-            self._warn("switch", f"cannot load v{m.version}: {exc}; will retry")
-            return False
-        self.warned.pop("switch", None)
-        return True
+        """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
+
+        A checkpoint that is gone was removed by retention after we read its manifest (the
+        trainer has moved on): read the manifest again and go where it points now."""
+        while True:
+            try:
+                self._switch(m)
+            except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+                now = self._moved_on(m) if is_missing(exc) else None
+                if now is None:
+                    self._warn("switch", f"cannot load v{m.version}: {exc}; will retry")
+                    return False
+                self.log(f"v{m.version} was removed from the bucket; the manifest now names v{now.version}")
+                m = now
+                continue
+            self.warned.pop("switch", None)
+            return True
+
+    def _moved_on(self, m: Manifest) -> Manifest | None:
+        """The manifest as it is now, if it names another version than `m`; else None."""
+        now = self._poll_manifest()
+        if now is None or (now.run_id, now.version) == (m.run_id, m.version):
+            return None
+        return now
 
     def _warn(self, topic: str, message: str) -> None:
         """Log a problem once, not once per poll, until it changes or goes away."""
