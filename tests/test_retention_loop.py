@@ -74,6 +74,7 @@ def run(tmp_path_factory):
                     "--groups-per-step", "2", "--max-steps", str(STEPS), "--eval-every", "0",
                     "--max-staleness", str(STALENESS), "--keep-versions", str(KEEP),
                     "--gc-every", str(EVERY), "--poll-seconds", "0.05", "--threads", "1",
+                    "--audit-tolerance", "0",  # the scripted logprobs are made up
                     "--work-dir", str(root / "tw")], root / "trainer.log", root)
     try:
         feed(open_storage(str(bucket)), trainer, problems)
