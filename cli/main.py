@@ -22,6 +22,9 @@ Bucket = Annotated[str, typer.Option("--bucket", "-b", help="Bucket URI: a folde
 Endpoint = Annotated[Optional[str], typer.Option("--endpoint-url", envvar="VRL_ENDPOINT_URL", help="S3-compatible endpoint (MinIO, R2, a test server).")]
 Threads = Annotated[int, typer.Option("--threads", help="torch CPU threads (0: torch's default).")]
 Device = Annotated[str, typer.Option("--device", help="cuda, mps, cpu or auto.")]
+TrustKey = Annotated[Optional[str], typer.Option("--trust-key", envvar="VRL_TRUST_KEY", help="The trainer's public key (ed25519:...) or a file holding it; without it the key of the first manifest seen is pinned for this bucket.")]
+AllowUnsigned = Annotated[bool, typer.Option("--allow-unsigned", help="Accept manifests without a signature (an older trainer).")]
+SigningKey = Annotated[Optional[str], typer.Option("--signing-key", help="The trainer's Ed25519 private key (PEM), created if missing (default: WORK_DIR/signing-key.pem). Keep it out of the bucket.")]
 
 
 def _log(msg: str) -> None:
@@ -33,13 +36,15 @@ def _clean_errors():
     """Map the library's known errors to one line naming the object or flag."""
     from volunteer_rl.checkpoint import CheckpointError
     from volunteer_rl.manifest import ManifestError
+    from volunteer_rl.signing import SignatureError
     from volunteer_rl.storage import StorageError
     from volunteer_rl.task import DatasetError
     from volunteer_rl.trainer import TrainerError
 
     try:
         yield
-    except (CheckpointError, ManifestError, StorageError, DatasetError, TrainerError, ValueError) as exc:
+    except (CheckpointError, ManifestError, SignatureError, StorageError, DatasetError,
+            TrainerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(1)
     except KeyboardInterrupt:
@@ -71,6 +76,8 @@ def trainer(
     threads: Threads = 0,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local scratch folder.")] = ".vrl/trainer",
+    signing_key: SigningKey = None,
+    allow_unsigned: Annotated[bool, typer.Option("--allow-unsigned", help="Resume a bucket whose manifest is unsigned (an older trainer).")] = False,
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
     rollout shards, publish a new version every --publish-every steps.
@@ -104,6 +111,8 @@ def volunteer(
     threads: Threads = 0,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local cache for dataset and checkpoints.")] = ".vrl/volunteer",
+    trust_key: TrustKey = None,
+    allow_unsigned: AllowUnsigned = False,
 ):
     """Donate compute: follow the bucket's manifest, sample rollouts with the newest weights,
     upload shards. Ctrl-C or SIGTERM uploads the partial shard and exits 0.
@@ -116,7 +125,8 @@ def volunteer(
                           prompts_per_batch=prompts_per_batch, shard_groups=shard_groups,
                           shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
                           max_groups_per_version=max_groups_per_version, poll_seconds=poll_seconds,
-                          threads=threads, device=device, work_dir=work_dir)
+                          threads=threads, device=device, work_dir=work_dir,
+                          trust_key=trust_key, allow_unsigned=allow_unsigned)
     with _clean_errors():
         from volunteer_rl.volunteer import Volunteer
 
@@ -135,6 +145,8 @@ def eval_(
     samples: Annotated[int, typer.Option(help="Samples per prompt for the sampled accuracy.")] = 4,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local cache for checkpoints.")] = ".vrl/eval",
+    trust_key: TrustKey = None,
+    allow_unsigned: AllowUnsigned = False,
 ):
     """Held-out accuracy of a published version, greedy and at its sampling temperature.
 
@@ -144,16 +156,35 @@ def eval_(
         from volunteer_rl.config import PACKAGE_DATA
         from volunteer_rl.evaluate import greedy_and_sampled, load_version
         from volunteer_rl.policy import pick_device
+        from volunteer_rl.signing import reader_trust
         from volunteer_rl.storage import open_storage
         from volunteer_rl.task import load_csv
 
         problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
         storage = open_storage(bucket, endpoint_url)
-        m, policy = load_version(storage, version, work_dir, pick_device(device))
+        trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, _log)
+        m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
         res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
                                  m.sampling.max_new_tokens)
         _log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
              f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} on {len(problems)} prompts")
+
+
+@app.command("public-key")
+def public_key(
+    signing_key: SigningKey = None,
+    work_dir: Annotated[str, typer.Option(help="The trainer's --work-dir.")] = ".vrl/trainer",
+):
+    """Print the trainer's manifest signing key (public half), creating the key pair if there
+    is none yet, so it can be handed to volunteers before the trainer starts.
+
+    Example: vrl public-key --work-dir .vrl/trainer
+    """
+    with _clean_errors():
+        from volunteer_rl.signing import key_path, load_or_create_key, public_key_text
+
+        key, _ = load_or_create_key(key_path(signing_key, work_dir))
+        print(public_key_text(key))
 
 
 @app.command()
