@@ -103,8 +103,8 @@ def private_key_pem(key: Ed25519PrivateKey) -> bytes:
 def parse_private_key(data: bytes, where: str) -> Ed25519PrivateKey:
     try:
         key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
-        raise KeyFileError(f"{where}: not an unencrypted PEM private key ({exc})") from None
+    except (ValueError, TypeError):
+        raise KeyFileError(f"{where}: not an unencrypted PEM private key") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{where}: holds a {type(key).__name__}, not an Ed25519 key")
     return key
