@@ -23,6 +23,9 @@ Bucket = Annotated[str, typer.Option("--bucket", "-b", help="Bucket URI: a folde
 Endpoint = Annotated[Optional[str], typer.Option("--endpoint-url", envvar="VRL_ENDPOINT_URL", help="S3-compatible endpoint (MinIO, R2, a test server).")]
 Threads = Annotated[int, typer.Option("--threads", help="torch CPU threads (0: torch's default).")]
 Device = Annotated[str, typer.Option("--device", help="cuda, mps, cpu or auto.")]
+TrustKey = Annotated[Optional[str], typer.Option("--trust-key", envvar="VRL_TRUST_KEY", help="The trainer's public key (ed25519:...) or a file holding it; without it the key of the first manifest seen is pinned for this bucket.")]
+AllowUnsigned = Annotated[bool, typer.Option("--allow-unsigned", help="Accept manifests without a signature (an older trainer).")]
+SigningKey = Annotated[Optional[str], typer.Option("--signing-key", help="The trainer's Ed25519 private key (PEM), created if missing (default: WORK_DIR/signing-key.pem). Keep it out of the bucket.")]
 
 
 def _log(msg: str) -> None:
@@ -35,13 +38,15 @@ def _clean_errors():
     from volunteer_rl.checkpoint import CheckpointError
     from volunteer_rl.fleet import DenylistError
     from volunteer_rl.manifest import ManifestError
+    from volunteer_rl.signing import SignatureError
     from volunteer_rl.storage import StorageError
     from volunteer_rl.task import DatasetError
     from volunteer_rl.trainer import TrainerError
 
     try:
         yield
-    except (CheckpointError, DenylistError, ManifestError, StorageError, DatasetError,
+    except (CheckpointError, DenylistError, ManifestError, SignatureError, StorageError,
+            DatasetError,
             TrainerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(1)
@@ -76,6 +81,8 @@ def trainer(
     threads: Threads = 0,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local scratch folder; its state/ holds the optimizer between publishes.")] = ".vrl/trainer",
+    signing_key: SigningKey = None,
+    allow_unsigned: Annotated[bool, typer.Option("--allow-unsigned", help="Resume a bucket whose manifest is unsigned (an older trainer).")] = False,
     audit_tolerance: Annotated[float, typer.Option(help="Max gap (nats) between claimed and recomputed behavior logprobs (0: no audit).")] = 0.05,
     deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
     deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
@@ -113,6 +120,8 @@ def volunteer(
     threads: Threads = 0,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local cache for dataset and checkpoints.")] = ".vrl/volunteer",
+    trust_key: TrustKey = None,
+    allow_unsigned: AllowUnsigned = False,
 ):
     """Donate compute: follow the bucket's manifest, sample rollouts with the newest weights,
     upload shards. Ctrl-C or SIGTERM uploads the partial shard and exits 0.
@@ -125,7 +134,8 @@ def volunteer(
                           prompts_per_batch=prompts_per_batch, shard_groups=shard_groups,
                           shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
                           max_groups_per_version=max_groups_per_version, poll_seconds=poll_seconds,
-                          threads=threads, device=device, work_dir=work_dir)
+                          threads=threads, device=device, work_dir=work_dir,
+                          trust_key=trust_key, allow_unsigned=allow_unsigned)
     with _clean_errors():
         from volunteer_rl.volunteer import Volunteer
 
@@ -217,6 +227,8 @@ def eval_(
     samples: Annotated[int, typer.Option(help="Samples per prompt for the sampled accuracy.")] = 4,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local cache for checkpoints.")] = ".vrl/eval",
+    trust_key: TrustKey = None,
+    allow_unsigned: AllowUnsigned = False,
 ):
     """Held-out accuracy of a published version, greedy and at its sampling temperature.
 
@@ -226,12 +238,14 @@ def eval_(
         from volunteer_rl.config import PACKAGE_DATA
         from volunteer_rl.evaluate import greedy_and_sampled, load_version
         from volunteer_rl.policy import pick_device
+        from volunteer_rl.signing import reader_trust
         from volunteer_rl.storage import open_storage
         from volunteer_rl.task import load_csv
 
         problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
         storage = open_storage(bucket, endpoint_url)
-        m, policy = load_version(storage, version, work_dir, pick_device(device))
+        trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, _log)
+        m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
         res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
                                  m.sampling.max_new_tokens)
         _log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
@@ -247,6 +261,8 @@ def gc(
     endpoint_url: Endpoint = None,
     keep_versions: Annotated[int, typer.Option(min=1, help="Keep the newest N versions (the staleness window is always kept).")] = 10,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be removed; delete nothing.")] = False,
+    trust_key: Annotated[Optional[str], typer.Option("--trust-key", envvar="VRL_TRUST_KEY", help="The trainer's public key (ed25519:... or a file); without it any validly signed manifest is accepted.")] = None,
+    allow_unsigned: Annotated[bool, typer.Option("--allow-unsigned", help="Accept an unsigned manifest (an older trainer).")] = False,
 ):
     """Retention: delete checkpoints and rollout shards of versions older than the newest
     --keep-versions and the staleness window. The manifest's version, manifest.json,
@@ -257,9 +273,14 @@ def gc(
     """
     with _clean_errors():
         from volunteer_rl.retention import collect, summary_lines
+        from volunteer_rl.signing import Trust, resolve_trust_key
         from volunteer_rl.storage import open_storage
 
-        plan, outcome = collect(open_storage(bucket, endpoint_url), keep_versions, dry_run)
+        # Without --trust-key any validly signed manifest will do: gc runs with the
+        # trainer's credentials, and whoever can replace the manifest can delete anyway.
+        trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
+        plan, outcome = collect(open_storage(bucket, endpoint_url), keep_versions, dry_run,
+                                trust=trust)
     for line in summary_lines(plan, outcome, dry_run):
         _log(line)
     for _, message in outcome.failed[:GC_REPORTED_FAILURES]:
@@ -270,6 +291,23 @@ def gc(
               + (f" ({more} not shown)" if more > 0 else "") + "; run vrl gc again to retry",
               file=sys.stderr)
         raise typer.Exit(1)
+
+
+@app.command("public-key")
+def public_key(
+    signing_key: SigningKey = None,
+    work_dir: Annotated[str, typer.Option(help="The trainer's --work-dir.")] = ".vrl/trainer",
+):
+    """Print the trainer's manifest signing key (public half), creating the key pair if there
+    is none yet, so it can be handed to volunteers before the trainer starts.
+
+    Example: vrl public-key --work-dir .vrl/trainer
+    """
+    with _clean_errors():
+        from volunteer_rl.signing import key_path, load_or_create_key, public_key_text
+
+        key, _ = load_or_create_key(key_path(signing_key, work_dir))
+        print(public_key_text(key))
 
 
 @app.command()

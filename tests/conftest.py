@@ -20,6 +20,8 @@ class Template:
     """shards.Group objects sampled from those weights, each with reward variance."""
     eval_csv: Path
     """A 10-row held-out CSV, so a trainer's final eval takes a moment."""
+    key: Path
+    """The signing key that signed its manifests: trainers resuming it need --signing-key."""
 
     def copy(self, dest: Path) -> Path:
         shutil.copytree(self.bucket, dest)
@@ -43,7 +45,8 @@ def template(tmp_path_factory) -> Template:
     eval_csv = root / "eval10.csv"
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:11]))
     cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=500, eval_every=0,
-                        eval_dataset=str(eval_csv), work_dir=str(root / "work"))
+                        eval_dataset=str(eval_csv), work_dir=str(root / "work"),
+                        signing_key=str(root / "signing-key.pem"))
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.start()
     for _ in range(TEMPLATE_VERSION):
@@ -62,4 +65,4 @@ def template(tmp_path_factory) -> Template:
     assert len(groups) >= 32, f"only {len(groups)} groups with reward variance"
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
-    return Template(root / "bucket", groups, eval_csv)
+    return Template(root / "bucket", groups, eval_csv, root / "signing-key.pem")

@@ -20,6 +20,7 @@ from vrlproc import Proc, wait_for
 from volunteer_rl import layout
 from volunteer_rl.checkpoint import fetch_checkpoint
 from volunteer_rl.manifest import read_manifest
+from volunteer_rl.signing import Trust
 from volunteer_rl.storage import open_storage
 
 CRASHES = [("ingest", 1), ("optimizer_step", 2), ("checkpoint_upload", 3),
@@ -27,11 +28,13 @@ CRASHES = [("ingest", 1), ("optimizer_step", 2), ("checkpoint_upload", 3),
 SHARDS = 6
 
 
-def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, crash: str | None) -> Proc:
+def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, crash: str | None,
+            key: Path) -> Proc:
     env = {"VRL_CRASH_AT": crash} if crash else {}
     return Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", "4",
                  "--max-staleness", "50", "--eval-every", "0", "--eval-dataset", str(eval_csv),
-                 "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(root / "work")],
+                 "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(root / "work"),
+                 "--signing-key", str(key)],
                 root / f"{name}.log", root, env)
 
 
@@ -54,7 +57,7 @@ def trained_lines(bucket: Path) -> Counter:
 
 def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
     storage = open_storage(str(bucket))
-    m = read_manifest(storage)
+    m = read_manifest(storage, trust=Trust(allow_unsigned=False))
     fetch_checkpoint(storage, m, tmp / f"check-v{m.version}")  # raises on any missing/bad file
     return m.version
 
@@ -67,14 +70,14 @@ def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_p
     expected = {(k, line) for k in keys for line in range(4)}
     versions = [TEMPLATE_VERSION]
     for point, nth in CRASHES:
-        proc = trainer(bucket, tmp_path, point, template.eval_csv, f"{point}:{nth}")
+        proc = trainer(bucket, tmp_path, point, template.eval_csv, f"{point}:{nth}", template.key)
         code = proc.wait(180)
         assert code == -9 and f"crash point {point}: SIGKILL" in proc.text(), proc.text()[-2000:]
         versions.append(assert_manifest_complete(bucket, tmp_path))
         assert set(trained_lines(bucket)) <= expected
         assert max(trained_lines(bucket).values(), default=1) == 1, point
     assert versions == sorted(versions) and versions[-1] > TEMPLATE_VERSION
-    final = trainer(bucket, tmp_path, "final", template.eval_csv, None)
+    final = trainer(bucket, tmp_path, "final", template.eval_csv, None, template.key)
     try:
         wait_for(lambda: set(trained_lines(bucket)) == expected, 180, "every group trained")
     finally:
@@ -95,6 +98,7 @@ def test_a_volunteer_killed_mid_upload_leaves_nothing_visible(template, tmp_path
     no shard, and no partial one."""
     bucket = template.copy(tmp_path / "bucket")
     proc = Proc(["volunteer", "--bucket", str(bucket), "--id", "doomed", "--threads", "1",
+                 "--trust-key", f"{template.key}.pub",
                  "--shard-groups", "4", "--prompts-per-batch", "4", "--seed", "1",
                  "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path,
                 {"VRL_CRASH_AT": "local_write:1"})

@@ -24,11 +24,12 @@ V = TEMPLATE_VERSION
 VOCAB = 640
 
 
-def trainer(bucket: Path, root: Path, name: str, eval_csv: Path) -> Proc:
+def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, key: Path) -> Proc:
     return Proc(["trainer", "--bucket", str(bucket), "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
-                 "--work-dir", str(root / f"{name}-work")], root / f"{name}.log", root)
+                 "--work-dir", str(root / f"{name}-work"),
+                 "--signing-key", str(key)], root / f"{name}.log", root)
 
 
 def as_dicts(groups, volunteer: str) -> list[dict]:
@@ -141,7 +142,7 @@ def run(template, root: Path, name: str, hostile: bool) -> tuple[bytes, str, Pat
     bucket = template.copy(root / f"{name}-bucket")
     groups = template.groups
     g1, g2 = as_dicts(groups[:4], "good-a"), as_dicts(groups[4:8], "good-b")
-    proc = trainer(bucket, root, name, template.eval_csv)
+    proc = trainer(bucket, root, name, template.eval_csv, template.key)
     try:
         g1_key = put(bucket, key("good-a", "g1"), gz_lines(g1))
         wait_for(lambda: f"took {g1_key}: 4 usable" in proc.text(), 120, "G1 taken")

@@ -181,7 +181,8 @@ def test_unreadable_shard_is_reported_and_never_trained_on(run):
     (bucket / key).parent.mkdir(parents=True)
     (bucket / key).write_bytes(b"\x1f\x8b\x08 this is not a gzip stream")
     r = run_vrl(["trainer", "--bucket", str(bucket), "--max-seconds", "3", "--work-dir",
-                 str(run["root"] / "tw3")], cwd=run["root"])
+                 str(run["root"] / "tw3"), "--signing-key", str(run["root"] / "tw/signing-key.pem")],
+                cwd=run["root"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(f"rejected {key}: bad_gzip") == 1
 

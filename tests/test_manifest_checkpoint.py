@@ -6,7 +6,11 @@ from volunteer_rl import layout
 from volunteer_rl.checkpoint import CheckpointError, fetch_checkpoint, publish_checkpoint
 from volunteer_rl.manifest import (Dataset, Manifest, ManifestError, Sampling, read_manifest,
                                    write_manifest)
+from volunteer_rl.signing import Ed25519PrivateKey, Trust, public_key_text, sign
 from volunteer_rl.storage import open_storage
+
+KEY = Ed25519PrivateKey.generate()
+TRUST = Trust(public_key_text(KEY))
 
 
 def make_manifest(version=3, files=None):
@@ -17,21 +21,21 @@ def make_manifest(version=3, files=None):
 
 def test_round_trip_and_history(tmp_path):
     s = open_storage(str(tmp_path))
-    assert read_manifest(s) is None
+    assert read_manifest(s, trust=TRUST) is None
     m = make_manifest()
-    etag = write_manifest(s, m, None)
-    assert read_manifest(s) == m
-    assert read_manifest(s, version=3) == m
-    assert read_manifest(s, version=2) is None
+    etag = write_manifest(s, m, None, KEY)
+    assert read_manifest(s, trust=TRUST) == m
+    assert read_manifest(s, version=3, trust=TRUST) == m
+    assert read_manifest(s, version=2, trust=TRUST) is None
     raw = json.loads((tmp_path / "manifest.json").read_text())
     assert raw["schema_version"] == layout.SCHEMA_VERSION
     # A second trainer that never saw this manifest cannot advance the bucket.
     from volunteer_rl.storage import PreconditionFailed
     m4 = make_manifest(4)
     with pytest.raises(PreconditionFailed):
-        write_manifest(s, m4, None)
-    write_manifest(s, m4, etag)
-    assert read_manifest(s).version == 4
+        write_manifest(s, m4, None, KEY)
+    write_manifest(s, m4, etag, KEY)
+    assert read_manifest(s, trust=TRUST).version == 4
     assert raw["sampling"] == {"k": 8, "temperature": 1.0, "max_new_tokens": 32}
 
 
@@ -45,7 +49,7 @@ def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle
     s = open_storage(str(tmp_path))
     s.write("manifest.json", body)
     with pytest.raises(ManifestError) as e:
-        read_manifest(s)
+        read_manifest(s, trust=Trust(allow_unsigned=True))  # the field checks, not the signature
     msg = str(e.value)
     assert msg.startswith("manifest.json") and needle in msg and "\n" not in msg
 
@@ -54,18 +58,18 @@ def test_manifest_must_point_at_its_own_version(tmp_path):
     s = open_storage(str(tmp_path))
     data = json.loads(make_manifest().to_json())
     data["checkpoint"] = "checkpoints/v000001"
-    s.write("manifest.json", json.dumps(data).encode())
+    s.write("manifest.json", json.dumps(sign(data, KEY)).encode())  # signed, still refused
     with pytest.raises(ManifestError, match="does not match version"):
-        read_manifest(s)
+        read_manifest(s, trust=TRUST)
 
 
 def test_unsafe_file_names_in_manifest_refused(tmp_path):
     s = open_storage(str(tmp_path))
     data = json.loads(make_manifest().to_json())
     data["files"] = {"../../etc/passwd": {"sha256": "0" * 64, "size": 1}}
-    s.write("manifest.json", json.dumps(data).encode())
+    s.write("manifest.json", json.dumps(sign(data, KEY)).encode())
     with pytest.raises(ManifestError, match="unsafe"):
-        read_manifest(s)
+        read_manifest(s, trust=TRUST)
 
 
 def test_publish_then_fetch_verifies_sha(tmp_path):

@@ -129,7 +129,8 @@ def test_trainer_publishes_any_hf_folder_through_the_same_path(tiny, tmp_path):
     t.held_out = t.held_out[:20]
     t.start()
     assert t.manifest.version == 0 and t.manifest.prompt_format == "chat"
-    m, loaded = load_version(t.storage, 0, tmp_path / "ev")
+    from volunteer_rl.signing import Trust, public_key_text
+    m, loaded = load_version(t.storage, 0, tmp_path / "ev", trust=Trust(public_key_text(t.key)))
     assert loaded.prompt_format == "chat" and m.files["model.safetensors"].size > 0
     assert torch.equal(loaded.model.model.embed_tokens.weight, policy.model.model.embed_tokens.weight)
 

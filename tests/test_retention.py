@@ -3,6 +3,7 @@ import pytest
 
 from volunteer_rl import layout
 from volunteer_rl.manifest import Dataset, Manifest, Sampling
+from volunteer_rl.signing import Trust
 from volunteer_rl.retention import (BELOW_RANGE, UNCOMMITTED, TrainerRetention, collect,
                                     execute, is_missing, kept_from, plan, summary_lines,
                                     version_ranges)
@@ -135,6 +136,9 @@ def manifest(version, max_staleness=1):
                     sampling=Sampling(2, 1.0, 8), max_staleness=max_staleness)
 
 
+UNSIGNED = Trust(allow_unsigned=True)  # these manifests are written by hand, not signed
+
+
 def set_current(storage, version):
     """manifest.json as the trainer leaves it (its manifests/ copy is written by `fill`)."""
     storage.write(layout.MANIFEST, manifest(version).to_json())
@@ -152,9 +156,9 @@ def test_collect_deletes_and_dry_run_does_not(tmp_path):
     s.write("ledger/v000001.jsonl", b"{}")
     set_current(s, 7)
     before = s.list("")
-    _, out = collect(s, keep_versions=3, dry_run=True)
+    _, out = collect(s, keep_versions=3, dry_run=True, trust=UNSIGNED)
     assert s.list("") == before and out.objects == 5 * 4 and out.bytes == 5 * 4 * 5
-    _, out = collect(s, keep_versions=3)
+    _, out = collect(s, keep_versions=3, trust=UNSIGNED)
     assert out.objects == 20 and not out.failed
     assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints") + s.list("rollouts")} == {5, 6, 7}
     assert s.exists("ledger/v000001.jsonl") and s.exists(layout.manifest_history_key(0))
@@ -163,7 +167,7 @@ def test_collect_deletes_and_dry_run_does_not(tmp_path):
     assert not (tmp_path / "checkpoints" / "v000000").exists()
     assert not (tmp_path / "rollouts" / "v000000").exists()
     # A second pass finds nothing left to do.
-    assert collect(s, keep_versions=3)[1].objects == 0
+    assert collect(s, keep_versions=3, trust=UNSIGNED)[1].objects == 0
 
 
 def test_collect_refuses_a_bucket_without_manifest(tmp_path):
@@ -172,7 +176,7 @@ def test_collect_refuses_a_bucket_without_manifest(tmp_path):
     s = open_storage(str(tmp_path))
     fill(s, range(3))
     with pytest.raises(ManifestError, match="manifest.json: not found"):
-        collect(s, keep_versions=1)
+        collect(s, keep_versions=1, trust=UNSIGNED)
     assert len(s.list("checkpoints")) == 6
 
 
@@ -195,7 +199,7 @@ def test_failed_deletes_are_reported_and_the_rest_goes_on(tmp_path):
     s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
     fill(s, range(6))
     set_current(s, 5)
-    _, out = collect(s, keep_versions=2)
+    _, out = collect(s, keep_versions=2, trust=UNSIGNED)
     assert len(out.failed) == 4 and all("vol-2" in k for k, _ in out.failed)
     assert all(m.startswith(k) and "\n" not in m for k, m in out.failed)
     assert out.objects == 4 * 3  # both checkpoint files and vol-1's shard of v0-v3
@@ -275,7 +279,8 @@ def test_gc_command_names_each_failed_object_and_exits_1(tmp_path, monkeypatch):
     fill(s, range(6))
     set_current(s, 5)
     monkeypatch.setattr(volunteer_rl.storage, "open_storage", lambda uri, endpoint=None: s)
-    r = CliRunner().invoke(app, ["gc", "--bucket", str(tmp_path), "--keep-versions", "2"])
+    r = CliRunner().invoke(app, ["gc", "--bucket", str(tmp_path), "--keep-versions", "2",
+                                 "--allow-unsigned"])
     assert r.exit_code == 1, r.output
     out, err = r.stdout.splitlines(), r.stderr.splitlines()
     assert out[0].startswith("kept: v4-v5 ")

@@ -59,7 +59,9 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
 
     `only` restricts the download to some files (a volunteer swapping weights needs only the
     safetensors). Files land under a temp name and are renamed when verified, so `dest` never
-    holds bytes that did not match.
+    holds bytes that did not match. A full fetch also removes files the manifest does not name
+    (left by another version or bucket), so a loader reading the whole folder reads only
+    files checked against this manifest.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,10 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
         tmp = dest / f".{name}.part"
         tmp.write_bytes(data)
         tmp.replace(dest / name)
+    if only is None:
+        for path in dest.iterdir():
+            if path.is_file() and path.name not in manifest.files:
+                path.unlink()
     return dest
 
 

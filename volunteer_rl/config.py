@@ -78,6 +78,11 @@ class TrainerConfig:
     """...provided at least this share of all its shards was rejected."""
     log_shards: bool = False
     """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
+    signing_key: str | None = None
+    """Ed25519 private key (PEM) that signs every manifest; None: <work_dir>/signing-key.pem.
+    Created on first use; it must stay on this host, never in the bucket."""
+    allow_unsigned: bool = False
+    """Resume a bucket whose manifest is unsigned (written by a trainer from before signing)."""
 
 
 @dataclass
@@ -114,3 +119,8 @@ class VolunteerConfig:
     """Local cache for the dataset and checkpoints."""
     seed: int | None = None
     """Prompt-order and sampling seed (None: random)."""
+    trust_key: str | None = None
+    """The trainer's public key (`ed25519:...` or a file holding it); None: trust the key of
+    the first manifest seen and pin it in <work_dir>/trusted-keys.json for this bucket."""
+    allow_unsigned: bool = False
+    """Accept manifests with no signature (an older trainer); signed ones are still checked."""

@@ -100,15 +100,17 @@ def report(bucket: Path, work: Path) -> dict[int, dict[str, float]]:
     from .config import PACKAGE_DATA
     from .evaluate import greedy_and_sampled, load_version
     from .manifest import read_manifest
+    from .signing import Trust, resolve_trust_key
     from .storage import open_storage
     from .task import load_csv
 
     storage = open_storage(str(bucket))
-    last = read_manifest(storage)
+    trust = Trust(resolve_trust_key(str(work / "trainer" / "signing-key.pem.pub")))
+    last = read_manifest(storage, trust=trust)
     problems = load_csv(PACKAGE_DATA / "eval.csv")
     results = {}
     for version in sorted({0, last.version}):
-        m, policy = load_version(storage, version, work / "eval")
+        m, policy = load_version(storage, version, work / "eval", trust=trust)
         results[version] = greedy_and_sampled(policy, problems, m.sampling.temperature, 4,
                                               m.sampling.max_new_tokens)
     print(f"\nheld-out accuracy on {len(problems)} prompts (sampled: T={last.sampling.temperature}, 4 samples each)")

@@ -10,6 +10,7 @@ from .manifest import Manifest, ManifestError, read_manifest
 from .policy import Policy, encode_prompts, load_policy, sample
 from .retention import is_missing
 from .storage import StorageError
+from .signing import Trust
 from .task import Problem, reward
 
 
@@ -39,9 +40,11 @@ def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: flo
     }
 
 
-def load_version(storage, version: int | None, work_dir: Path, device="cpu") -> tuple[Manifest, Policy]:
-    """Fetch a published version (the current one if None), verify its files, load it."""
-    m = read_manifest(storage, version)
+def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,
+                 trust: Trust) -> tuple[Manifest, Policy]:
+    """Fetch a published version (the current one if None), check its manifest's signature
+    with `trust`, verify its files against the signed sha256s, load it."""
+    m = read_manifest(storage, version, trust=trust)
     if m is None:
         what = layout.MANIFEST if version is None else layout.manifest_history_key(version)
         raise ManifestError(f"{what}: not found in {storage.uri} (nothing published there?)")

@@ -3,6 +3,8 @@
 The trainer writes it only after every object of a version is uploaded and verified, so a
 reader that follows the manifest never meets a half-published checkpoint. Readers go the
 opposite way: manifest first, then the files it names, each checked against its sha256.
+The manifest is signed by the trainer's key (see signing.py) and readers check the signature
+on the bytes they read, against the key they trust, before any sha256 in it is used.
 Schema: docs/PROTOCOL.md.
 """
 
@@ -12,7 +14,10 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from . import layout
+from .signing import Trust, sign
 from .storage import NotFound, Storage, StorageError
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; anything near this is not ours
@@ -63,16 +68,22 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
 
     def to_json(self) -> bytes:
+        """Unsigned JSON (what a signature covers is the same object; see to_signed_json)."""
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    def to_signed_json(self, key: Ed25519PrivateKey) -> bytes:
+        """The manifest as the bucket holds it: the same object plus its `signature` field."""
+        return json.dumps(sign(asdict(self), key), indent=1, sort_keys=True).encode()
 
     @staticmethod
     def from_json(data: bytes) -> "Manifest":
+        """Parse without checking any signature (read_manifest and poll_manifest check it)."""
+        return Manifest.from_raw(decode(data))
+
+    @staticmethod
+    def from_raw(raw: dict) -> "Manifest":
+        """The manifest of a decoded JSON object; ManifestError if a field is wrong."""
         try:
-            raw = json.loads(data)
-            if raw.get("schema_version") != layout.SCHEMA_VERSION:
-                raise ManifestError(
-                    f"{layout.MANIFEST}: schema_version {raw.get('schema_version')!r} is not "
-                    f"{layout.SCHEMA_VERSION}; upgrade volunteer_rl")
             files = {name: FileEntry(str(e["sha256"]), int(e["size"]))
                      for name, e in raw["files"].items()}
             for name in files:
@@ -94,9 +105,30 @@ class Manifest:
         return m
 
 
-def _parse(key: str, data: bytes, version: int | None) -> Manifest:
+def decode(data: bytes) -> dict:
+    """The JSON object of a manifest's bytes, checked for the schema version only."""
     try:
-        m = Manifest.from_json(data)
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{layout.MANIFEST}: malformed (not a JSON object)")
+    if raw.get("schema_version") != layout.SCHEMA_VERSION:
+        raise ManifestError(
+            f"{layout.MANIFEST}: schema_version {raw.get('schema_version')!r} is not "
+            f"{layout.SCHEMA_VERSION}; upgrade volunteer_rl")
+    return raw
+
+
+def _parse(key: str, data: bytes, version: int | None, trust: Trust) -> Manifest:
+    """Decode, check the signature of that very object, then read its fields."""
+    try:
+        raw = decode(data)
+    except ManifestError as exc:
+        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
+    trust.check(raw, key)
+    try:
+        m = Manifest.from_raw(raw)
     except ManifestError as exc:
         raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
     if version is not None and m.version != version:
@@ -104,10 +136,11 @@ def _parse(key: str, data: bytes, version: int | None) -> Manifest:
     return m
 
 
-def read_manifest(storage: Storage, version: int | None = None) -> Manifest | None:
+def read_manifest(storage: Storage, version: int | None = None, *, trust: Trust) -> Manifest | None:
     """The current manifest (or the kept copy of `version`'s), None if there is none yet.
 
-    Raises ManifestError (one line, naming the object) if it exists but is not valid.
+    Raises ManifestError (one line, naming the object) if it exists but is not valid, and
+    SignatureError if `trust` does not accept its signature.
     """
     key = layout.MANIFEST if version is None else layout.manifest_history_key(version)
     try:
@@ -116,10 +149,11 @@ def read_manifest(storage: Storage, version: int | None = None) -> Manifest | No
         return None
     except StorageError as exc:
         raise ManifestError(str(exc)) from None
-    return _parse(key, data, version)
+    return _parse(key, data, version, trust)
 
 
-def poll_manifest(storage: Storage, etag: str | None) -> tuple[Manifest | None, str | None]:
+def poll_manifest(storage: Storage, etag: str | None, *,
+                  trust: Trust) -> tuple[Manifest | None, str | None]:
     """(manifest, etag) if manifest.json changed since `etag`, (None, etag) if it did not or
     does not exist yet. On S3 an unchanged manifest costs a bodiless 304, so thousands of
     idle volunteers polling cost almost nothing."""
@@ -131,15 +165,17 @@ def poll_manifest(storage: Storage, etag: str | None) -> tuple[Manifest | None, 
         raise ManifestError(str(exc)) from None
     if data is None:
         return None, etag
-    return _parse(layout.MANIFEST, data, None), new_etag
+    return _parse(layout.MANIFEST, data, None, trust), new_etag
 
 
-def write_manifest(storage: Storage, manifest: Manifest, etag: str | None) -> str:
-    """Commit a version: manifest.json as a compare-and-swap against `etag` (the manifest this
-    trainer last wrote or read; None on an empty bucket), so two trainers can never both
-    advance one bucket; then the version's write-once copy under manifests/, which only a
-    committed version gets. Returns the new etag."""
-    data = manifest.to_json()
+def write_manifest(storage: Storage, manifest: Manifest, etag: str | None,
+                   key: Ed25519PrivateKey) -> str:
+    """Commit a version: manifest.json, signed with `key`, as a compare-and-swap against `etag`
+    (the manifest this trainer last wrote or read; None on an empty bucket), so two trainers
+    can never both advance one bucket; then the version's write-once copy under manifests/
+    (the same bytes, signature included), which only a committed version gets. Returns the
+    new etag."""
+    data = manifest.to_signed_json(key)
     new_etag = storage.write_if_match(layout.MANIFEST, data, etag)
     storage.create(layout.manifest_history_key(manifest.version), data)
     return new_etag

@@ -30,6 +30,7 @@ from typing import Callable, Collection, Iterable
 
 from . import layout
 from .manifest import Manifest, ManifestError, read_manifest
+from .signing import Trust
 from .storage import NotFound, Storage, StorageError
 
 DEFAULT_PREFIXES = (layout.CHECKPOINTS, layout.ROLLOUTS)
@@ -206,12 +207,12 @@ def execute(storage: Storage, p: Plan, dry_run: bool = False) -> Outcome:
 
 
 def collect(storage: Storage, keep_versions: int, dry_run: bool = False,
-            prefixes: Collection[str] = DEFAULT_PREFIXES) -> tuple[Plan, Outcome]:
+            prefixes: Collection[str] = DEFAULT_PREFIXES, *, trust: Trust) -> tuple[Plan, Outcome]:
     """What `vrl gc` does: read the manifest, list the prefixes whole, plan, delete.
 
     The manifest is read before anything is listed: a trainer that publishes meanwhile only
     moves the kept range up, so nothing the plan deletes can have become needed."""
-    m = read_manifest(storage)
+    m = read_manifest(storage, trust=trust)
     if m is None:
         raise ManifestError(f"{layout.MANIFEST}: not found in {storage.uri}; without it "
                             "nothing is known to be safe to delete")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import layout
 from .checkpoint import clear_folder, fetch_checkpoint, publish_checkpoint, sha256_bytes
@@ -30,6 +31,7 @@ from .manifest import Dataset, Manifest, Sampling, poll_manifest, read_manifest,
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
 from .retention import TrainerRetention
+from .signing import Trust, key_path, load_or_create_key, public_key_text
 from .state import load_state, prune_states, save_state
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
@@ -66,6 +68,19 @@ def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.de
     return policy
 
 
+def signing_key(cfg: TrainerConfig, bucket_uri: str, log: Callable[[str], None]) -> Ed25519PrivateKey:
+    """The key that signs this trainer's manifests, made on the first run. It is refused
+    inside a folder bucket: whoever can read the bucket could then sign manifests."""
+    path = key_path(cfg.signing_key, cfg.work_dir)
+    if "://" not in bucket_uri and path.is_relative_to(Path(bucket_uri)):
+        raise TrainerError(f"--signing-key {path}: inside the bucket folder {bucket_uri}; keep "
+                           "the private key out of the bucket")
+    key, created = load_or_create_key(path)
+    log(f"{'created' if created else 'loaded'} manifest signing key {path}; public key "
+        f"{public_key_text(key)} (give volunteers --trust-key with it, or {path.name}.pub)")
+    return key
+
+
 def upload_dataset(storage: Storage, path: Path) -> Dataset:
     data = path.read_bytes()
     sha = sha256_bytes(data)
@@ -79,13 +94,14 @@ def upload_dataset(storage: Storage, path: Path) -> Dataset:
 
 
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
-            dataset: Dataset, etag: str | None,
+            dataset: Dataset, etag: str | None, key: Ed25519PrivateKey,
             before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
-    commit it all with the manifest: in that order, so a crash anywhere before the manifest
-    leaves the previous version standing, complete.
+    commit it all with the signed manifest: in that order, so a crash anywhere before the
+    manifest leaves the previous version standing, complete.
 
-    `etag` is the manifest this trainer last saw; returns the new manifest and its etag."""
+    `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
+    manifest and its etag."""
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
@@ -100,7 +116,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     before_commit()
     crash_point("before_manifest")
     try:
-        return manifest, write_manifest(storage, manifest, etag)
+        return manifest, write_manifest(storage, manifest, etag, key)
     except PreconditionFailed:
         raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
                            "being published; is a second trainer running on this bucket?") from None
@@ -212,7 +228,9 @@ class Trainer:
     def start(self) -> None:
         """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
         cfg = self.cfg
-        manifest, etag = poll_manifest(self.storage, None)
+        self.key = signing_key(cfg, self.storage.uri, self.log)
+        trust = Trust(public_key_text(self.key), cfg.allow_unsigned, origin="this trainer's --signing-key")
+        manifest, etag = poll_manifest(self.storage, None, trust=trust)
         if manifest is None:
             self._start_fresh()
         else:
@@ -235,7 +253,7 @@ class Trainer:
         self.dataset = upload_dataset(self.storage, self.train_path)
         self.ledger = Ledger()
         self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
-                                           self.dataset, None, lambda: self._save(0))
+                                           self.dataset, None, self.key, lambda: self._save(0))
         self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
         self.published = {0}
         self._evaluate(0, full=True)
@@ -377,7 +395,7 @@ class Trainer:
         self.last_used += 1
         version = self.last_used
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
-                                           self.run_id, self.dataset, self.etag,
+                                           self.run_id, self.dataset, self.etag, self.key,
                                            lambda: self._save(version))
         self.retention.after_publish(self.manifest)
         self.ingest.audit_version = version

@@ -1,8 +1,13 @@
 """A volunteer: follow the manifest, sample groups with the newest weights, upload shards.
 
-Everything it needs comes from the bucket: the manifest (polled), the dataset and the
-checkpoint files it names (each checked against the manifest's sha256). All it writes is its
-own shards, under rollouts/<version>/<its id>/, each one written once.
+Everything it needs comes from the bucket: the manifest (polled, its signature checked
+against the trainer's key), the dataset and the checkpoint files it names (each checked
+against the manifest's sha256). All it writes is its own shards, under
+rollouts/<version>/<its id>/, each one written once.
+
+A manifest whose signature it does not accept is fatal before the first one was accepted (a
+volunteer must not work for a foreign trainer) and, later, refused with a warning while it
+keeps polling: it never loads what such a manifest names.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
 from .retention import is_missing
 from .shards import Completion, Group, encode_shard, new_shard_name
+from .signing import SignatureError, reader_trust
 from .storage import Storage, StorageError, open_storage
 from .task import DatasetError, Problem, load_csv, reward
 
@@ -87,6 +93,8 @@ class Volunteer:
         if not layout.is_safe_name(self.id):
             raise ValueError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting with . or -)")
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
+                                  cfg.allow_unsigned, log)
         self.device = pick_device(cfg.device)
         self.work = Path(cfg.work_dir) / self.id
         self.rng = random.Random(cfg.seed)
@@ -105,7 +113,13 @@ class Volunteer:
     def _poll_manifest(self) -> Manifest | None:
         """The newest manifest (the one already held when unchanged); None if none is readable."""
         try:
-            m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag)
+            m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
+        except SignatureError as exc:
+            if self.latest is None:
+                raise  # never accepted one: this bucket's trainer is not the one we trust
+            self.manifest_etag = None
+            self._warn("manifest", f"{exc}; refused (nothing it names is loaded), still polling")
+            return None
         except ManifestError as exc:
             self.manifest_etag = None  # read it in full again next time
             self._warn("manifest", f"{exc}; waiting for a valid one")
@@ -225,6 +239,8 @@ class Volunteer:
             torch.manual_seed(cfg.seed)
         started = time.time()
         self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
+        if self.trust.key:
+            self.log(f"manifests must be signed by {self.trust.key} ({self.trust.origin})")
         writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log)
         try:
             while not self.stop.is_set():
