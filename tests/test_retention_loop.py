@@ -16,6 +16,9 @@ from vrlproc import Proc, run_vrl
 from volunteer_rl import layout
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.manifest import read_manifest
+from volunteer_rl.signing import Trust
+
+ANY_SIGNER = Trust()  # the test reads the run it started: any valid signature will do
 from volunteer_rl.shards import Completion, Group, encode_shard, new_shard_name
 from volunteer_rl.storage import open_storage
 from volunteer_rl.task import load_csv
@@ -53,7 +56,7 @@ def feed(storage, trainer: Proc, problems) -> None:
     tokenizer, written = None, set()
     deadline = time.time() + 180
     while trainer.p.poll() is None and time.time() < deadline:
-        m = read_manifest(storage)
+        m = read_manifest(storage, trust=ANY_SIGNER)
         if m is not None and m.version not in written:
             if tokenizer is None:
                 tokenizer = Tokenizer.from_file(str(Path(storage.uri) / m.checkpoint / "tokenizer.json"))
@@ -86,7 +89,7 @@ def run(tmp_path_factory):
 
 def test_trainer_gc_every_keeps_the_newest_versions(run):
     bucket = run["bucket"]
-    assert read_manifest(open_storage(str(bucket))).version == STEPS
+    assert read_manifest(open_storage(str(bucket)), trust=ANY_SIGNER).version == STEPS
     # Passes after v2, v4, v6 and v8 (every 2nd publish); the last keeps v6-v8, the 3 newest.
     assert versions(bucket, layout.CHECKPOINTS) == {6, 7, 8}
     assert {6, 7} <= versions(bucket, layout.ROLLOUTS) <= {6, 7, 8}
@@ -143,7 +146,8 @@ def test_eval_of_the_current_version_works_and_a_removed_one_says_so(collected):
     assert re.search(r"^v8: greedy \d+\.\d%, sampled \(T=1.0\) \d+\.\d% on 10 prompts$", r.stdout, re.M)
     # `vrl eval --version 6` prints this one line (CheckpointError) and exits 1.
     with pytest.raises(CheckpointError) as e:
-        load_version(open_storage(str(collected["bucket"])), 6, collected["root"] / "ew")
+        load_version(open_storage(str(collected["bucket"])), 6, collected["root"] / "ew",
+                     trust=ANY_SIGNER)
     assert str(e.value) == (
         "checkpoints/v000006: removed by retention (`vrl gc` or `vrl trainer --gc-every`); "
         "manifests/v000006.json is kept as history, the weights are not")
@@ -153,24 +157,26 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     """The volunteer reads the manifest naming v8; before it fetches v8's weights the trainer
     publishes v9 and retention deletes v8. It must re-read the manifest and load v9."""
     from volunteer_rl.config import TrainerConfig, VolunteerConfig
+    from volunteer_rl.signing import load_or_create_key
     from volunteer_rl.trainer import publish
     from volunteer_rl.volunteer import Volunteer
 
     bucket = tmp_path / "bucket"
     shutil.copytree(collected["bucket"], bucket)
     s = open_storage(str(bucket))
-    m7, m8 = read_manifest(s, 7), read_manifest(s, 8)
+    m7, m8 = read_manifest(s, 7, trust=ANY_SIGNER), read_manifest(s, 8, trust=ANY_SIGNER)
     logs: list[str] = []
     v = Volunteer(VolunteerConfig(bucket=str(bucket), volunteer_id="v", work_dir=str(tmp_path / "vw")),
                   log=logs.append)
-    s.write(layout.MANIFEST, m7.to_json())          # the volunteer starts while v7 is current
+    s.write(layout.MANIFEST, s.read(layout.manifest_history_key(7)))  # v7 is current (signed bytes)
     assert v._try_switch(v._poll_manifest()) and v.manifest.version == 7
-    s.write(layout.MANIFEST, m8.to_json())          # v8 is published and seen...
+    s.write(layout.MANIFEST, s.read(layout.manifest_history_key(8)))  # v8 is published and seen...
     seen = v._poll_manifest()
     assert seen.version == 8 and v.manifest.version == 7
     etag = s.read_if_changed(layout.MANIFEST, None)[1]
     cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"))
-    publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag)   # ...then v9 comes
+    key, _ = load_or_create_key(collected["root"] / "tw" / "signing-key.pem")
+    publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key)   # ...then v9 comes
     for key in s.list(layout.checkpoint_prefix(8)):             # and v8 goes
         s.delete(key)
     assert v._try_switch(seen)

@@ -58,6 +58,7 @@ class IngestStats:
     duplicates: int = 0
     denied: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
+    by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
 
 
 @dataclass
@@ -244,7 +245,7 @@ class Ingest:
         crash_point("ingest")
         self.taken.add(key)
         stats.shards += 1
-        self._count(key, accepted=True)
+        self._count(key, True, stats)
         return self._sort(key, groups, stats)
 
     def _audit(self, groups: list[ScoredGroup]) -> None:
@@ -298,13 +299,14 @@ class Ingest:
             pass  # rejected before a restart: the first record stands
         except StorageError as exc:
             self.log(f"warning: {exc}")
-        self._count(key, accepted=False)
+        self._count(key, False, stats)
 
-    def _count(self, key: str, accepted: bool) -> None:
+    def _count(self, key: str, accepted: bool, stats: IngestStats) -> None:
         parsed = layout.parse_shard_key(key)
         if parsed is None:
             return
         volunteer = parsed[1]
+        stats.by_volunteer.setdefault(volunteer, [0, 0])[0 if accepted else 1] += 1
         if self.fleet.note(volunteer, accepted):
             c = self.fleet.counts[volunteer]
             reason = f"{c.rejected} of {c.accepted + c.rejected} shards rejected"

@@ -423,6 +423,7 @@ class Trainer:
             "ingest/shards": stats.shards, "ingest/groups": stats.groups,
             "ingest/rejected": dict(stats.rejected),
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
+            "ingest/by_volunteer": stats.by_volunteer,
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
             **timing,
             **{f"train/{k}": v for k, v in result.stats.items()},

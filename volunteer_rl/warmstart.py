@@ -28,9 +28,11 @@ def length_pooled_batches(lengths: list[int], batch_size: int, pool: int,
     """Endless batches of indices: shuffle, cut into pools of `pool` batches, sort each pool by
     length, deal it out as batches in random order.
 
-    Rows of a batch then have nearly equal lengths, so little compute goes to padding (1.6x
-    faster steps here), while each batch still mixes many templates: sorting the whole set
-    by length made batches of look-alike examples and learned less per step."""
+    Rows of a batch then have nearly equal lengths, so little compute goes to padding: with
+    pool 16, steps were 1.6x faster here at the same held-out accuracy after 900 steps. But
+    RL then learned far less from that v0 (the loop test: +1.7 sampled points in 40 steps,
+    against +7 from a v0 trained on plain random batches), so the default is pool 1: plain
+    shuffled batches. Sorting the whole set by length was worse still (look-alike batches)."""
     while True:
         order = list(range(len(lengths)))
         rng.shuffle(order)
@@ -58,7 +60,7 @@ def target_nll(policy: Policy, prompts: list[list[int]], targets: list[list[int]
 
 
 def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: int = 64,
-               lr: float = 2e-3, warmup: int = 30, seed: int = 0, pool: int = 16,
+               lr: float = 2e-3, warmup: int = 30, seed: int = 0, pool: int = 1,
                log: Callable[[str], None] = print) -> float:
     """Train on `steps` batches of gold expressions; returns the seconds it took."""
     rng = random.Random(seed)
