@@ -109,6 +109,9 @@ class VolunteerConfig:
     """At the cap, wait this long for a new version before making one more batch anyway."""
     manifest_grace_seconds: float = 60.0
     """Keep generating through manifest read failures for at most this long."""
+    heartbeat_seconds: float = 30.0
+    """Overwrite volunteers/<id>.json this often, from a thread (0: no heartbeat). `vrl status`
+    calls a volunteer offline after two of its periods without one."""
     max_seconds: float = 0.0
     """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
     threads: int = 0
