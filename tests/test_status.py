@@ -184,7 +184,7 @@ def test_build_status_joins_heartbeats_summary_and_metrics():
     console = Console(record=True, width=160)
     console.print(render(doc))
     text = console.export_text()
-    assert "producing" in text and "offline (denied)" in text and "v30 30.0%" in text
+    assert "producing" in text and "offline denied" in text and "v30 30.0%" in text
 
 
 def test_read_status_from_a_bucket():

@@ -65,6 +65,7 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
             assert rows[vid]["host"]["device"] == "cpu" and rows[vid]["groups_trained"] > 0
         table = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
         assert table.returncode == 0 and "vol-1" in table.stdout and "producing" in table.stdout
+        (tmp_path / "status.txt").write_text(table.stdout)  # a real sample for the docs
 
         # Time one status call, then kill a volunteer as hard as possible.
         _, cli_seconds = status(bucket, tmp_path)

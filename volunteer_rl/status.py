@@ -267,27 +267,40 @@ def trainer_lines(status: dict) -> list[str]:
             f"volunteers: {counts or 'none yet'}"]
 
 
+def _short_ago(seconds: float | None) -> str:
+    return "-" if seconds is None else _ago(seconds).removesuffix(" ago")
+
+
+def _version(r: dict) -> str:
+    if r["version"] is None:
+        return "-"
+    return f"v{r['version']}" + (f" -{r['version_lag']}" if r["version_lag"] else "")
+
+
+def _accepted(r: dict) -> str:
+    n = r["accepted_shards"] + r["rejected_shards"]
+    return f"{r['acceptance_rate']:.0%} of {n}" if n else "-"
+
+
 def volunteer_table(status: dict):
+    """One row per volunteer, narrow enough for an 80-column terminal."""
     from rich.table import Table
 
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for col, justify in (("volunteer", "left"), ("state", "left"), ("seen", "right"),
-                         ("version", "right"), ("lag", "right"), ("compl/min", "right"),
-                         ("completions", "right"), ("shards", "right"), ("accepted", "right"),
+    widest = max([len(r["id"]) for r in status["volunteers"]] + [9])
+    table.add_column("volunteer", no_wrap=True, min_width=min(widest, 20), overflow="ellipsis")
+    for col, justify in (("state", "left"), ("seen", "right"), ("version", "right"),
+                         ("/min", "right"), ("made", "right"), ("accepted", "right"),
                          ("trained", "right"), ("device", "left")):
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, no_wrap=True)
     for r in status["volunteers"]:
-        state = r["state"] + (" (denied)" if r["denied"] else "")
-        accepted = (f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} "
-                    f"{_pct(r['acceptance_rate'])}" if r["acceptance_rate"] is not None else "-")
-        host = r["host"] or {}
+        state = r["state"] + (" denied" if r["denied"] else "")
+        rate = r["completions_per_minute"] if r["state"] != "offline" else None
         table.add_row(r["id"], f"[{STATE_STYLE[r['state']]}]{state}[/]",
-                      _ago(r["seconds_since_heartbeat"]),
-                      "-" if r["version"] is None else f"v{r['version']}",
-                      "-" if r["version_lag"] is None else str(r["version_lag"]),
-                      "-" if r["completions_per_minute"] is None else f"{r['completions_per_minute']:,.0f}",
-                      _count(r["completions_total"]), _count(r["shards_uploaded"]), accepted,
-                      _count(r["groups_trained"]), str(host.get("device", "-")))
+                      _short_ago(r["seconds_since_heartbeat"]), _version(r),
+                      "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
+                      _accepted(r), _count(r["groups_trained"]),
+                      str((r["host"] or {}).get("device", "-")))
     return table
 
 
