@@ -91,6 +91,7 @@ def trainer(
     deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
     deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
     log_shards: Annotated[bool, typer.Option("--log-shards", help="One log line per shard taken.")] = False,
+    dashboard_every: Annotated[int, typer.Option(min=0, help="Write dashboard/ (HTML + plots) after every N publishes (0: off).")] = 0,
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
     rollout shards, publish a new version every --publish-every steps.
@@ -290,6 +291,23 @@ def status(
             watch_status(storage, interval, console)
         else:
             console.print(render(read_status(storage)))
+
+
+@app.command()
+def dashboard(bucket: Bucket, endpoint_url: Endpoint = None):
+    """Write dashboard/index.html and its plots (held-out accuracy and reward against version
+    and time, fleet throughput, staleness) into the bucket, from all of metrics/ and the
+    fleet's heartbeats. Open dashboard/index.html of a folder bucket in a browser.
+
+    Example: vrl dashboard --bucket ./bucket
+    """
+    with _clean_errors():
+        from volunteer_rl.dashboard import read_history, write_dashboard
+        from volunteer_rl.storage import open_storage
+
+        storage = open_storage(bucket, endpoint_url)
+        keys = write_dashboard(storage, read_history(storage))
+        _log(f"wrote {len(keys)} objects; open {storage.uri.rstrip('/')}/{keys[-1]}")
 
 
 GC_REPORTED_FAILURES = 20  # `vrl gc` names this many objects it could not delete, then counts

@@ -76,6 +76,9 @@ class TrainerConfig:
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = 0.5
     """...provided at least this share of all its shards was rejected."""
+    dashboard_every: int = 0
+    """Write dashboard/ (index.html and PNG plots) after every this many publishes, and after
+    the last one (0: never; `vrl dashboard` does the same by hand)."""
     log_shards: bool = False
     """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
     signing_key: str | None = None
