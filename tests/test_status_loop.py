@@ -1,7 +1,7 @@
 """`vrl status` against a live fleet: a trainer and two volunteers (real processes) on a folder
 bucket, heartbeats every second. Both show up producing; a volunteer killed with SIGKILL is
 called offline within two heartbeat periods (plus the time `vrl status` itself takes); one
-stopped with SIGTERM says so in its last heartbeat."""
+stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashboard/ up."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,8 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:21]))
     trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "300",
                     "--groups-per-step", "8", "--threads", "1", "--eval-every", "3",
-                    "--eval-dataset", str(eval_csv), "--work-dir", str(tmp_path / "tw")],
+                    "--eval-dataset", str(eval_csv), "--dashboard-every", "3",
+                    "--work-dir", str(tmp_path / "tw")],
                    tmp_path / "trainer.log", tmp_path,
                    # one thread for the warm start too: two OpenMP threads on a shared 2-core
                    # machine crawl whenever another process holds one of the cores
@@ -89,6 +90,8 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
         rows = by_id(status(bucket, tmp_path)[0])
         assert rows["vol-1"]["state"] == "offline" and rows["vol-1"]["reported_state"] == "stopped"
         assert rows["vol-1"]["shards_uploaded"] >= 1
+        page = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
+        assert "<td>vol-1</td>" in page and (bucket / "dashboard" / "reward.png").exists()
     finally:
         for p in [trainer, *vols.values()]:
             p.kill()
