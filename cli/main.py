@@ -41,13 +41,17 @@ def _clean_errors():
     from volunteer_rl.signing import SignatureError
     from volunteer_rl.storage import StorageError
     from volunteer_rl.task import DatasetError
-    from volunteer_rl.trainer import TrainerError
 
+    known = (CheckpointError, DenylistError, ManifestError, SignatureError, StorageError,
+             DatasetError, ValueError)
     try:
         yield
-    except (CheckpointError, DenylistError, ManifestError, SignatureError, StorageError,
-            DatasetError,
-            TrainerError, ValueError) as exc:
+    except Exception as exc:
+        # TrainerError only if the trainer was imported: importing it means importing torch,
+        # seconds that commands like `vrl status` have no use for.
+        trainer = sys.modules.get("volunteer_rl.trainer")
+        if not isinstance(exc, known + ((trainer.TrainerError,) if trainer else ())):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(1)
     except KeyboardInterrupt:
@@ -87,6 +91,7 @@ def trainer(
     deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
     deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
     log_shards: Annotated[bool, typer.Option("--log-shards", help="One log line per shard taken.")] = False,
+    dashboard_every: Annotated[int, typer.Option(min=0, help="Write dashboard/ (HTML + plots) after every N publishes (0: off).")] = 0,
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
     rollout shards, publish a new version every --publish-every steps.
@@ -116,6 +121,7 @@ def volunteer(
     max_groups_per_version: Annotated[int, typer.Option(help="Groups per published version, at most (0: no cap).")] = 0,
     poll_seconds: Annotated[float, typer.Option(help="Seconds between manifest polls while idle.")] = 1.0,
     max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0: until Ctrl-C).")] = 0.0,
+    heartbeat_seconds: Annotated[float, typer.Option(min=0, help="Seconds between heartbeats (volunteers/ID.json; 0: none).")] = 30.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for prompt choice and sampling.")] = None,
     threads: Threads = 0,
     device: Device = "auto",
@@ -135,7 +141,8 @@ def volunteer(
                           shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
                           max_groups_per_version=max_groups_per_version, poll_seconds=poll_seconds,
                           threads=threads, device=device, work_dir=work_dir,
-                          trust_key=trust_key, allow_unsigned=allow_unsigned)
+                          trust_key=trust_key, allow_unsigned=allow_unsigned,
+                          heartbeat_seconds=heartbeat_seconds)
     with _clean_errors():
         from volunteer_rl.volunteer import Volunteer
 
@@ -250,6 +257,57 @@ def eval_(
                                  m.sampling.max_new_tokens)
         _log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
              f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} on {len(problems)} prompts")
+
+
+@app.command()
+def status(
+    bucket: Bucket,
+    endpoint_url: Endpoint = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document (for scripts) instead of tables.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Redraw in place every --interval seconds until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(min=0.5, help="Seconds between redraws with --watch.")] = 5.0,
+):
+    """The fleet and the trainer at a glance: each volunteer's state (producing, idle,
+    stale-version, offline) from its heartbeat, its rate, totals and acceptance by the
+    trainer; the trainer's version, step, reward and held-out accuracy trend.
+
+    Example: vrl status --bucket s3://my-bucket/run1 --watch
+    """
+    with _clean_errors():
+        from volunteer_rl.status import read_status, render
+        from volunteer_rl.status import watch as watch_status
+        from volunteer_rl.storage import open_storage
+
+        storage = open_storage(bucket, endpoint_url)
+        if json_:
+            import json
+
+            print(json.dumps(read_status(storage), indent=1, sort_keys=True))
+            return
+        from rich.console import Console
+
+        console = Console()
+        if watch:
+            watch_status(storage, interval, console)
+        else:
+            console.print(render(read_status(storage)))
+
+
+@app.command()
+def dashboard(bucket: Bucket, endpoint_url: Endpoint = None):
+    """Write dashboard/index.html and its plots (held-out accuracy and reward against version
+    and time, fleet throughput, staleness) into the bucket, from all of metrics/ and the
+    fleet's heartbeats. Open dashboard/index.html of a folder bucket in a browser.
+
+    Example: vrl dashboard --bucket ./bucket
+    """
+    with _clean_errors():
+        from volunteer_rl.dashboard import read_history, write_dashboard
+        from volunteer_rl.storage import open_storage
+
+        storage = open_storage(bucket, endpoint_url)
+        keys = write_dashboard(storage, read_history(storage))
+        _log(f"wrote {len(keys)} objects; open {storage.uri.rstrip('/')}/{keys[-1]}")
 
 
 GC_REPORTED_FAILURES = 20  # `vrl gc` names this many objects it could not delete, then counts

@@ -100,6 +100,7 @@ def test_a_volunteer_killed_mid_upload_leaves_nothing_visible(template, tmp_path
     proc = Proc(["volunteer", "--bucket", str(bucket), "--id", "doomed", "--threads", "1",
                  "--trust-key", f"{template.key}.pub",
                  "--shard-groups", "4", "--prompts-per-batch", "4", "--seed", "1",
+                 "--heartbeat-seconds", "0",  # the first local write must be the shard's
                  "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path,
                 {"VRL_CRASH_AT": "local_write:1"})
     assert proc.wait(120) == -9 and "crash point local_write" in proc.text(), proc.text()[-2000:]

@@ -76,6 +76,9 @@ class TrainerConfig:
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = 0.5
     """...provided at least this share of all its shards was rejected."""
+    dashboard_every: int = 0
+    """Write dashboard/ (index.html and PNG plots) after every this many publishes, and after
+    the last one (0: never; `vrl dashboard` does the same by hand)."""
     log_shards: bool = False
     """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
     signing_key: str | None = None
@@ -109,6 +112,9 @@ class VolunteerConfig:
     """At the cap, wait this long for a new version before making one more batch anyway."""
     manifest_grace_seconds: float = 60.0
     """Keep generating through manifest read failures for at most this long."""
+    heartbeat_seconds: float = 30.0
+    """Overwrite volunteers/<id>.json this often, from a thread (0: no heartbeat). `vrl status`
+    calls a volunteer offline after two of its periods without one."""
     max_seconds: float = 0.0
     """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
     threads: int = 0

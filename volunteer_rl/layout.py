@@ -4,7 +4,7 @@ The bucket is the protocol between the trainer and volunteers that may run older
 the layout is written down in docs/PROTOCOL.md and versioned by SCHEMA_VERSION. Keys are
 relative to the bucket root (the storage object adds any prefix from the URI).
 
-    manifest.json                                   the commit point (the only overwritten object)
+    manifest.json                                   the commit point (overwritten)
     manifests/v000042.json                          write-once copy of each version's manifest
     checkpoints/v000042/<file>                      immutable checkpoint files
     datasets/<name>-<sha12>.csv                     the train split volunteers sample prompts from
@@ -12,7 +12,9 @@ relative to the bucket root (the storage object adds any prefix from the URI).
     metrics/v000042.jsonl                           trainer metrics of the steps that led to v42
     ledger/v000042.jsonl                            what the steps that led to v42 did with each shard
     quarantine/v000042/<volunteer_id>/<shard>.json  why a shard was rejected
-    denylist.json                                   volunteers whose shards are skipped
+    denylist.json                                   volunteers whose shards are skipped (overwritten)
+    volunteers/<volunteer_id>.json                  each volunteer's heartbeat (overwritten by it)
+    fleet.json                                      the trainer's summary of the fleet (overwritten)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ METRICS = "metrics"
 LEDGER = "ledger"
 QUARANTINE = "quarantine"
 DENYLIST = "denylist.json"
+VOLUNTEERS = "volunteers"
+FLEET = "fleet.json"
 
 # Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
 # can climb out of its prefix ("../") or collide with another after normalisation.
@@ -147,3 +151,19 @@ def quarantine_key(shard: str) -> str:
         raise ValueError(f"not a shard key: {shard!r}")
     version, volunteer, name = parsed
     return f"{QUARANTINE}/{version_dir(version)}/{volunteer}/{name}.json"
+
+
+def heartbeat_key(volunteer_id: str) -> str:
+    """`volunteers/<id>.json`: the one object a volunteer overwrites, its heartbeat."""
+    if not is_safe_name(volunteer_id):
+        raise ValueError(f"unsafe volunteer id: {volunteer_id!r}")
+    return f"{VOLUNTEERS}/{volunteer_id}.json"
+
+
+def parse_heartbeat_key(key: str) -> str | None:
+    """The volunteer id of a well-formed heartbeat key, else None."""
+    parts = key.strip("/").split("/")
+    if len(parts) != 2 or parts[0] != VOLUNTEERS or not parts[1].endswith(".json"):
+        return None
+    volunteer = parts[1][: -len(".json")]
+    return volunteer if is_safe_name(volunteer) else None

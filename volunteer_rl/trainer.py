@@ -24,6 +24,8 @@ from .config import PACKAGE_DATA, TrainerConfig
 from .evaluate import greedy_and_sampled
 from .faults import crash_point
 from .fleet import Fleet
+from .dashboard import TrainerDashboard
+from .fleet_summary import FleetSummary
 from .ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
 from .ledger import Ledger, rebuild
 from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
@@ -224,6 +226,8 @@ class Trainer:
         self.state_root = Path(cfg.work_dir) / "state"
         self.steps = 0  # optimizer steps of the whole run, restored on resume
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
+        self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
+        self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
 
     def start(self) -> None:
         """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
@@ -405,6 +409,8 @@ class Trainer:
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):
             self._evaluate(self.version, full=final)
+        self.fleet_summary.after_publish(self.manifest, self.steps, self.metrics_buffer, self.fleet, final)
+        self.dashboard.after_publish(self.metrics_buffer, final)
         self._flush_metrics(self.version)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,

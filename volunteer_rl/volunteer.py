@@ -3,7 +3,8 @@
 Everything it needs comes from the bucket: the manifest (polled, its signature checked
 against the trainer's key), the dataset and the checkpoint files it names (each checked
 against the manifest's sha256). All it writes is its own shards, under
-rollouts/<version>/<its id>/, each one written once.
+rollouts/<version>/<its id>/, each one written once, and its heartbeat volunteers/<its id>.json,
+overwritten every --heartbeat-seconds from a thread of its own (heartbeat.py).
 
 A manifest whose signature it does not accept is fatal before the first one was accepted (a
 volunteer must not work for a foreign trainer) and, later, refused with a warning while it
@@ -27,6 +28,7 @@ import torch
 from . import layout
 from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
 from .config import VolunteerConfig
+from .heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
 from .retention import is_missing
@@ -48,8 +50,9 @@ class ShardWriter:
     """Buffers groups of one policy version; uploads a shard every N groups or T seconds."""
 
     def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], on_upload: Callable[[int], None] | None = None):
         self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
+        self.on_upload = on_upload  # told the group count of each uploaded shard
         self.max_groups, self.max_seconds = max_groups, max_seconds
         self.groups: list[Group] = []
         self.version: int | None = None
@@ -81,6 +84,8 @@ class ShardWriter:
         rewards = [c.reward for g in self.groups for c in g.completions]
         self.log(f"uploaded {key}: {len(self.groups)} groups, reward {sum(rewards) / len(rewards):.3f}")
         self.uploaded_groups += len(self.groups)
+        if self.on_upload is not None:
+            self.on_upload(len(self.groups))
         self.seq += 1
         self.groups = []
 
@@ -96,6 +101,7 @@ class Volunteer:
         self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
                                   cfg.allow_unsigned, log)
         self.device = pick_device(cfg.device)
+        self.host = host_facts(str(self.device))
         self.work = Path(cfg.work_dir) / self.id
         self.rng = random.Random(cfg.seed)
         self.stop = threading.Event()
@@ -107,6 +113,9 @@ class Volunteer:
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
         self.extra_groups = 0  # groups allowed past the per-version cap (see _at_cap)
         self.capped_since: float | None = None
+        self.tally = Tally(started_at=time.time())
+        self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
+                                   self._heartbeat_payload, log)
 
     # -- following the manifest ---------------------------------------------------------------
 
@@ -199,6 +208,12 @@ class Volunteer:
             return None
         return now
 
+    def _heartbeat_payload(self, state: str, now: float) -> dict:
+        """What the heartbeat thread writes: counters plus the version in use."""
+        m = self.manifest
+        return heartbeat_payload(self.id, state, self.host, self.tally, self.cfg.heartbeat_seconds,
+                                 m.run_id if m else None, m.version if m else None, now)
+
     def _warn(self, topic: str, message: str) -> None:
         """Log a problem once, not once per poll, until it changes or goes away."""
         if self.warned.get(topic) != message:
@@ -241,7 +256,9 @@ class Volunteer:
         self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
         if self.trust.key:
             self.log(f"manifests must be signed by {self.trust.key} ({self.trust.origin})")
-        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log)
+        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log,
+                             on_upload=lambda n: self.tally.uploaded(n, time.time()))
+        self.heartbeat.start()
         try:
             while not self.stop.is_set():
                 if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
@@ -257,9 +274,14 @@ class Volunteer:
                     # groups made now would only be dropped.
                     self.stop.wait(cfg.poll_seconds)
                     continue
-                writer.add(self._generate(), self.manifest.version)
+                groups = self._generate()
+                self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
+                writer.add(groups, self.manifest.version)
         finally:
-            writer.flush()
+            try:
+                writer.flush()
+            finally:
+                self.heartbeat.stop()  # the last heartbeat says `stopped`, with final totals
         return writer.uploaded_groups
 
     def install_signal_handlers(self) -> None:

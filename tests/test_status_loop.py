@@ -1,0 +1,103 @@
+"""`vrl status` against a live fleet: a trainer and two volunteers (real processes) on a folder
+bucket, heartbeats every second. Both show up producing; a volunteer killed with SIGKILL is
+called offline within two heartbeat periods (plus the time `vrl status` itself takes); one
+stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashboard/ up."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from vrlproc import Proc, run_vrl, wait_for
+from volunteer_rl import layout
+from volunteer_rl.config import PACKAGE_DATA
+
+PERIOD = 1.0
+
+
+def status(bucket: Path, cwd: Path) -> tuple[dict, float]:
+    """The `vrl status --json` document and how long the command took."""
+    t0 = time.time()
+    r = run_vrl(["status", "--bucket", str(bucket), "--json"], cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), time.time() - t0
+
+
+def by_id(doc: dict) -> dict[str, dict]:
+    return {r["id"]: r for r in doc["volunteers"]}
+
+
+def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
+    started = time.time()
+    bucket = tmp_path / "bucket"
+    eval_csv = tmp_path / "eval20.csv"
+    eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:21]))
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "300",
+                    "--groups-per-step", "8", "--threads", "1", "--eval-every", "3",
+                    "--eval-dataset", str(eval_csv), "--dashboard-every", "3",
+                    "--work-dir", str(tmp_path / "tw")],
+                   tmp_path / "trainer.log", tmp_path,
+                   # one thread for the warm start too: two OpenMP threads on a shared 2-core
+                   # machine crawl whenever another process holds one of the cores
+                   {"OMP_NUM_THREADS": "1"})
+    vols = {vid: Proc(["volunteer", "--bucket", str(bucket), "--id", vid, "--threads", "1",
+                       "--seed", str(i), "--heartbeat-seconds", str(PERIOD),
+                       "--prompts-per-batch", "8", "--shard-groups", "8", "--shard-seconds", "2",
+                       "--work-dir", str(tmp_path / "vw")], tmp_path / f"{vid}.log", tmp_path)
+            for i, vid in enumerate(("vol-1", "vol-2"))}
+    try:
+        wait_for(lambda: (bucket / layout.manifest_history_key(4)).exists(), 240, "v4")
+        print(f"v4 after {time.time() - started:.0f}s")
+
+        def both_producing():
+            doc, _ = status(bucket, tmp_path)
+            rows = by_id(doc)
+            ok = all(rows.get(v, {}).get("state") == "producing"
+                     and rows[v]["completions_per_minute"] > 0
+                     and rows[v]["acceptance_rate"] is not None for v in vols)
+            return doc if ok else None
+
+        doc = wait_for(both_producing, 60, "both volunteers producing, accepted by the trainer", 0.5)
+        rows = by_id(doc)
+        assert doc["trainer"]["version"] >= 4 and doc["trainer"]["step"] >= 4
+        assert doc["trainer"]["evals"] and doc["trainer"]["reward_mean"] is not None
+        for vid in vols:
+            assert rows[vid]["heartbeat_seconds"] == PERIOD
+            assert rows[vid]["host"]["device"] == "cpu" and rows[vid]["groups_trained"] > 0
+        table = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
+        assert table.returncode == 0 and "vol-1" in table.stdout and "producing" in table.stdout
+        (tmp_path / "status.txt").write_text(table.stdout)  # a real sample for the docs
+
+        # Time one status call, then kill a volunteer as hard as possible.
+        _, cli_seconds = status(bucket, tmp_path)
+        vols["vol-2"].kill()
+        killed = time.time()
+        while True:
+            doc, _ = status(bucket, tmp_path)
+            if by_id(doc)["vol-2"]["state"] == "offline":
+                break
+            assert time.time() - killed < 30, doc
+        seen_offline = time.time() - killed
+        print(f"offline seen after {seen_offline:.2f}s; one status call takes {cli_seconds:.2f}s")
+        # The last heartbeat was at most one period old when it died: offline after 2 periods,
+        # seen by the first status call that starts after that (each call takes cli_seconds).
+        assert seen_offline <= offline_bound(cli_seconds), (seen_offline, cli_seconds)
+        rows = by_id(doc)
+        assert rows["vol-1"]["state"] == "producing", rows["vol-1"]
+        assert rows["vol-2"]["reported_state"] == "running"  # no goodbye after SIGKILL
+
+        assert vols["vol-1"].terminate() == 0
+        rows = by_id(status(bucket, tmp_path)[0])
+        assert rows["vol-1"]["state"] == "offline" and rows["vol-1"]["reported_state"] == "stopped"
+        assert rows["vol-1"]["shards_uploaded"] >= 1
+        page = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
+        assert "<td>vol-1</td>" in page and (bucket / "dashboard" / "reward.png").exists()
+    finally:
+        for p in [trainer, *vols.values()]:
+            p.kill()
+
+
+def offline_bound(cli_seconds: float) -> float:
+    """2 periods, then at worst one call that just missed it and one that sees it, plus 1 s
+    of slack for a loaded machine."""
+    return 2 * PERIOD + 2 * cli_seconds + 1.0
