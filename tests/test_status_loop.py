@@ -1,16 +1,22 @@
 """`vrl status` against a live fleet: a trainer and two volunteers (real processes) on a folder
 bucket, heartbeats every second. Both show up producing; a volunteer killed with SIGKILL is
 called offline within two heartbeat periods (plus the time `vrl status` itself takes); one
-stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashboard/ up."""
+stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashboard/ up, and
+headless Chromium renders it."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
+import pytest
+
+from browser import CHROMIUM, inspect_dashboard
 from vrlproc import Proc, run_vrl, wait_for
 from volunteer_rl import layout
 from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.dashboard import PLOTS
 
 PERIOD = 1.0
 
@@ -25,6 +31,9 @@ def status(bucket: Path, cwd: Path) -> tuple[dict, float]:
 
 def by_id(doc: dict) -> dict[str, dict]:
     return {r["id"]: r for r in doc["volunteers"]}
+
+
+FINISHED_RUN: dict = {}  # the bucket the run below left, for the browser test after it
 
 
 def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
@@ -92,6 +101,7 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
         assert rows["vol-1"]["shards_uploaded"] >= 1
         page = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
         assert "<td>vol-1</td>" in page and (bucket / "dashboard" / "reward.png").exists()
+        FINISHED_RUN["bucket"] = bucket
     finally:
         for p in [trainer, *vols.values()]:
             p.kill()
@@ -101,3 +111,20 @@ def offline_bound(cli_seconds: float) -> float:
     """2 periods, then at worst one call that just missed it and one that sees it, plus 1 s
     of slack for a loaded machine."""
     return 2 * PERIOD + 2 * cli_seconds + 1.0
+
+
+ARTIFACTS = Path(os.environ.get("VRL_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_dashboard_renders_in_headless_chromium(tmp_path):
+    """The dashboard the run above left, opened in a real browser from the bucket served as
+    a static site: the fleet table lists the run's volunteers and every plot image loads.
+    The screenshot is kept in test-artifacts/."""
+    if "bucket" not in FINISHED_RUN:
+        pytest.skip("needs the status run above to have finished")
+    seen = inspect_dashboard(FINISHED_RUN["bucket"], tmp_path, ARTIFACTS / "dashboard.png")
+    assert set(seen["volunteers"]) >= {"vol-1", "vol-2"}, seen
+    assert [i["src"] for i in seen["images"]] == [f"{p}.png" for p in PLOTS], seen
+    assert all(i["loaded"] for i in seen["images"]), seen
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

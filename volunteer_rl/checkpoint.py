@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import layout
 from .faults import crash_point
+from .progress import progress
 from .manifest import FileEntry, Manifest
 from .storage import Storage
 
@@ -37,15 +38,16 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str
     a version folder that already holds the file is an error (AlreadyExists), not an overwrite.
     """
     entries: dict[str, FileEntry] = {}
-    for path in sorted(Path(folder).iterdir()):
-        if not path.is_file():
-            continue
-        data = path.read_bytes()
-        entry = FileEntry(sha256_bytes(data), len(data))
-        key = layout.checkpoint_key(version, path.name)
-        storage.create(key, data)
-        crash_point("checkpoint_upload")
-        entries[path.name] = entry
+    paths = [p for p in sorted(Path(folder).iterdir()) if p.is_file()]
+    total = sum(p.stat().st_size for p in paths)
+    with progress(f"upload v{version}", total, unit_bytes=True) as advance:
+        for path in paths:
+            data = path.read_bytes()
+            entry = FileEntry(sha256_bytes(data), len(data))
+            storage.create(layout.checkpoint_key(version, path.name), data)
+            crash_point("checkpoint_upload")
+            entries[path.name] = entry
+            advance(len(data))
     for name, entry in entries.items():
         key = layout.checkpoint_key(version, name)
         if storage.size(key) != entry.size:
@@ -65,23 +67,29 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for name, entry in manifest.files.items():
-        if only is not None and name not in only:
-            continue
-        key = f"{manifest.checkpoint}/{name}"
-        if entry.size > MAX_CHECKPOINT_FILE_BYTES:
-            raise CheckpointError(f"{key}: {entry.size} bytes exceeds the checkpoint file limit")
-        data = storage.read(key, max_bytes=entry.size)
-        if len(data) != entry.size or sha256_bytes(data) != entry.sha256:
-            raise CheckpointError(f"{key}: sha256 or size does not match manifest.json")
-        tmp = dest / f".{name}.part"
-        tmp.write_bytes(data)
-        tmp.replace(dest / name)
+    wanted = {n: e for n, e in manifest.files.items() if only is None or n in only}
+    with progress(f"fetch v{manifest.version}", sum(e.size for e in wanted.values()),
+                  unit_bytes=True) as advance:
+        for name, entry in wanted.items():
+            _fetch_file(storage, f"{manifest.checkpoint}/{name}", entry, dest / name)
+            advance(entry.size)
     if only is None:
         for path in dest.iterdir():
             if path.is_file() and path.name not in manifest.files:
                 path.unlink()
     return dest
+
+
+def _fetch_file(storage: Storage, key: str, entry: FileEntry, path: Path) -> None:
+    """Download one file, check it against the manifest, then move it into place."""
+    if entry.size > MAX_CHECKPOINT_FILE_BYTES:
+        raise CheckpointError(f"{key}: {entry.size} bytes exceeds the checkpoint file limit")
+    data = storage.read(key, max_bytes=entry.size)
+    if len(data) != entry.size or sha256_bytes(data) != entry.sha256:
+        raise CheckpointError(f"{key}: sha256 or size does not match manifest.json")
+    tmp = path.with_name(f".{path.name}.part")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def clear_folder(folder: Path) -> None:

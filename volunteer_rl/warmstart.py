@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from .policy import Policy, encode_prompts, right_pad
+from .progress import progress
 from .task import Problem
 
 
@@ -73,16 +74,26 @@ def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: 
     lengths = [len(p) + len(t) for p, t in zip(prompts, targets)]
     batches = length_pooled_batches(lengths, min(batch_size, len(problems)), pool, rng)
     start = time.time()
-    for step in range(steps):
-        idx = next(batches)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        loss = target_nll(policy, [prompts[i] for i in idx], [targets[i] for i in idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"warm start step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+    with progress("warm start", steps) as advance:
+        for step in range(steps):
+            idx = next(batches)
+            loss = _step(policy, opt, [prompts[i] for i in idx], [targets[i] for i in idx],
+                         lr_at(step, steps, lr, warmup))
+            advance(1)
+            if step % 100 == 0 or step == steps - 1:
+                log(f"warm start step {step + 1}/{steps} loss {loss:.3f} ({time.time() - start:.0f}s)")
     policy.model.eval()
     return time.time() - start
+
+
+def _step(policy: Policy, opt: torch.optim.Optimizer, prompts: list[list[int]],
+          targets: list[list[int]], lr: float) -> float:
+    """One supervised step on these rows at learning rate `lr`; its loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = target_nll(policy, prompts, targets)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
