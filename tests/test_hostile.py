@@ -18,7 +18,6 @@ from pathlib import Path
 from conftest import TEMPLATE_VERSION
 from vrlproc import Proc, wait_for
 from volunteer_rl import layout
-from volunteer_rl.shards import encode_shard
 
 V = TEMPLATE_VERSION
 VOCAB = 640

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vrlproc import Proc, run_vrl, wait_for
+from vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl import layout
 
 MAX_STALENESS = 2
@@ -130,14 +130,6 @@ def copy_bucket(run, name: str) -> Path:
     dst = run["root"] / name
     shutil.copytree(run["bucket"], dst)
     return dst
-
-
-def one_line_error(r) -> str:
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    return lines[0]
 
 
 def test_missing_manifest_is_one_line(run, tmp_path):

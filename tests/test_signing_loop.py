@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vrlproc import Proc, run_vrl, wait_for
+from vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl import layout
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.manifest import read_manifest
@@ -95,14 +95,6 @@ def run(tmp_path_factory):
 
 def shards_of(bucket: Path, volunteer_id: str) -> list[Path]:
     return sorted((bucket / layout.ROLLOUTS).glob(f"v*/{volunteer_id}/*{layout.SHARD_SUFFIX}"))
-
-
-def one_line_error(r) -> str:
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    return lines[0]
 
 
 def test_a_volunteer_given_the_wrong_key_refuses_to_run(run):

@@ -55,6 +55,15 @@ def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """The single `error: ...` line a failed `vrl` command must print (exit 1, no traceback)."""
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    return lines[0]
+
+
 FAKE_AWS_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import layout
-from .status import MAX_METRICS_BYTES, READ_WORKERS, read_status
-from .storage import Storage, StorageError
+from .status import READ_WORKERS, read_metrics_lines, read_status
+from .storage import Storage
 
 DASHBOARD = "dashboard"
 PLOTS = ("accuracy", "reward", "throughput", "staleness")
@@ -64,22 +63,9 @@ def read_history(storage: Storage) -> History:
     """Every metrics object of the run (one listing of metrics/, reads in parallel)."""
     keys = [k for k in storage.list(layout.METRICS) if layout.split_versioned_key(k)]
 
-    def lines(key: str) -> list[dict]:
-        try:
-            data = storage.read(key, max_bytes=MAX_METRICS_BYTES)
-        except StorageError:
-            return []
-        rows = []
-        for line in data.decode(errors="replace").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass
-        return [r for r in rows if isinstance(r, dict)]
-
     history = History()
     with ThreadPoolExecutor(READ_WORKERS) as pool:
-        for rows in pool.map(lines, sorted(keys)):
+        for rows in pool.map(lambda key: read_metrics_lines(storage, key), sorted(keys)):
             history.add(rows)
     return history
 

@@ -70,12 +70,12 @@ class Window:
     published: set[int]
     """Committed versions inside the window (a crashed publish leaves gaps)."""
 
+    def versions(self) -> range:
+        return window(self.version, self.max_staleness)
+
     @property
     def low(self) -> int:
-        return max(0, self.version - self.max_staleness)
-
-    def versions(self) -> range:
-        return range(self.low, self.version + 1)
+        return self.versions().start
 
 
 @dataclass

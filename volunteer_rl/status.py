@@ -178,7 +178,8 @@ def _read_json(storage: Storage, key: str, cap: int) -> dict | None:
     return raw if isinstance(raw, dict) else {"unreadable": f"{key}: not a JSON object"}
 
 
-def _read_lines(storage: Storage, key: str) -> list[dict]:
+def read_metrics_lines(storage: Storage, key: str) -> list[dict]:
+    """The JSON objects of one metrics object; [] if it cannot be read, bad lines skipped."""
     try:
         data = storage.read(key, max_bytes=MAX_METRICS_BYTES)
     except StorageError:
@@ -209,7 +210,7 @@ def read_status(storage: Storage, now: float | None = None,
     versions = range(manifest.version, max(-1, manifest.version - metrics_versions), -1)
     with ThreadPoolExecutor(READ_WORKERS) as pool:
         beats = pool.map(lambda v: _read_json(storage, layout.heartbeat_key(v), MAX_HEARTBEAT_BYTES), ids)
-        metrics = pool.map(lambda v: _read_lines(storage, layout.metrics_key(v)), versions)
+        metrics = pool.map(lambda v: read_metrics_lines(storage, layout.metrics_key(v)), versions)
         heartbeats = dict(zip(ids, beats))
         rows = [r for chunk in metrics for r in chunk]
     summary = _read_json(storage, layout.FLEET, MAX_SUMMARY_BYTES)

@@ -29,7 +29,7 @@ from .fleet_summary import FleetSummary
 from .ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
 from .ledger import Ledger, rebuild
 from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
-from .manifest import Dataset, Manifest, Sampling, poll_manifest, read_manifest, write_manifest
+from .manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
 from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
     pick_device, save_policy, token_logprobs
 from .retention import TrainerRetention
@@ -244,7 +244,9 @@ class Trainer:
         tok = self.policy.tokenizer
         rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
                       lambda ids: tok.decode(ids, skip_special_tokens=True))
-        self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, self._audit,
+        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+        audit = self._audit if cfg.audit_tolerance > 0 else None
+        self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, audit,
                              self.log, cfg.log_shards, cfg.seed)
         self.ingest.audit_version = self.version
 
@@ -276,9 +278,10 @@ class Trainer:
         self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
         self.etag = etag
         self._repair_history(manifest)
-        self.published = self._committed(Window(manifest.version, cfg.max_staleness, set()))
+        win = Window(manifest.version, cfg.max_staleness, set())
+        self.published = self._committed(win)
         self.ledger = rebuild(self.storage, sorted(self.published))
-        self.ledger.prune(max(0, manifest.version - cfg.max_staleness))
+        self.ledger.prune(win.low)
         meta = load_state(self.state_root, manifest.version, self.opt)
         if meta is None or meta.get("run_id") != self.run_id:
             self.log(f"warning: no saved trainer state for v{manifest.version} in "
@@ -290,12 +293,10 @@ class Trainer:
 
     def _repair_history(self, manifest: Manifest) -> None:
         """A crash between manifest.json and its manifests/ copy leaves the copy missing."""
-        key = layout.manifest_history_key(manifest.version)
-        if not self.storage.exists(key):
-            try:
-                self.storage.create(key, manifest.to_json())
-            except AlreadyExists:
-                pass
+        try:
+            self.storage.create(layout.manifest_history_key(manifest.version), manifest.to_json())
+        except AlreadyExists:
+            pass  # the usual case: the copy is there
 
     def _committed(self, win: Window) -> set[int]:
         """Versions of the window that were committed (have their manifest copy)."""
@@ -304,7 +305,6 @@ class Trainer:
 
     def _make_optimizer(self) -> None:
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
-        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
 
     def _save(self, version: int) -> None:
         """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
@@ -313,8 +313,6 @@ class Trainer:
                    {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()})
 
     def _audit(self, groups: list[ScoredGroup]) -> str | None:
-        if self.cfg.audit_tolerance <= 0:
-            return None
         return audit_logprobs(self.policy, groups, self.prompt_ids, self.cfg.temperature,
                               self.cfg.audit_tolerance)
 
