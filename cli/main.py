@@ -124,6 +124,8 @@ def volunteer(
     heartbeat_seconds: Annotated[float, typer.Option(min=0, help="Seconds between heartbeats (volunteers/ID.json; 0: none).")] = 30.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for prompt choice and sampling.")] = None,
     threads: Threads = 0,
+    curriculum: Annotated[bool, typer.Option(help="Prefer prompts likely to have reward variance (off: uniform).")] = True,
+    nice: Annotated[int, typer.Option(min=0, max=19, help="Lower CPU priority by this much (POSIX niceness; 0: unchanged).")] = 10,
     device: Device = "auto",
     work_dir: Annotated[str, typer.Option(help="Local cache for dataset and checkpoints.")] = ".vrl/volunteer",
     trust_key: TrustKey = None,
@@ -140,7 +142,7 @@ def volunteer(
                           prompts_per_batch=prompts_per_batch, shard_groups=shard_groups,
                           shard_seconds=shard_seconds, max_seconds=max_seconds, seed=seed,
                           max_groups_per_version=max_groups_per_version, poll_seconds=poll_seconds,
-                          threads=threads, device=device, work_dir=work_dir,
+                          threads=threads, nice=nice, curriculum=curriculum, device=device, work_dir=work_dir,
                           trust_key=trust_key, allow_unsigned=allow_unsigned,
                           heartbeat_seconds=heartbeat_seconds)
     with _clean_errors():

@@ -218,20 +218,58 @@ def test_read_if_changed_respects_the_cap(store):
 
 # --- S3Storage: big objects -------------------------------------------------------------
 
-def test_multipart_write_and_parallel_ranged_read(store, admin, small_parts):
+def test_multipart_write_then_one_streamed_get_on_a_fast_link(store, admin, small_parts):
     data = os.urandom(12 * MiB)
     requests = Requests(store.client)
-    store.write("checkpoints/v000001/model.safetensors", data)
+    store.write("checkpoints/v000001/model.safetensors", data)  # the first big upload: multipart
     assert len(requests.named("UploadPart")) == 3
     full = "some/prefix/checkpoints/v000001/model.safetensors"
     etag = admin.head_object(Bucket=BUCKET, Key=full)["ETag"]
     assert etag.endswith('-3"') and etag == expected_etag(data)
     requests.clear()
     assert store.read("checkpoints/v000001/model.safetensors") == data
-    ranges = sorted(_header(h, "range") for h in requests.named("GetObject"))
-    assert ranges == ["bytes=0-5242879", "bytes=10485760-12582911", "bytes=5242880-10485759"]
-    # the parts after the first are pinned to the ETag the first answer carried
-    assert sum(_header(h, "if-match") == etag for h in requests.named("GetObject")) == 2
+    [get] = requests.named("GetObject")  # loopback: one stream is done long before SPLIT_SECONDS
+    assert _header(get, "range") is None
+
+
+def test_a_slow_stream_splits_into_ranged_gets_pinned_to_the_etag(store, admin, small_parts,
+                                                                   monkeypatch):
+    monkeypatch.setattr(s3, "PROBE_SECONDS", 0.0)  # every stream counts as slow
+    monkeypatch.setattr(s3, "SPLIT_SECONDS", 0.0)
+    data = os.urandom(12 * MiB)
+    store.write("big.bin", data)
+    etag = admin.head_object(Bucket=BUCKET, Key="some/prefix/big.bin")["ETag"]
+    requests = Requests(store.client)
+    assert store.read("big.bin") == data
+    gets = requests.named("GetObject")
+    # after its first 1 MiB the stream keeps the next 5 MiB; 6-11 MiB and 11-12 MiB come ranged
+    assert sorted(str(_header(h, "range")) for h in gets) == [
+        "None", "bytes=11534336-12582911", "bytes=6291456-11534335"]
+    assert sum(_header(h, "if-match") == etag for h in gets) == 2
+
+
+def test_upload_choice_tries_both_methods_then_keeps_the_faster():
+    choice = s3.UploadChoice()
+    size = 100 * MiB
+    assert choice.pick(size) == "multipart"
+    choice.record("multipart", size, 2.0)
+    assert choice.pick(size) == "single"
+    choice.record("single", size, 1.0)
+    picks = []
+    for _ in range(20):
+        picks.append(choice.pick(size))
+        choice.record(picks[-1], size, 1.0 if picks[-1] == "single" else 2.0)
+    assert picks.count("single") == 18 and picks.count("multipart") == 2  # retried 1 in 10
+    assert choice.pick(s3.MAX_SINGLE_PUT + 1) == "multipart"  # over S3's PUT limit
+    assert s3.UploadChoice(fixed="single").pick(size) == "single"
+
+
+def test_big_single_put_is_recognised_as_ours_after_a_retry(store, small_parts):
+    store.upload_choice = s3.UploadChoice(fixed="single")
+    data = os.urandom(6 * MiB)
+    store.create("one-put.bin", data)
+    assert store._is_ours("one-put.bin", data) == expected_etag(data, multipart=False)
+    assert store._is_ours("one-put.bin", os.urandom(6 * MiB)) is None
 
 
 def test_multipart_create_is_write_once_and_leaves_no_upload_behind(store, admin, small_parts):
@@ -246,6 +284,7 @@ def test_multipart_create_is_write_once_and_leaves_no_upload_behind(store, admin
 
 
 def test_multipart_compare_and_swap_puts_the_condition_on_complete(store, small_parts):
+    store.upload_choice = s3.UploadChoice(fixed="multipart")
     e1 = store.write_if_match("big.bin", os.urandom(6 * MiB), None)
     with pytest.raises(PreconditionFailed):                     # If-None-Match: * (enforced)
         store.write_if_match("big.bin", os.urandom(6 * MiB), None)

@@ -104,6 +104,10 @@ class VolunteerConfig:
     """...or once its oldest group is this many seconds old."""
     poll_seconds: float = 1.0
     """Sleep between manifest polls while there is nothing to do."""
+    curriculum: bool = True
+    """Draw prompts where groups are likely to have reward variance (curriculum.py): by
+    difficulty stratum, skipping most prompts whose last group was all right or all wrong.
+    Off: prompts uniformly at random."""
     max_groups_per_version: int = 0
     """Generate at most this many groups with one version, then wait for the next (0: no cap).
     A trainer takes only so many groups per version; past that, donated compute only makes
@@ -119,6 +123,10 @@ class VolunteerConfig:
     """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
+    nice: int = 10
+    """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
+    Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.
+    On one machine shared with a trainer it also leaves the trainer, the bottleneck, its core."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
     work_dir: str = ".vrl/volunteer"

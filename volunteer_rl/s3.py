@@ -5,8 +5,12 @@ on `manifest.json`, and a cheap "has the manifest changed?" poll. S3 does all th
 atomically with `If-None-Match: *`, `If-Match: <etag>` and a conditional GET that answers
 304 without a body, so thousands of idle volunteers polling the manifest cost almost nothing.
 
-Large objects (checkpoints) go up as a multipart upload with parts sent in parallel and come
-down as parallel ranged GETs. A multipart object only becomes visible when
+Large objects (checkpoints) adapt to the link. A read is one GET that streams; if after
+PROBE_SECONDS the rest would take one stream longer than SPLIT_SECONDS, the rest is split
+into parallel ranged GETs. An upload is one PUT or a multipart upload with parts sent in
+parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
+where one TCP stream is the limit, that means parallel transfers; on a LAN or to a server on
+the same host, one stream, which is faster there. A multipart object only becomes visible when
 CompleteMultipartUpload succeeds, and that request carries the same condition as a single
 PUT would, so readers never see a partial or a replaced written-once object. A failed upload
 is aborted; give the bucket a lifecycle rule that aborts incomplete uploads after a day to
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -34,8 +39,22 @@ whole object for each ranged GET (moto) make small parts quadratic; S3 allows 10
 CONCURRENCY = 4
 """Parts uploaded or downloaded at the same time."""
 MIN_PART = 8 * MiB
-"""Smallest part worth its own request (S3's own floor is 5 MiB). Also the size of the first
-GET of every read, which fetches manifests and shards whole in one request."""
+"""Smallest part worth its own request (S3's own floor is 5 MiB)."""
+MAX_SINGLE_PUT = 5 * 1024 * MiB
+"""S3's limit for one PUT: bigger objects must go up as multipart."""
+STREAM_CHUNK = 1 * MiB
+"""Bytes taken from the socket at a time while a read streams."""
+PROBE_SECONDS = 0.25
+"""A read streams on one connection at least this long before it may split."""
+SPLIT_SECONDS = 1.0
+"""A read splits the rest of its object into parallel ranged GETs only when one stream, at
+the rate it has shown, would need longer than this for it. On a fast link (a LAN, a server
+on the same host) one stream finishes first, and servers that re-read the whole object for
+each ranged GET (moto) are spared the extra reads; over the internet, where one TCP stream
+is the limit, a big object splits after PROBE_SECONDS."""
+RETRY_EVERY = 10
+"""Once both upload methods have been measured, every this many big uploads use the one that
+is not the current best, so the choice follows a link that changes."""
 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
@@ -70,15 +89,6 @@ def _is_conflict(exc) -> bool:
     return _status(exc) == 412 or _code(exc) == "ConditionalRequestConflict"
 
 
-def _total_size(content_range: str | None, received: int) -> int:
-    """The object size from 'bytes 0-99/1234' (1234), or what we got if there is no header."""
-    if content_range and "/" in content_range:
-        total = content_range.rsplit("/", 1)[1]
-        if total.isdigit():
-            return int(total)
-    return received
-
-
 def _part_ranges(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
     """[(first, last), ...] inclusive byte ranges covering [start, end) in part_size steps."""
     return [(p, min(p + part_size, end) - 1) for p in range(start, end, part_size)]
@@ -91,17 +101,62 @@ def _split(start: int, end: int) -> list[tuple[int, int]]:
     return _part_ranges(start, end, max(MIN_PART, min(PART_SIZE, share)))
 
 
-def expected_etag(data: bytes) -> str:
+def expected_etag(data: bytes, multipart: bool | None = None) -> str:
     """The ETag S3 gives `data` when this module uploads it (no SSE-KMS / SSE-C).
 
     A single PUT gets the MD5 of the body; a multipart upload the MD5 of the parts' MD5s
-    followed by '-<parts>'. Used to recognise our own object after a retried conditional write.
+    followed by '-<parts>'. `multipart` None: multipart from MULTIPART_THRESHOLD on.
+    Used to recognise our own object after a retried conditional write.
     """
-    if len(data) < MULTIPART_THRESHOLD:
+    if multipart is None:
+        multipart = len(data) >= MULTIPART_THRESHOLD
+    if not multipart:
         return f'"{hashlib.md5(data).hexdigest()}"'
     ranges = _split(0, len(data))
     digests = b"".join(hashlib.md5(data[a:b + 1]).digest() for a, b in ranges)
     return f'"{hashlib.md5(digests).hexdigest()}-{len(ranges)}"'
+
+
+class UploadChoice:
+    """Single PUT or parallel multipart, for each big upload: whichever has been faster.
+
+    Which one wins depends on the link and the server, not on the object: over the internet
+    one TCP stream is the limit and parallel parts win by the number of streams; on a fast
+    link to a server that copies parts once more when it completes the upload (moto, some
+    self-hosted stores) one PUT wins. So each method is tried once (multipart first, the
+    right guess for the internet), its MB/s remembered (the best seen, slowly forgotten),
+    and from then on the faster one is used, with the other retried every RETRY_EVERY
+    uploads. Objects over S3's single-PUT limit always go multipart. Pure logic, no I/O.
+    """
+
+    METHODS = ("multipart", "single")
+
+    def __init__(self, fixed: str | None = None):
+        """`fixed`: always use this method (tests, or a user who knows their link)."""
+        self.fixed = fixed
+        self.rate: dict[str, float] = {}
+        self.uploads = 0
+        self.last: str | None = None  # the method of the latest big upload
+
+    def pick(self, size: int) -> str:
+        if size > MAX_SINGLE_PUT:
+            return "multipart"
+        if self.fixed:
+            return self.fixed
+        untried = [m for m in self.METHODS if m not in self.rate]
+        if untried:
+            return untried[0]
+        best = max(self.METHODS, key=self.rate.__getitem__)
+        if self.uploads % RETRY_EVERY == RETRY_EVERY - 1:
+            return next(m for m in self.METHODS if m != best)
+        return best
+
+    def record(self, method: str, size: int, seconds: float) -> None:
+        rate = size / max(seconds, 1e-6)
+        old = self.rate.get(method)
+        self.rate[method] = rate if old is None else max(rate, 0.7 * old + 0.3 * rate)
+        self.uploads += 1
+        self.last = method
 
 
 class S3Storage:
@@ -112,6 +167,7 @@ class S3Storage:
         self.uri = f"s3://{self.bucket}/{self.root}" if self.root else f"s3://{self.bucket}"
         self.endpoint_url = endpoint_url
         self.client = self._make_client(endpoint_url)
+        self.upload_choice = UploadChoice()
 
     # --- setup -------------------------------------------------------------------------
 
@@ -181,65 +237,111 @@ class S3Storage:
         response["Data"] = response["Body"].read()
         return response
 
-    def _get_first(self, key: str, want: int, conditions: dict) -> dict | None:
-        """The first `want` bytes of the object (all of it if smaller); None on 304.
-
-        An empty object answers any Range with 416, so that case falls back to a plain GET.
-        """
+    def _open(self, key: str, conditions: dict) -> dict | None:
+        """GET the whole object, body not yet read; None on 304 Not Modified."""
         from botocore.exceptions import ClientError
 
         try:
-            return self._get(key, 0, want - 1, **conditions)
-        except ClientError as exc:
-            if _status(exc) == 304:
-                return None
-            if _code(exc) != "InvalidRange":
-                raise
-        try:
-            return self._get(key, 0, None, **conditions)
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key), **conditions)
         except ClientError as exc:
             if _status(exc) == 304:
                 return None
             raise
 
-    def _get_rest(self, key: str, start: int, total: int, etag: str) -> list[bytes]:
-        """Bytes start..total-1 as parallel ranged GETs pinned to `etag`, in order.
+    def _stream(self, key: str, body, total: int, etag: str) -> bytes:
+        """Read `total` bytes from `body`, splitting the rest into parallel ranged GETs if
+        this one stream turns out slow (see SPLIT_SECONDS)."""
+        buf = bytearray(total)
+        got, start = 0, time.perf_counter()
+        while got < total:
+            chunk = body.read(min(STREAM_CHUNK, total - got))
+            if not chunk:
+                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
+            buf[got:got + len(chunk)] = chunk
+            got += len(chunk)
+            elapsed = time.perf_counter() - start
+            left = total - got
+            if (elapsed >= PROBE_SECONDS and left >= 2 * MIN_PART
+                    and left * elapsed / got > SPLIT_SECONDS):
+                self._split_rest(key, body, buf, got, etag)
+                break
+        body.close()
+        return bytes(buf)
 
-        If-Match makes a replaced object fail the read instead of mixing two versions.
-        """
+    def _split_rest(self, key: str, body, buf: bytearray, got: int, etag: str) -> None:
+        """Fill buf[got:] with the open stream taking the next share and parallel ranged
+        GETs pinned to `etag` the rest (If-Match: a replaced object fails the read instead
+        of mixing two versions)."""
         from botocore.exceptions import ClientError
 
-        ranges = _split(start, total)
+        total = len(buf)
+        share = max(MIN_PART, min(PART_SIZE, -(-(total - got) // CONCURRENCY)))
+        cut = min(total, got + share)
+        ranges = _part_ranges(cut, total, share)
         fetch = lambda r: self._get(key, r[0], r[1], IfMatch=etag)["Data"]  # noqa: E731
         try:
-            with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
-                return list(pool.map(fetch, ranges))
+            with ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges)))) as pool:
+                parts = pool.map(fetch, ranges)
+                while got < cut:  # meanwhile this stream carries on with its own share
+                    chunk = body.read(min(STREAM_CHUNK, cut - got))
+                    if not chunk:
+                        raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
+                    buf[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+                for (first, last), data in zip(ranges, parts):
+                    if len(data) != last - first + 1:
+                        raise StorageError(f"{key}: short ranged read at byte {first}")
+                    buf[first:last + 1] = data
         except ClientError as exc:
             if _status(exc) == 412:
                 raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
             raise
 
+    def _get_capped(self, key: str, max_bytes: int, conditions: dict) -> dict | None:
+        """One ranged GET of at most max_bytes + 1 bytes, so an oversized object costs at
+        most the cap on the wire; None on 304. An empty object answers any Range with 416,
+        so that case falls back to a plain GET."""
+        from botocore.exceptions import ClientError
+
+        for last in (max_bytes, None):
+            try:
+                return self._get(key, 0, last, **conditions)
+            except ClientError as exc:
+                if _status(exc) == 304:
+                    return None
+                if last is None or _code(exc) != "InvalidRange":
+                    raise
+        raise AssertionError("unreachable")
+
     def _read(self, key: str, max_bytes: int | None,
               if_none_match: str | None = None) -> tuple[bytes | None, str]:
         """(data, etag) of the object, or (None, etag) if its ETag is still `if_none_match`.
 
-        The first ranged GET asks for at most max_bytes + 1 bytes and learns the object size
-        from Content-Range: an oversized object costs at most the cap on the wire. Whatever
-        is left of a big object comes as parallel ranged GETs (_split).
+        Under a small cap (manifests, shards: anything a volunteer may have written) one
+        ranged GET that cannot bring more than the cap. Otherwise (checkpoint files, whose
+        size the manifest states) one GET whose Content-Length is checked before the body
+        is read, streamed and split if it is slow (_stream).
         """
-        want = MIN_PART if max_bytes is None else min(MIN_PART, max_bytes + 1)
         conditions = {"IfNoneMatch": if_none_match} if if_none_match else {}
+        too_large = TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
         with self._errors(key, "read"):
-            first = self._get_first(key, want, conditions)
-            if first is None:
+            if max_bytes is not None and max_bytes < MULTIPART_THRESHOLD:
+                response = self._get_capped(key, max_bytes, conditions)
+                if response is None:
+                    return None, if_none_match
+                if len(response["Data"]) > max_bytes:
+                    raise too_large
+                return response["Data"], response["ETag"]
+            response = self._open(key, conditions)
+            if response is None:
                 return None, if_none_match
-            data, etag = first["Data"], first["ETag"]
-            total = _total_size(first.get("ContentRange"), len(data))
-            if max_bytes is not None and max(total, len(data)) > max_bytes:
-                raise TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
-            if len(data) < total:
-                data = b"".join([data, *self._get_rest(key, len(data), total, etag)])
-        return data, etag
+            body, etag, total = response["Body"], response["ETag"], response.get("ContentLength")
+            if total is None or (max_bytes is not None and total > max_bytes):
+                body.close()
+                if total is None:
+                    raise StorageError(f"{key}: the server gave no Content-Length")
+                raise too_large
+            return self._stream(key, body, total, etag), etag
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; TooLarge if it has more than max_bytes."""
@@ -279,12 +381,19 @@ class S3Storage:
     # --- writes ------------------------------------------------------------------------
 
     def _put(self, key: str, data: bytes, conditions: dict) -> str:
-        """Upload `data` (one PUT, or multipart when big) under `conditions`; the new ETag."""
-        if len(data) >= MULTIPART_THRESHOLD:
-            return self._put_multipart(key, data, conditions)
-        response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                          **conditions)
-        return response["ETag"]
+        """Upload `data` under `conditions`; the new ETag. Objects from MULTIPART_THRESHOLD
+        on go as one PUT or as parallel parts, whichever upload_choice has found faster."""
+        big = len(data) >= MULTIPART_THRESHOLD
+        method = self.upload_choice.pick(len(data)) if big else "single"
+        start = time.perf_counter()
+        if method == "multipart":
+            etag = self._put_multipart(key, data, conditions)
+        else:
+            etag = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                          **conditions)["ETag"]
+        if big:
+            self.upload_choice.record(method, len(data), time.perf_counter() - start)
+        return etag
 
     def _put_multipart(self, key: str, data: bytes, conditions: dict) -> str:
         """A multipart upload with parts sent in parallel; `conditions` go on the Complete
@@ -329,7 +438,9 @@ class S3Storage:
                 etag = self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
         except NotFound:
             return None
-        return etag if etag == expected_etag(data) else None
+        ours = (etag == expected_etag(data, multipart=False)
+                or (len(data) >= MULTIPART_THRESHOLD and etag == expected_etag(data, multipart=True)))
+        return etag if ours else None
 
     def write(self, key: str, data: bytes) -> None:
         """Create or replace the object; readers see the old or the whole new one."""

@@ -13,6 +13,7 @@ keeps polling: it never loads what such a manifest names.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -28,6 +29,7 @@ import torch
 from . import layout
 from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
 from .config import VolunteerConfig
+from .curriculum import PromptPicker
 from .heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
@@ -162,6 +164,7 @@ class Volunteer:
         else:
             if old is None or old.dataset != m.dataset:
                 self.problems = self._load_dataset(m)
+                self.picker = PromptPicker(self.problems, self.rng, self.cfg.curriculum)
             fetch_checkpoint(self.storage, m, folder)
             self.policy = load_policy(folder, self.device)
             self.policy.model.eval()
@@ -173,14 +176,17 @@ class Volunteer:
 
     def _generate(self) -> list[Group]:
         m, policy = self.manifest, self.policy
-        picked = self.rng.sample(self.problems, min(self.cfg.prompts_per_batch, len(self.problems)))
+        picked = self.picker.pick(self.cfg.prompts_per_batch)
         prompts = encode_prompts(policy, [p.prompt for p in picked])
         s = m.sampling
         out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens)
-        return [Group(p.id, m.version, self.id,
-                      [Completion(x.token_ids, x.logprobs, x.text, reward(x.text, p.expression))
-                       for x in samples])
-                for p, samples in zip(picked, out)]
+        groups = []
+        for p, samples in zip(picked, out):
+            completions = [Completion(x.token_ids, x.logprobs, x.text, reward(x.text, p.expression))
+                           for x in samples]
+            self.picker.observe(p, [c.reward for c in completions])
+            groups.append(Group(p.id, m.version, self.id, completions))
+        return groups
 
     def _try_switch(self, m: Manifest) -> bool:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
@@ -250,6 +256,8 @@ class Volunteer:
         cfg = self.cfg
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
+        if cfg.nice > 0 and hasattr(os, "nice"):  # POSIX only; elsewhere the OS decides
+            os.nice(cfg.nice)
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         started = time.time()
