@@ -191,3 +191,52 @@ def test_a_volunteer_that_keeps_failing_is_denied_until_allowed():
     update_denylist(s, lambda e: bool(e.pop("evil", None)))           # what `allow` does
     assert len(ing.poll(win(3), IngestStats())) == 1
     assert fleet.counts["evil"].rejected == 0 and fleet.counts["evil"].accepted == 1
+
+
+def test_a_volunteer_denied_mid_poll_has_its_prefetched_shards_skipped():
+    s = fresh_storage("deny-mid-poll")
+    for i in range(4):
+        put(s, 3, "evil", [g(7, 3, "evil", [[1], [2]])], name=f"bad{i}")
+    stats = IngestStats()
+    ing = make(s, fleet=Fleet(deny_after=2, deny_rate=0.5))
+    assert ing.poll(win(3), stats) == []
+    # fetched ahead in parallel, but checked in order: denied after the second rejection
+    assert stats.rejected == {"unknown_prompt": 2} and stats.denied == 2
+
+
+class CountingStorage:
+    """Counts the calls the ingest makes, by method."""
+
+    def __init__(self, inner):
+        from collections import Counter
+        self.inner, self.uri, self.calls = inner, inner.uri, Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("history", [5, 40])
+def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
+    s = fresh_storage(f"history-{history}")
+    for v in range(history):
+        for vol, wrong in (("a", 1), ("b", 2)):
+            put(s, v, vol, [g(1, v, vol, [[8], [wrong]])])
+    counting = CountingStorage(s)
+    ing = make(counting)
+    top = history - 1
+    out = ing.poll(win(top), IngestStats())
+    assert len(out) == 6  # two volunteers x the window's three versions
+    assert counting.calls == {"read_if_changed": 1, "list": 3, "read": 6}
+    put(s, top, "c", [g(0, top, "c", [[12], [1]])])
+    counting.calls.clear()
+    assert len(ing.poll(win(top), IngestStats())) == 1
+    assert counting.calls == {"read_if_changed": 1, "list": 3, "read": 1}
+    # moving on forgets the keys that left the window
+    put(s, top + 1, "a", [g(1, top + 1, "a", [[8], [3]])], name="late")
+    ing.poll(win(top + 1), IngestStats())
+    assert {layout.parse_shard_key(k)[0] for k in ing.taken} == {top - 1, top, top + 1}

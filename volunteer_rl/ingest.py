@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +29,13 @@ Audit = Callable[[list["ScoredGroup"]], "str | None"]
 the first mismatch, or None if all agree."""
 
 MAX_READ_ATTEMPTS = 3  # a shard that fails to download this often is reported and skipped
+FETCH_WORKERS = 8
+"""Shard GETs in flight at once. Each GET of a small object is mostly round trip (and, on a
+server, its request handling), so a few in parallel keep the link busy while this thread
+decodes and checks the shards that already arrived."""
+PREFETCH = 16
+"""Shards fetched ahead of the one being checked: bounds memory at PREFETCH x MAX_SHARD_BYTES
+(128 MiB) whatever a hostile fleet uploads."""
 REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
 
 
@@ -158,8 +166,19 @@ def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
                        group_digest(g.prompt_id, g.policy_version, ids))
 
 
-def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
-    """Download, decode, check and rescore one shard; ShardError if any part of it is bad.
+def fetch_shard(storage: Storage, key: str) -> bytes:
+    """The bytes of one shard, read within MAX_SHARD_BYTES; ShardError for a key that is not
+    a shard or an object that is too large. Safe to call from several threads."""
+    if layout.parse_shard_key(key) is None:
+        raise ShardError("bad_key", "not a shard key")
+    try:
+        return storage.read(key, max_bytes=MAX_SHARD_BYTES)
+    except TooLarge:
+        raise ShardError("too_large", f"more than {MAX_SHARD_BYTES} compressed bytes") from None
+
+
+def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
+    """Decode, check and rescore the bytes of shard `key`; ShardError if any part is bad.
 
     A shard is accepted or rejected whole: one bad line means its author is not following
     the protocol, and the rest of its content is not worth trusting either."""
@@ -167,14 +186,21 @@ def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[Sc
     if parsed is None:
         raise ShardError("bad_key", "not a shard key")
     version, volunteer, _ = parsed
-    try:
-        data = storage.read(key, max_bytes=MAX_SHARD_BYTES)
-    except TooLarge:
-        raise ShardError("too_large", f"more than {MAX_SHARD_BYTES} compressed bytes") from None
     groups = decode_shard(data)
     for g in groups:
         check_group(g, version, volunteer, rules, win)
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
+
+
+def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
+    """Download, decode, check and rescore one shard (fetch_shard, then check_shard)."""
+    return check_shard(fetch_shard(storage, key), key, rules, win)
+
+
+def _key_version(key: str) -> int:
+    """The version folder a key under rollouts/ sits in (-1 if none), shard or not."""
+    parts = layout.split_versioned_key(key)
+    return parts[1] if parts else -1
 
 
 class Ingest:
@@ -186,7 +212,7 @@ class Ingest:
 
     def __init__(self, storage: Storage, rules: Rules, ledger: Ledger, fleet: Fleet,
                  audit: Audit | None = None, log: Callable[[str], None] = print,
-                 log_shards: bool = False, seed: int = 0):
+                 log_shards: bool = False, seed: int = 0, fetch_workers: int = FETCH_WORKERS):
         self.storage = storage
         self.rules = rules
         self.ledger = ledger
@@ -199,27 +225,72 @@ class Ingest:
         self.rng = random.Random(seed)  # audit sampling; not torch's RNG, which training owns
         self.taken: set[str] = set()
         self.failures: Counter = Counter()
+        self.fetch_workers = max(1, fetch_workers)
+        self._low = 0  # window's lowest version at the last poll (see _forget_below)
 
     def poll(self, win: Window, stats: IngestStats) -> list[ScoredGroup]:
         """New usable groups from shards of the window. Only the window's prefixes are
-        listed, so the cost of a poll does not grow with the run's history."""
+        listed and only keys not yet taken are read, so a poll costs one denylist GET, the
+        LIST pages of the window and one GET per new shard, however long the run's history.
+
+        New shards are fetched FETCH_WORKERS at a time, and checked on this thread in list
+        order, so the outcome is the same as reading them one by one."""
         self._refresh_denylist()
-        out: list[ScoredGroup] = []
+        self._forget_below(win.low)
+        keys: list[str] = []
         for v in win.versions():
             try:
-                keys = self.storage.list(layout.rollout_version_prefix(v))
+                listed = self.storage.list(layout.rollout_version_prefix(v))
             except StorageError as exc:
                 self.log(f"warning: {exc}")
                 continue
-            for key in keys:
-                if key in self.taken or self.ledger.finished(key):
-                    continue
-                parsed = layout.parse_shard_key(key)
-                if parsed and self.fleet.is_denied(parsed[1]):
-                    stats.denied += 1
-                    continue
-                out.extend(self._take(key, win, stats))
+            keys += [key for key in listed if self._wanted(key, stats)]
+        out: list[ScoredGroup] = []
+        for key, fetched in self._prefetch(keys):
+            if self._denied(key, stats):  # denied by an earlier shard of this very poll
+                continue
+            out.extend(self._take(key, fetched, win, stats))
         return out
+
+    def _wanted(self, key: str, stats: IngestStats) -> bool:
+        """True if `key` still has something to take and its author is not denied."""
+        if key in self.taken or self.ledger.finished(key):
+            return False
+        return not self._denied(key, stats)
+
+    def _denied(self, key: str, stats: IngestStats) -> bool:
+        parsed = layout.parse_shard_key(key)
+        if parsed and self.fleet.is_denied(parsed[1]):
+            stats.denied += 1
+            return True
+        return False
+
+    def _prefetch(self, keys: list[str]):
+        """(key, future of its bytes) in the order of `keys`, with at most PREFETCH fetched
+        ahead of the consumer and FETCH_WORKERS GETs in flight."""
+        if not keys:
+            return
+        ahead: deque[tuple[str, Future]] = deque()
+        with ThreadPoolExecutor(min(self.fetch_workers, len(keys))) as pool:
+            try:
+                for key in keys:
+                    ahead.append((key, pool.submit(fetch_shard, self.storage, key)))
+                    if len(ahead) >= PREFETCH:
+                        yield ahead.popleft()
+                while ahead:
+                    yield ahead.popleft()
+            finally:  # the consumer stopped early (an exception): drop what was queued
+                for _, fut in ahead:
+                    fut.cancel()
+
+    def _forget_below(self, low: int) -> None:
+        """Drop what is remembered about keys of versions below the window: they are never
+        listed again, so memory stays bounded by the window, not the history."""
+        if low <= self._low:
+            return
+        self._low = low
+        self.taken = {k for k in self.taken if _key_version(k) >= low}
+        self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
 
     def _refresh_denylist(self) -> None:
         try:
@@ -227,9 +298,9 @@ class Ingest:
         except Exception as exc:  # a broken denylist must not stop training
             self.log(f"warning: {layout.DENYLIST}: {exc}")
 
-    def _take(self, key: str, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+    def _take(self, key: str, fetched: Future, win: Window, stats: IngestStats) -> list[ScoredGroup]:
         try:
-            groups = read_shard(self.storage, key, self.rules, win)
+            groups = check_shard(fetched.result(), key, self.rules, win)
             self._audit(groups)
         except ShardError as exc:
             self._reject(key, exc.reason, str(exc), stats)
