@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, Callable, Iterator
 
-from .storage import AlreadyExists, NotFound, PreconditionFailed, StorageError, TooLarge
+from .storage import AlreadyExists, NotFound, PreconditionFailed, ShortObject, StorageError, TooLarge
 
 MiB = 1024 * 1024
 MULTIPART_THRESHOLD = 64 * MiB
@@ -241,6 +241,61 @@ class S3Storage:
                 data = b"".join([data, *self._get_rest(key, len(data), total, etag)])
         return data, etag
 
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `buf` with the object, which must be exactly len(buf) bytes: one first GET,
+        then parallel ranged GETs pinned to its ETag, each streamed straight into its slice of
+        `buf` (no part is held twice, no join). `on_chunk` sees the pieces in order, each as
+        soon as it and every piece before it have landed, so hashing overlaps the download."""
+        size = len(buf)
+        with self._errors(key, "read"):
+            first = self._get_first(key, max(1, min(MIN_PART, size + 1)), {})
+            data, etag = first["Data"], first["ETag"]
+            total = _total_size(first.get("ContentRange"), len(data))
+            if max(total, len(data)) > size:
+                raise TooLarge(f"{key}: larger than the {size}-byte limit")
+            if total < size:
+                raise ShortObject(f"{key}: {total} bytes, shorter than the expected {size}")
+            buf[:len(data)] = data
+            if on_chunk is not None and data:
+                on_chunk(0, buf[:len(data)])
+            ranges = _split(len(data), total)
+            if not ranges:
+                return
+            fill = lambda r: self._get_into(key, etag, buf, r)  # noqa: E731
+            with ThreadPoolExecutor(min(CONCURRENCY, len(ranges))) as pool:
+                futures = [pool.submit(fill, r) for r in ranges]
+                try:
+                    for future, (a, b) in zip(futures, ranges):
+                        future.result()
+                        if on_chunk is not None:
+                            on_chunk(a, buf[a:b + 1])
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+
+    def _get_into(self, key: str, etag: str, buf: memoryview, byte_range: tuple[int, int]) -> None:
+        """One ranged GET (If-Match `etag`) streamed into buf[first:last + 1]."""
+        from botocore.exceptions import ClientError
+
+        first, last = byte_range
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag,
+                                          Range=f"bytes={first}-{last}")["Body"]
+        except ClientError as exc:
+            if _status(exc) == 412:
+                raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
+            raise
+        pos = first
+        for chunk in body.iter_chunks(1 << 20):
+            if pos + len(chunk) > last + 1:
+                raise StorageError(f"{key}: ranged GET returned more than bytes {first}-{last}")
+            buf[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        if pos != last + 1:
+            raise StorageError(f"{key}: ranged GET of bytes {first}-{last} ended at {pos}")
+
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; TooLarge if it has more than max_bytes."""
         return self._read(key, max_bytes)[0]
@@ -349,6 +404,35 @@ class S3Storage:
                 if not (_retried(exc) and self._is_ours(key, data)):
                     raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
 
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Create-only, streamed: `write(sink)` fills PART_SIZE parts that go up while it
+        writes the next ones (at most CONCURRENCY in flight, so memory stays bounded); a
+        stream shorter than MULTIPART_THRESHOLD goes as one PUT. If-None-Match: * on the
+        request that makes the object visible, as in `create`."""
+        from botocore.exceptions import ClientError
+
+        sink = _PartSink(self, self._key(key))
+        with self._errors(key, "create"):
+            try:
+                write(sink)
+                sink.finish({"IfNoneMatch": "*"})
+            except ClientError as exc:
+                sink.abort()
+                if not _is_conflict(exc):
+                    raise
+                if not (_retried(exc) and self._etag_of(key) == sink.expected_etag()):
+                    raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
+            except BaseException:
+                sink.abort()
+                raise
+
+    def _etag_of(self, key: str) -> str | None:
+        try:
+            with self._errors(key, "check"):
+                return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
+        except NotFound:
+            return None
+
     def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
         """Replace `key` only if its ETag is still `etag` (None: it must not exist yet).
 
@@ -376,3 +460,81 @@ class S3Storage:
         self.size(key)
         with self._errors(key, "delete"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+class _PartSink:
+    """The file-like `S3Storage.create_from` hands to its writer: bytes accumulate into a
+    PART_SIZE buffer; each full buffer becomes one part of a multipart upload, uploaded by a
+    pool while the writer goes on."""
+
+    def __init__(self, store: S3Storage, full_key: str):
+        self.store, self.full_key = store, full_key
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[Future] = []
+        self.part_etags: list[str] = []
+        self.small: bytes | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        while len(view):
+            take = PART_SIZE - len(self.buffer)
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == PART_SIZE:
+                self._send()
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def _send(self) -> None:
+        store = self.store
+        if self.upload_id is None:
+            self.upload_id = store.client.create_multipart_upload(
+                Bucket=store.bucket, Key=self.full_key)["UploadId"]
+            self.pool = ThreadPoolExecutor(CONCURRENCY)
+        number, body = len(self.pending) + 1, bytes(self.buffer)
+        self.buffer = bytearray()
+        in_flight = [f for f in self.pending if not f.done()]
+        if len(in_flight) >= CONCURRENCY:
+            in_flight[0].result()  # back-pressure: memory holds at most CONCURRENCY parts
+        self.pending.append(self.pool.submit(
+            lambda: store.client.upload_part(Bucket=store.bucket, Key=self.full_key,
+                                             UploadId=self.upload_id, PartNumber=number,
+                                             Body=body)["ETag"]))
+
+    def finish(self, conditions: dict) -> None:
+        store = self.store
+        if self.upload_id is None:  # small: one PUT
+            self.small = bytes(self.buffer)
+            store.client.put_object(Bucket=store.bucket, Key=self.full_key, Body=self.small,
+                                    **conditions)
+            return
+        if self.buffer:
+            self._send()
+        self.part_etags = [f.result() for f in self.pending]
+        self.pool.shutdown()
+        parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(self.part_etags, 1)]
+        store.client.complete_multipart_upload(
+            Bucket=store.bucket, Key=self.full_key, UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts}, **conditions)
+        self.upload_id = None
+
+    def expected_etag(self) -> str:
+        """The ETag S3 gives what this sink uploaded (see `expected_etag`)."""
+        if self.small is not None:
+            return f'"{hashlib.md5(self.small).hexdigest()}"'
+        digests = b"".join(bytes.fromhex(e.strip('"')) for e in self.part_etags)
+        return f'"{hashlib.md5(digests).hexdigest()}-{len(self.part_etags)}"'
+
+    def abort(self) -> None:
+        if self.pool is not None:
+            for f in self.pending:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+        if self.upload_id is not None:
+            self.store._abort(self.full_key, self.upload_id)
+            self.upload_id = None
