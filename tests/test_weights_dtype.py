@@ -113,3 +113,15 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     assert audit_logprobs(trainer.published_policy, sg, ids, cfg.temperature, 1e-3) is None
     gap = audit_logprobs(trainer.policy, sg, ids, cfg.temperature, 1e-3)
     assert gap is not None  # the master's logprobs are measurably different
+
+
+def test_a_bf16_trainer_resumes_with_its_fp32_master(bf16_trainer):
+    trainer, _ = bf16_trainer
+    again = Trainer(trainer.cfg, log=lambda m: None)
+    again.start()  # resumes v0: bf16 checkpoint, then the master from state/v000000
+    assert again.version == 0
+    master = trainer.policy.model.state_dict()
+    for k, v in again.policy.model.state_dict().items():
+        assert torch.equal(v, master[k]), k
+    for k, v in again.published_policy.model.state_dict().items():
+        assert torch.equal(v, master[k].to(torch.bfloat16).float()), k
