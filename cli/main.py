@@ -87,6 +87,7 @@ def trainer(
     work_dir: Annotated[str, typer.Option(help="Local scratch folder; its state/ holds the optimizer between publishes.")] = ".vrl/trainer",
     signing_key: SigningKey = None,
     allow_unsigned: Annotated[bool, typer.Option("--allow-unsigned", help="Resume a bucket whose manifest is unsigned (an older trainer).")] = False,
+    weights_dtype: Annotated[str, typer.Option(help="dtype of the published weights: fp32, or bf16 (half the bytes per version; the trainer keeps fp32 master weights).")] = "fp32",
     audit_tolerance: Annotated[float, typer.Option(help="Max gap (nats) between claimed and recomputed behavior logprobs (0: no audit).")] = 0.05,
     deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
     deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
@@ -103,6 +104,8 @@ def trainer(
     cfg = TrainerConfig(**{k_: v for k_, v in locals().items() if k_ in TrainerConfig.__dataclass_fields__})
     if algo not in ("reinforce", "grpo"):
         raise typer.BadParameter("use reinforce or grpo", param_hint="--algo")
+    if weights_dtype not in ("fp32", "bf16"):
+        raise typer.BadParameter("use fp32 or bf16", param_hint="--weights-dtype")
     with _clean_errors():
         from volunteer_rl.trainer import train
 

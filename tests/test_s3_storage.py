@@ -26,7 +26,7 @@ from botocore.stub import Stubber  # noqa: E402
 from volunteer_rl import s3  # noqa: E402
 from volunteer_rl.s3 import S3Storage, expected_etag  # noqa: E402
 from volunteer_rl.storage import (AlreadyExists, FsspecStorage, NotFound,  # noqa: E402
-                                  PreconditionFailed, TooLarge)
+                                  PreconditionFailed, ShortObject, TooLarge)
 from vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,6 +270,52 @@ def test_big_single_put_is_recognised_as_ours_after_a_retry(store, small_parts):
     store.create("one-put.bin", data)
     assert store._is_ours("one-put.bin", data) == expected_etag(data, multipart=False)
     assert store._is_ours("one-put.bin", os.urandom(6 * MiB)) is None
+
+
+def test_streamed_create_uploads_parts_while_writing_and_reads_back_into_a_buffer(
+        store, admin, small_parts):
+    key = "checkpoints/v000001/model.safetensors"
+    data = os.urandom(12 * MiB)
+    requests = Requests(store.client)
+    # written in odd-sized pieces: the sink cuts 5 MiB parts itself
+    store.create_from(key, lambda f: [f.write(data[i:i + 3 * MiB + 7])
+                                      for i in range(0, len(data), 3 * MiB + 7)])
+    assert len(requests.named("UploadPart")) == 3
+    [complete] = requests.named("CompleteMultipartUpload")
+    assert _header(complete, "if-none-match") == "*"
+    assert admin.head_object(Bucket=BUCKET, Key=f"some/prefix/{key}")["ETag"] == expected_etag(data)
+    buf, pieces = bytearray(len(data)), []
+    store.read_into(key, memoryview(buf), lambda off, piece: pieces.append((off, bytes(piece))))
+    assert bytes(buf) == data
+    ends = [0] + [off + len(p) for off, p in pieces[:-1]]
+    assert [off for off, _ in pieces] == ends  # in order, each byte once
+    assert b"".join(p for _, p in pieces) == data
+    with pytest.raises(AlreadyExists, match=key):
+        store.create_from(key, lambda f: f.write(b"x" * (6 * MiB)))
+    assert admin.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
+    with pytest.raises(TooLarge):
+        store.read_into(key, memoryview(bytearray(len(data) - 1)))
+    with pytest.raises(ShortObject):
+        store.read_into(key, memoryview(bytearray(len(data) + 1)))
+
+
+def test_a_small_streamed_create_is_one_put(store):
+    requests = Requests(store.client)
+    store.create_from("a.json", lambda f: f.write(b"{}"))
+    assert [op for op, _ in requests.sent] == ["PutObject"]
+    buf = bytearray(2)
+    store.read_into("a.json", memoryview(buf))
+    assert bytes(buf) == b"{}"
+
+
+def test_a_failing_writer_leaves_no_object_and_no_upload(store, admin, small_parts):
+    def write(f):
+        f.write(os.urandom(11 * MiB))
+        raise RuntimeError("serializer died")
+    with pytest.raises(RuntimeError):
+        store.create_from("x.bin", write)
+    assert not store.exists("x.bin")
+    assert admin.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []) == []
 
 
 def test_multipart_create_is_write_once_and_leaves_no_upload_behind(store, admin, small_parts):

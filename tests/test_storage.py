@@ -126,3 +126,36 @@ def test_compare_and_swap_and_conditional_read(tmp_path, kind):
     assert s.read_if_changed("manifest.json", etag) == (b"v2", e2)
     with pytest.raises(NotFound):
         s.read_if_changed("missing", None)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_streamed_create_and_read_into(tmp_path, kind):
+    from volunteer_rl.storage import AlreadyExists, ShortObject
+
+    s = open_storage(str(tmp_path / "b") if kind == "local" else "memory://streamed")
+    s.create_from("ck/w.bin", lambda f: [f.write(bytes([i]) * 1000) for i in range(5)])
+    data = b"".join(bytes([i]) * 1000 for i in range(5))
+    assert s.read("ck/w.bin") == data
+    with pytest.raises(AlreadyExists):
+        s.create_from("ck/w.bin", lambda f: f.write(b"other"))
+    assert s.read("ck/w.bin") == data
+    buf, seen = bytearray(len(data)), []
+    s.read_into("ck/w.bin", memoryview(buf), lambda off, piece: seen.append((off, len(piece))))
+    assert bytes(buf) == data and sum(n for _, n in seen) == len(data) and seen[0][0] == 0
+    with pytest.raises(TooLarge):
+        s.read_into("ck/w.bin", memoryview(bytearray(len(data) - 1)))
+    with pytest.raises(ShortObject):
+        s.read_into("ck/w.bin", memoryview(bytearray(len(data) + 1)))
+    with pytest.raises(NotFound):
+        s.read_into("ck/none", memoryview(bytearray(1)))
+
+
+def test_a_failed_local_streamed_create_leaves_nothing(tmp_path):
+    s = LocalStorage(tmp_path)
+
+    def write(f):
+        f.write(b"half")
+        raise RuntimeError("serializer died")
+    with pytest.raises(RuntimeError):
+        s.create_from("w.bin", write)
+    assert not s.exists("w.bin") and list(tmp_path.iterdir()) == []

@@ -68,6 +68,12 @@ class TrainerConfig:
     """Local scratch folder for checkpoint staging."""
     micro_batch: int = 256
     """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
+    weights_dtype: str = "fp32"
+    """dtype of the published weights: `fp32`, or `bf16` (half the bytes per version for every
+    volunteer to download). The trainer keeps fp32 master weights either way; with bf16 it
+    audits behavior logprobs and evaluates against the bf16-rounded weights volunteers run
+    (held in a second fp32 copy of the model), and saves its fp32 master in its state so a
+    resume does not lose the low bits. Volunteers upcast bf16 weights to fp32 exactly."""
     audit_tolerance: float = 0.05
     """Largest difference (nats) allowed between a volunteer's behavior logprob of a token and
     the trainer's own, for the one random group of each shard made with the weights the

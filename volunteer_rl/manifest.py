@@ -64,6 +64,9 @@ class Manifest:
     max_staleness: int
     task: str = "calculator"
     prompt_format: str = "plain"
+    weights_dtype: str = "float32"
+    """dtype of the checkpoint's floating-point weights ("float32" or "bfloat16"). Absent in
+    manifests of older trainers, which always published float32."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
 
@@ -95,6 +98,7 @@ class Manifest:
                 dataset=Dataset(**raw["dataset"]), sampling=Sampling(**raw["sampling"]),
                 max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
                 prompt_format=str(raw["prompt_format"]),
+                weights_dtype=str(raw.get("weights_dtype", "float32")),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
             raise

@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, Callable, Iterator
 
-from .storage import AlreadyExists, NotFound, PreconditionFailed, StorageError, TooLarge
+from .storage import AlreadyExists, NotFound, PreconditionFailed, ShortObject, StorageError, TooLarge
 
 MiB = 1024 * 1024
 MULTIPART_THRESHOLD = 64 * MiB
@@ -248,54 +248,57 @@ class S3Storage:
                 return None
             raise
 
-    def _stream(self, key: str, body, total: int, etag: str) -> bytes:
-        """Read `total` bytes from `body`, splitting the rest into parallel ranged GETs if
-        this one stream turns out slow (see SPLIT_SECONDS)."""
-        buf = bytearray(total)
-        got, start = 0, time.perf_counter()
-        while got < total:
-            chunk = body.read(min(STREAM_CHUNK, total - got))
-            if not chunk:
-                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
-            buf[got:got + len(chunk)] = chunk
-            got += len(chunk)
-            elapsed = time.perf_counter() - start
-            left = total - got
-            if (elapsed >= PROBE_SECONDS and left >= 2 * MIN_PART
-                    and left * elapsed / got > SPLIT_SECONDS):
-                self._split_rest(key, body, buf, got, etag)
-                break
-        body.close()
-        return bytes(buf)
-
-    def _split_rest(self, key: str, body, buf: bytearray, got: int, etag: str) -> None:
-        """Fill buf[got:] with the open stream taking the next share and parallel ranged
-        GETs pinned to `etag` the rest (If-Match: a replaced object fails the read instead
-        of mixing two versions)."""
-        from botocore.exceptions import ClientError
-
-        total = len(buf)
-        share = max(MIN_PART, min(PART_SIZE, -(-(total - got) // CONCURRENCY)))
-        cut = min(total, got + share)
-        ranges = _part_ranges(cut, total, share)
-        fetch = lambda r: self._get(key, r[0], r[1], IfMatch=etag)["Data"]  # noqa: E731
+    def _stream_into(self, key: str, body, buf: memoryview, etag: str,
+                     on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `buf` (the whole object) from the open GET `body`. If this one stream turns
+        out slow (see SPLIT_SECONDS), the rest is split: the stream keeps the next share and
+        parallel ranged GETs pinned to `etag` fetch the others, each into its own slice.
+        `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed."""
+        total, got, start = len(buf), 0, time.perf_counter()
+        cut = total
+        pool, parts = None, []
         try:
-            with ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges)))) as pool:
-                parts = pool.map(fetch, ranges)
-                while got < cut:  # meanwhile this stream carries on with its own share
-                    chunk = body.read(min(STREAM_CHUNK, cut - got))
-                    if not chunk:
-                        raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
-                    buf[got:got + len(chunk)] = chunk
-                    got += len(chunk)
-                for (first, last), data in zip(ranges, parts):
-                    if len(data) != last - first + 1:
-                        raise StorageError(f"{key}: short ranged read at byte {first}")
-                    buf[first:last + 1] = data
-        except ClientError as exc:
-            if _status(exc) == 412:
-                raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
-            raise
+            while got < cut:
+                chunk = body.read(min(STREAM_CHUNK, cut - got))
+                if not chunk:
+                    raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
+                buf[got:got + len(chunk)] = chunk
+                if on_chunk is not None:
+                    on_chunk(got, buf[got:got + len(chunk)])
+                got += len(chunk)
+                elapsed, left = time.perf_counter() - start, total - got
+                if (pool is None and elapsed >= PROBE_SECONDS and left >= 2 * MIN_PART
+                        and left * elapsed / got > SPLIT_SECONDS):
+                    share = max(MIN_PART, min(PART_SIZE, -(-left // CONCURRENCY)))
+                    cut = got + share
+                    ranges = _part_ranges(cut, total, share)
+                    pool = ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges))))
+                    parts = [(r, pool.submit(self._get_into, key, etag, buf, r)) for r in ranges]
+            for (first, last), future in parts:
+                future.result()
+                if on_chunk is not None:
+                    on_chunk(first, buf[first:last + 1])
+        finally:
+            body.close()
+            if pool is not None:
+                for _, future in parts:
+                    future.cancel()
+                pool.shutdown(wait=True)
+
+    def _open_sized(self, key: str, max_bytes: int | None, conditions: dict):
+        """(body, etag, size) of a GET of the whole object, its body not yet read, or None
+        on 304. Content-Length is checked against max_bytes before any of the body is read,
+        so an oversized object costs at most what is in flight when the connection drops."""
+        response = self._open(key, conditions)
+        if response is None:
+            return None
+        body, etag, total = response["Body"], response["ETag"], response.get("ContentLength")
+        if total is None or (max_bytes is not None and total > max_bytes):
+            body.close()
+            if total is None:
+                raise StorageError(f"{key}: the server gave no Content-Length")
+            raise TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
+        return body, etag, total
 
     def _get_capped(self, key: str, max_bytes: int, conditions: dict) -> dict | None:
         """One ranged GET of at most max_bytes + 1 bytes, so an oversized object costs at
@@ -332,16 +335,48 @@ class S3Storage:
                 if len(response["Data"]) > max_bytes:
                     raise too_large
                 return response["Data"], response["ETag"]
-            response = self._open(key, conditions)
-            if response is None:
+            opened = self._open_sized(key, max_bytes, conditions)
+            if opened is None:
                 return None, if_none_match
-            body, etag, total = response["Body"], response["ETag"], response.get("ContentLength")
-            if total is None or (max_bytes is not None and total > max_bytes):
+            body, etag, total = opened
+            buf = bytearray(total)
+            self._stream_into(key, body, memoryview(buf), etag)
+        return bytes(buf), etag
+
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `buf` with the object, which must be exactly len(buf) bytes, with no copy
+        held twice: one streamed GET that splits into parallel ranged GETs if it is slow
+        (_stream_into). `on_chunk` sees the pieces in order, each as soon as it and every
+        piece before it have landed, so hashing overlaps the download."""
+        size = len(buf)
+        with self._errors(key, "read"):
+            body, etag, total = self._open_sized(key, size, {})
+            if total < size:
                 body.close()
-                if total is None:
-                    raise StorageError(f"{key}: the server gave no Content-Length")
-                raise too_large
-            return self._stream(key, body, total, etag), etag
+                raise ShortObject(f"{key}: {total} bytes, shorter than the expected {size}")
+            self._stream_into(key, body, buf, etag, on_chunk)
+
+    def _get_into(self, key: str, etag: str, buf: memoryview, byte_range: tuple[int, int]) -> None:
+        """One ranged GET (If-Match `etag`) streamed into buf[first:last + 1]."""
+        from botocore.exceptions import ClientError
+
+        first, last = byte_range
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag,
+                                          Range=f"bytes={first}-{last}")["Body"]
+        except ClientError as exc:
+            if _status(exc) == 412:
+                raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
+            raise
+        pos = first
+        for chunk in body.iter_chunks(1 << 20):
+            if pos + len(chunk) > last + 1:
+                raise StorageError(f"{key}: ranged GET returned more than bytes {first}-{last}")
+            buf[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        if pos != last + 1:
+            raise StorageError(f"{key}: ranged GET of bytes {first}-{last} ended at {pos}")
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; TooLarge if it has more than max_bytes."""
@@ -460,6 +495,41 @@ class S3Storage:
                 if not (_retried(exc) and self._is_ours(key, data)):
                     raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
 
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Create-only, streamed: `write(sink)` fills PART_SIZE parts that go up while it
+        writes the next ones (at most CONCURRENCY in flight, so memory stays bounded); a
+        stream shorter than MULTIPART_THRESHOLD goes as one PUT, and so does every stream
+        while upload_choice finds one PUT faster on this link (then the whole object is
+        held in memory first). If-None-Match: * on the request that makes the object
+        visible, as in `create`."""
+        from botocore.exceptions import ClientError
+
+        method = self.upload_choice.pick(MULTIPART_THRESHOLD)  # the size is not known yet
+        sink = _PartSink(self, self._key(key), single=method == "single")
+        start = time.perf_counter()
+        with self._errors(key, "create"):
+            try:
+                write(sink)
+                sink.finish({"IfNoneMatch": "*"})
+                if sink.size >= MULTIPART_THRESHOLD:
+                    self.upload_choice.record(method, sink.size, time.perf_counter() - start)
+            except ClientError as exc:
+                sink.abort()
+                if not _is_conflict(exc):
+                    raise
+                if not (_retried(exc) and self._etag_of(key) == sink.expected_etag()):
+                    raise AlreadyExists(f"{key}: already exists in {self.uri}") from None
+            except BaseException:
+                sink.abort()
+                raise
+
+    def _etag_of(self, key: str) -> str | None:
+        try:
+            with self._errors(key, "check"):
+                return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
+        except NotFound:
+            return None
+
     def write_if_match(self, key: str, data: bytes, etag: str | None) -> str:
         """Replace `key` only if its ETag is still `etag` (None: it must not exist yet).
 
@@ -487,3 +557,90 @@ class S3Storage:
         self.size(key)
         with self._errors(key, "delete"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+class _PartSink:
+    """The file-like `S3Storage.create_from` hands to its writer: bytes accumulate into a
+    PART_SIZE buffer; each full buffer becomes one part of a multipart upload, uploaded by a
+    pool while the writer goes on."""
+
+    def __init__(self, store: S3Storage, full_key: str, single: bool = False):
+        """`single`: keep everything and send it as one PUT in `finish`."""
+        self.store, self.full_key, self.single = store, full_key, single
+        self.size = 0
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[Future] = []
+        self.part_etags: list[str] = []
+        self.small: bytes | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.size += n
+        if self.single:
+            self.buffer += view
+            if len(self.buffer) <= MAX_SINGLE_PUT:
+                return n
+            self.single = False  # too big for one PUT after all: go on as multipart
+            view, self.buffer = memoryview(self.buffer), bytearray()
+        while len(view):
+            take = PART_SIZE - len(self.buffer)
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == PART_SIZE:
+                self._send()
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def _send(self) -> None:
+        store = self.store
+        if self.upload_id is None:
+            self.upload_id = store.client.create_multipart_upload(
+                Bucket=store.bucket, Key=self.full_key)["UploadId"]
+            self.pool = ThreadPoolExecutor(CONCURRENCY)
+        number, body = len(self.pending) + 1, bytes(self.buffer)
+        self.buffer = bytearray()
+        in_flight = [f for f in self.pending if not f.done()]
+        if len(in_flight) >= CONCURRENCY:
+            in_flight[0].result()  # back-pressure: memory holds at most CONCURRENCY parts
+        self.pending.append(self.pool.submit(
+            lambda: store.client.upload_part(Bucket=store.bucket, Key=self.full_key,
+                                             UploadId=self.upload_id, PartNumber=number,
+                                             Body=body)["ETag"]))
+
+    def finish(self, conditions: dict) -> None:
+        store = self.store
+        if self.upload_id is None:  # small, or one PUT chosen: everything is in the buffer
+            self.small = self.buffer
+            store.client.put_object(Bucket=store.bucket, Key=self.full_key, Body=self.small,
+                                    **conditions)
+            return
+        if self.buffer:
+            self._send()
+        self.part_etags = [f.result() for f in self.pending]
+        self.pool.shutdown()
+        parts = [{"PartNumber": n, "ETag": e} for n, e in enumerate(self.part_etags, 1)]
+        store.client.complete_multipart_upload(
+            Bucket=store.bucket, Key=self.full_key, UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts}, **conditions)
+        self.upload_id = None
+
+    def expected_etag(self) -> str:
+        """The ETag S3 gives what this sink uploaded (see `expected_etag`)."""
+        if self.small is not None:
+            return f'"{hashlib.md5(self.small).hexdigest()}"'
+        digests = b"".join(bytes.fromhex(e.strip('"')) for e in self.part_etags)
+        return f'"{hashlib.md5(digests).hexdigest()}-{len(self.part_etags)}"'
+
+    def abort(self) -> None:
+        if self.pool is not None:
+            for f in self.pending:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+        if self.upload_id is not None:
+            self.store._abort(self.full_key, self.upload_id)
+            self.upload_id = None

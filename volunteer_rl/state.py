@@ -21,6 +21,9 @@ from .faults import crash_point
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+MASTER_FILE = "master.safetensors"
+"""fp32 master weights, saved only when the published checkpoint is not fp32 (bf16): the
+checkpoint alone would lose their low bits on resume."""
 
 
 def state_dir(root: Path, version: int) -> Path:
@@ -40,8 +43,10 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict) -> Path:
-    """Write state/v<version>/: optimizer tensors, then state.json as the completion mark."""
+def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
+               master: torch.nn.Module | None = None) -> Path:
+    """Write state/v<version>/: optimizer tensors (and `master`'s fp32 weights if given), then
+    state.json as the completion mark."""
     from safetensors.torch import save_file
 
     folder = state_dir(root, version)
@@ -51,6 +56,11 @@ def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict)
     rng = torch.get_rng_state()
     tensors["__rng__"] = rng
     save_file(tensors, str(folder / OPTIMIZER_FILE))
+    if master is not None:
+        from .policy import write_weights
+
+        with open(folder / MASTER_FILE, "wb") as f:
+            write_weights(master, f, torch.float32)
     crash_point("state_save")
     tmp = folder / f"{STATE_FILE}.tmp"
     tmp.write_text(json.dumps({"version": version, "optimizer": rest, **meta}))
@@ -79,6 +89,13 @@ def load_state(root: Path, version: int, opt: torch.optim.Optimizer) -> dict | N
         state.setdefault(int(idx), {})[slot] = value
     opt.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
     return meta
+
+
+def master_weights(root: Path, version: int) -> Path | None:
+    """The fp32 master weights saved with `version`'s complete state, if any."""
+    folder = state_dir(root, version)
+    path = folder / MASTER_FILE
+    return path if (folder / STATE_FILE).exists() and path.exists() else None
 
 
 def prune_states(root: Path, keep: set[int]) -> None:

@@ -11,6 +11,12 @@ Guarantees every backend gives the rest of the code:
 - `read` takes a byte cap and never returns more than it: a hostile object cannot make us
   allocate its full size.
 - `list` never shows temp files of an interrupted local write.
+
+Big objects (checkpoints) have two streaming forms, so a 2.4 GB file is never held twice:
+`create_from(key, write)` calls `write(f)` with a file-like sink that goes straight to the
+object (a temp file renamed into place, or a multipart upload), and `read_into(key, buf)`
+fills a caller's buffer, telling `on_chunk(offset, piece)` about each piece in order (for
+hashing while the rest arrives; a retried read starts again at offset 0).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import random
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar
+from typing import BinaryIO, Callable, Protocol, TypeVar
 
 from .faults import crash_point
 
@@ -38,6 +44,10 @@ class NotFound(StorageError):
 
 class TooLarge(StorageError):
     """The object is larger than the caller's byte cap."""
+
+
+class ShortObject(StorageError):
+    """The object has fewer bytes than the caller was told to expect (`read_into`)."""
 
 
 class AlreadyExists(StorageError):
@@ -59,9 +69,33 @@ class Storage(Protocol):
     def delete(self, key: str) -> None: ...
     # Conditional operations. `etag` is an opaque version token of one object.
     def create(self, key: str, data: bytes) -> None: ...
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None: ...
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None: ...
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]: ...
     def write_if_match(self, key: str, data: bytes, etag: str | None) -> str: ...
+
+
+READ_CHUNK = 16 << 20
+"""Bytes per piece of a streamed local read: big enough for few syscalls, small enough that
+hashing one piece overlaps reading the next."""
+
+
+def _fill_from(key: str, src: BinaryIO, buf: memoryview,
+               on_chunk: Callable[[int, memoryview], None] | None) -> None:
+    """Read exactly len(buf) bytes of `src` into `buf`; TooLarge if more follow, StorageError
+    if fewer come."""
+    done = 0
+    while done < len(buf):
+        n = src.readinto(buf[done:done + READ_CHUNK])
+        if not n:
+            raise ShortObject(f"{key}: {done} bytes, shorter than the expected {len(buf)}")
+        if on_chunk is not None:
+            on_chunk(done, buf[done:done + n])
+        done += n
+    if src.read(1):
+        raise TooLarge(f"{key}: larger than the {len(buf)}-byte limit")
 
 
 def _check_cap(key: str, data: bytes, max_bytes: int | None) -> bytes:
@@ -105,7 +139,21 @@ class LocalStorage:
                 if attempt == 2:
                     raise
 
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `buf` with the object, which must be exactly len(buf) bytes long."""
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                _fill_from(key, f, buf, on_chunk)
+        except FileNotFoundError:
+            raise NotFound(f"{key}: not found in {self.uri}") from None
+        except IsADirectoryError:
+            raise NotFound(f"{key}: is a folder in {self.uri}") from None
+
     def _put(self, key: str, data: bytes, create_only: bool) -> None:
+        self._put_from(key, lambda f: f.write(data), create_only)
+
+    def _put_from(self, key: str, write: Callable[[BinaryIO], None], create_only: bool) -> None:
         path = self._path(key)
         # Hidden temp name in the same folder, then an atomic rename (or, create-only, an
         # atomic hard link that fails if the name is taken): a reader sees the old object or
@@ -113,7 +161,7 @@ class LocalStorage:
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with self._open_new(tmp) as f:
-                f.write(data)
+                write(f)
                 f.flush()
                 crash_point("local_write")
                 os.fsync(f.fileno())
@@ -133,6 +181,10 @@ class LocalStorage:
 
     def create(self, key: str, data: bytes) -> None:
         self._put(key, data, create_only=True)
+
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """Create-only, with `write` filling the temp file directly (no copy in memory)."""
+        self._put_from(key, write, create_only=True)
 
     def _etag(self, key: str) -> str | None:
         try:
@@ -250,6 +302,21 @@ class FsspecStorage:
             raise AlreadyExists(f"{key}: already exists in {self.uri}")
         self.write(key, data)
 
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        if self.exists(key):  # check-then-write, as in `create`
+            raise AlreadyExists(f"{key}: already exists in {self.uri}")
+        with self.fs.open(self._path(key), "wb") as f:
+            write(f)
+
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        data = self.read(key, max_bytes=len(buf))
+        if len(data) != len(buf):
+            raise ShortObject(f"{key}: {len(data)} bytes, not the expected {len(buf)}")
+        buf[:] = data
+        if on_chunk is not None:
+            on_chunk(0, buf)
+
     # These stores have no portable ETag through fsspec: the content's sha256 stands in.
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]:
@@ -346,6 +413,15 @@ class Retrying:
 
     def create(self, key: str, data: bytes) -> None:
         return self._call("create", key, lambda: self.inner.create(key, data))
+
+    def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None:
+        """A retry calls `write` again from the start, on a fresh sink."""
+        return self._call("create", key, lambda: self.inner.create_from(key, write))
+
+    def read_into(self, key: str, buf: memoryview,
+                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """A retry reads the object again from the start: `on_chunk` sees offset 0 again."""
+        return self._call("read", key, lambda: self.inner.read_into(key, buf, on_chunk))
 
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]:

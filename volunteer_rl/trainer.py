@@ -7,6 +7,7 @@ under the rollout prefixes of the versions inside the staleness window.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -30,11 +31,12 @@ from .ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
 from .ledger import Ledger, rebuild
 from .losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
 from .manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
-from .policy import Policy, build_tiny_model, build_tokenizer, encode_prompts, load_policy, \
-    pick_device, save_policy, token_logprobs
+from .policy import WEIGHTS_DTYPES, WEIGHTS_FILE, Policy, build_tiny_model, build_tokenizer, \
+    encode_prompts, load_policy, load_weights, pick_device, save_policy, token_logprobs, \
+    weights_writer
 from .retention import TrainerRetention
 from .signing import Trust, key_path, load_or_create_key, public_key_text
-from .state import load_state, prune_states, save_state
+from .state import load_state, master_weights, prune_states, save_state
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
 from .warmstart import warm_start
@@ -104,17 +106,22 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
 
     `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
     manifest and its etag."""
+    dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
-        save_policy(policy, staging)
-        files = publish_checkpoint(storage, version, staging)
+        # The small files are staged; the weights go from the tensors straight into the
+        # bucket object, hashed on the way (no staged copy, no second read).
+        save_policy(policy, staging, dtype, weights=False)
+        files = publish_checkpoint(storage, version, staging,
+                                   {WEIGHTS_FILE: weights_writer(policy.model, dtype)})
     finally:
         clear_folder(staging)
     manifest = Manifest(
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
-        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format)
+        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
+        weights_dtype=str(dtype).removeprefix("torch."))
     before_commit()
     crash_point("before_manifest")
     try:
@@ -196,7 +203,9 @@ def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[i
     claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
 
     Catches a volunteer that runs other weights or samples at another temperature: its
-    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5."""
+    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5. `policy`
+    must hold the weights volunteers run: with bf16 publishing, the bf16-rounded copy
+    (Trainer.published_policy), not the fp32 master, which differs by more than the tolerance."""
     with torch.no_grad():
         logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
                                     [g.token_ids for g in groups], temperature)
@@ -260,6 +269,7 @@ class Trainer:
         self.ledger = Ledger()
         self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
                                            self.dataset, None, self.key, lambda: self._save(0))
+        self._sync_published()
         self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
         self.published = {0}
         self._evaluate(0, full=True)
@@ -289,6 +299,10 @@ class Trainer:
         else:
             self.steps = int(meta["steps"])
             self.fleet.load_counts(meta.get("volunteers", {}))
+            master = master_weights(self.state_root, manifest.version)
+            if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
+                load_weights(self.policy, master)
+        self._sync_published()
         self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
 
     def _repair_history(self, manifest: Manifest) -> None:
@@ -309,12 +323,37 @@ class Trainer:
     def _save(self, version: int) -> None:
         """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
         self.ledger.flush(self.storage, version)
+        master = self.policy.model if self.cfg.weights_dtype != "fp32" else None
         save_state(self.state_root, version, self.opt,
-                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()})
+                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()},
+                   master=master)
+
+    def _sync_published(self) -> None:
+        """Make `published_policy` hold the weights volunteers run, just published.
+
+        fp32: the trainer's own model. bf16: a second fp32 model holding the master rounded
+        to bf16 exactly as the checkpoint was written, and upcast as volunteers upcast it;
+        audits and evals use it, so an honest volunteer's logprobs match (the fp32 master
+        differs from its weights by up to ~0.4 % per weight, far more than the audit's
+        tolerance allows at the logprob level) and `eval vN` measures what vN is. Costs one
+        more fp32 copy of the weights in memory, and one copy per publish."""
+        if self.cfg.weights_dtype == "fp32":
+            self.published_policy = self.policy
+            return
+        dtype = WEIGHTS_DTYPES[self.cfg.weights_dtype]
+        published = getattr(self, "published_policy", None)
+        if published is None or published is self.policy:
+            model = copy.deepcopy(self.policy.model).eval()
+            self.published_policy = Policy(model, self.policy.tokenizer, self.policy.prompt_format,
+                                           self.policy.device)
+        with torch.no_grad():
+            for dst, src in zip(self.published_policy.model.parameters(),
+                                self.policy.model.parameters()):
+                dst.copy_(src.to(dtype))
 
     def _audit(self, groups: list[ScoredGroup]) -> str | None:
-        return audit_logprobs(self.policy, groups, self.prompt_ids, self.cfg.temperature,
-                              self.cfg.audit_tolerance)
+        return audit_logprobs(self.published_policy, groups, self.prompt_ids,
+                              self.cfg.temperature, self.cfg.audit_tolerance)
 
     @property
     def version(self) -> int:
@@ -326,7 +365,7 @@ class Trainer:
 
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
-        res = greedy_and_sampled(self.policy, problems, self.cfg.temperature,
+        res = greedy_and_sampled(self.published_policy, problems, self.cfg.temperature,
                                  self.cfg.eval_samples, self.cfg.max_new_tokens)
         self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
                  f"{res['eval/accuracy_greedy']:.1%}, sampled (T={self.cfg.temperature}) "
@@ -399,6 +438,7 @@ class Trainer:
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
                                            lambda: self._save(version))
+        self._sync_published()
         self.retention.after_publish(self.manifest)
         self.ingest.audit_version = version
         self.published = {v for v in self.published | {version} if v >= self.window().low}

@@ -27,25 +27,38 @@ from typing import Callable
 import torch
 
 from . import layout
-from .checkpoint import CheckpointError, fetch_checkpoint, sha256_bytes
+from .checkpoint import CheckpointError, fetch_checkpoint, fetch_weights, sha256_bytes
 from .config import VolunteerConfig
 from .curriculum import PromptPicker
 from .heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from .manifest import Manifest, ManifestError, poll_manifest
-from .policy import Policy, encode_prompts, load_policy, load_weights, pick_device, sample
+from .policy import WEIGHTS_FILE, Policy, encode_prompts, load_policy, load_weights, pick_device, \
+    sample
 from .retention import is_missing
 from .shards import Completion, Group, encode_shard, new_shard_name
 from .signing import SignatureError, reader_trust
 from .storage import Storage, StorageError, open_storage
 from .task import DatasetError, Problem, load_csv, reward
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = WEIGHTS_FILE
 
 
 def default_volunteer_id() -> str:
     """Sanitized hostname plus a random suffix, so two processes on one host never collide."""
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40].strip("-.") or "volunteer"
     return f"{host}-{uuid.uuid4().hex[:6]}"
+
+
+def swap_weights(storage: Storage, m: Manifest, policy: Policy,
+                 reuse: memoryview | None = None) -> memoryview:
+    """Fetch the manifest's weights (verified, in memory) and copy them into the live model.
+
+    Returns the buffer they were read into; hand it back as `reuse` next time so the next
+    version lands in memory that is already mapped (the volunteer keeps one such buffer, the
+    size of the weights file, for as long as it runs)."""
+    buf = fetch_weights(storage, m, WEIGHTS, reuse)
+    load_weights(policy, buf)
+    return buf
 
 
 class ShardWriter:
@@ -108,6 +121,7 @@ class Volunteer:
         self.rng = random.Random(cfg.seed)
         self.stop = threading.Event()
         self.policy: Policy | None = None
+        self.weights_buffer: memoryview | None = None  # reused by every in-place swap
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
@@ -153,14 +167,18 @@ class Volunteer:
         return load_csv(path)
 
     def _switch(self, m: Manifest) -> None:
-        """Move to the manifest's version: swap weights in place when only they changed."""
+        """Move to the manifest's version: swap weights in place when only they changed.
+
+        The swap reads the weights into memory, checks their sha256, and only then copies
+        them into the model (`swap_weights`); nothing is written to disk. Weights published
+        in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
+        computes in fp32 with the bf16-rounded values, as the trainer's audit does."""
         old = self.manifest
         same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
                       and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS))
         folder = self.work / "checkpoint"
         if same_shape:
-            fetch_checkpoint(self.storage, m, folder, only=[WEIGHTS])
-            load_weights(self.policy, folder / WEIGHTS)
+            self.weights_buffer = swap_weights(self.storage, m, self.policy, self.weights_buffer)
         else:
             if old is None or old.dataset != m.dataset:
                 self.problems = self._load_dataset(m)

@@ -1,0 +1,275 @@
+"""Checkpoint sync: the trainer's publish and the volunteer's fetch of a Qwen3-0.6B-shaped
+checkpoint, against a raw copy of the same bytes to the same place.
+
+    python -m bench.checkpoint_sync [--quick] [--json PATH]
+
+The model is a `transformers` Qwen3ForCausalLM with Qwen3-0.6B's shape (hidden 1024, 28
+layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151,936, tied
+embeddings: 596 M parameters, 2.38 GB fp32 / 1.19 GB bf16), built on the meta device and
+filled with random normals: nothing is downloaded. The tokenizer is the project's own (the
+checkpoint's weights are >99.9 % of its bytes). `--quick` uses a much smaller Qwen3 shape.
+
+For each weights dtype (`fp32`, and `bf16` as `vrl trainer --weights-dtype bf16` publishes)
+and each bucket (a local folder, and moto's S3 server over HTTP on 127.0.0.1 in its own
+process, as bench/s3_checkpoint.py starts it):
+
+- **publish, vrl**: `trainer.publish`, the code the trainer runs: config and tokenizer staged,
+  the weights serialized from the live model straight into the bucket object while a thread
+  hashes them, every file's size checked, the signed manifest written.
+- **publish, raw**: the same weights file's bytes copied to the same bucket. Folder:
+  `shutil.copyfile` and then `os.fsync` of the copy. The fsync is there because the folder
+  backend fsyncs every object before the manifest may point at it (a crash must not leave a
+  committed checkpoint that is only in the page cache); a copy without it measures the page
+  cache, and the note gives that figure too. S3: one plain `put_object` of the file.
+- **fetch, vrl**: `volunteer.swap_weights`, what a volunteer's `_switch` does when only the
+  weights changed: the object read into memory while a thread hashes it, the sha256 and size
+  compared with the manifest, and only then every tensor copied into the live fp32 model
+  (bf16 upcast on the way). A volunteer reuses its read buffer from one version to the next;
+  the best of two rounds is that steady state (the first round also pays the page faults of
+  a fresh buffer).
+- **fetch, raw**: the same object copied to a local file: `shutil.copyfile` (folder), one plain
+  `get_object` streamed to a file (S3). No verify, no load.
+
+Why plain put_object / get_object and not boto3's upload_file / download_file: on this server
+the managed transfer is the weaker baseline (moto reads the whole object for every ranged
+GET, so download_file's 8 MB parts are quadratic: 24-58 MB/s in FIELD-NOTES), and a single
+PUT / GET is the fastest plain transfer moto offers. Over loopback a single stream is not
+limited the way an internet connection is; bench/s3_checkpoint.py measures that case.
+
+Figures: seconds (best of the rounds), MB/s (10^6 bytes of the weights file per second),
+ratio = raw seconds / vrl seconds (> 1: vrl faster). Goal from the issue: >= 0.8.
+Also bytes per version (every file of the checkpoint) for fp32 and bf16.
+
+Memory: moto holds several copies of a big object while it takes or serves it (the request
+body, the stored value, the concatenated parts of a multipart upload, the whole object again
+for every ranged GET): the fp32 S3 round reached 8.6 GB in the server, 13.7 GB with the
+bench's model and buffer, over this machine's ~10 GB budget. So at full size S3 is measured
+with the bf16 checkpoint (1.19 GB) only, and the fp32 S3 cells are skipped (printed as such);
+`--quick` runs every cell.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import Row, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1_000_000
+GOAL = 0.8
+BUCKET = "vrl-bench"
+S3_MAX_BYTES = 1_500_000_000
+"""Largest weights file sent through moto (see the memory note above)."""
+
+
+def qwen3(quick: bool):
+    """A randomly initialised Qwen3ForCausalLM of Qwen3-0.6B's shape (or a small one)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64) if quick else \
+        dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=40960)
+    with torch.device("meta"):  # no init pass on 0.6 B parameters; filled below
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+        for name, b in model.named_buffers():  # rotary inv_freq: to_empty left it unset
+            if name.endswith("inv_freq"):
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                b.copy_(module.compute_default_rope_parameters(module.config)[0])
+    model.tie_weights()
+    return model.eval()
+
+
+def policy_for(model):
+    from volunteer_rl.policy import Policy, build_tokenizer
+    from volunteer_rl.task import load_csv
+    from volunteer_rl.config import PACKAGE_DATA
+
+    problems = load_csv(PACKAGE_DATA / "train.csv")[:2000]
+    tokenizer = build_tokenizer([p.prompt for p in problems] + [p.expression for p in problems])
+    return Policy(model, tokenizer, "plain", torch.device("cpu"))
+
+
+def best(fn, rounds: int) -> float:
+    times = []
+    for n in range(rounds):
+        start = time.perf_counter()
+        fn(n)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class Publisher:
+    """trainer.publish on one bucket, one version after another."""
+
+    def __init__(self, uri: str, endpoint: str | None, policy, dtype: str, work: Path):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+        from volunteer_rl.storage import open_storage
+        from volunteer_rl.trainer import upload_dataset
+
+        self.cfg = TrainerConfig(bucket=uri, endpoint_url=endpoint, work_dir=str(work),
+                                 weights_dtype=dtype)
+        self.storage = open_storage(uri, endpoint)
+        self.policy, self.key, self.etag, self.version = policy, Ed25519PrivateKey.generate(), None, 0
+        self.dataset = upload_dataset(self.storage, PACKAGE_DATA / "train.csv")
+        self.manifest = None
+
+    def publish(self) -> None:
+        from volunteer_rl.trainer import publish
+
+        self.version += 1
+        self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
+                                           "bench", self.dataset, self.etag, self.key)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rows_for(backend: str, dtype: str, size: int, times: dict[str, float], extra: str,
+             quick: bool) -> list[Row]:
+    """Publish and fetch rows of one backend and dtype from measured seconds."""
+    cmd = "python -m bench.checkpoint_sync" + (" --quick" if quick else "")
+    out = []
+    for way in ("publish", "fetch"):
+        if way not in times:
+            continue
+        vrl, raw = times[way], times[f"raw_{way}"]
+        note = (f"weights {size / MB:.0f} MB: vrl {size / MB / vrl:.0f} MB/s, raw "
+                f"{size / MB / raw:.0f} MB/s; " + (extra if way == "publish" else "")
+                + ("raw = copyfile + fsync" if (backend == "folder" and way == "publish") else
+                   "raw = copyfile" if backend == "folder" else
+                   "raw = one put_object" if way == "publish" else "raw = one get_object to a file"))
+        out.append(Row(f"checkpoint {way}", f"{backend} {dtype}: seconds", vrl, raw, raw / vrl,
+                       f">= {GOAL}", raw / vrl >= GOAL, cmd, note))
+    return out
+
+
+def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
+    """Folder bucket: publish and fetch, vrl and raw; returns rows, bytes per version, the
+    published weights file (the raw S3 transfers send the same bytes) and the volunteer's
+    read buffer (the S3 fetch reuses it, as a volunteer would)."""
+    from volunteer_rl.volunteer import swap_weights
+
+    bucket = tmp / f"bucket-{dtype}"
+    pub = Publisher(str(bucket), None, policy, dtype, tmp / f"work-{dtype}")
+    times = {"publish": best(lambda n: pub.publish(), rounds)}
+    weights = bucket / pub.manifest.checkpoint / "model.safetensors"
+    size = weights.stat().st_size
+    (bucket / "raw").mkdir()
+    copy_only = []
+
+    def raw_publish(n: int) -> None:
+        dest = bucket / "raw" / f"p{n}.safetensors"
+        start = time.perf_counter()
+        shutil.copyfile(weights, dest)
+        copy_only.append(time.perf_counter() - start)
+        fsync_path(dest)
+
+    times["raw_publish"] = best(raw_publish, rounds)
+    held: list = [None]  # the buffer a volunteer keeps from one swap to the next
+
+    def fetch(n: int) -> None:
+        held[0] = swap_weights(pub.storage, pub.manifest, policy, held[0])
+
+    times["fetch"] = best(fetch, rounds)
+    times["raw_fetch"] = best(lambda n: shutil.copyfile(weights, tmp / f"fetched-{dtype}-{n}"), rounds)
+    for n in range(rounds):
+        (tmp / f"fetched-{dtype}-{n}").unlink()
+    shutil.rmtree(bucket / "raw")
+    extra = f"copyfile alone {min(copy_only):.2f} s, ratio {min(copy_only) / times['publish']:.2f}; "
+    total = sum(e.size for e in pub.manifest.files.values())
+    sizes = {"weights": size, "total": total}
+    return rows_for("folder", dtype, size, times, extra, quick), sizes, weights, held[0]
+
+
+def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
+             quick: bool) -> list[Row]:
+    """S3 (moto over HTTP): one round of each transfer on an emptied bucket."""
+    from bench.s3_checkpoint import reset_bucket
+    from volunteer_rl.s3 import S3Storage
+    from volunteer_rl.volunteer import swap_weights
+
+    plain = S3Storage(f"s3://{BUCKET}/raw", endpoint_url=endpoint)
+    reset_bucket(plain, endpoint)
+    pub = Publisher(f"s3://{BUCKET}/run", endpoint, policy, dtype, tmp / f"work-s3-{dtype}")
+    size = weights.stat().st_size
+    times = {"publish": best(lambda n: pub.publish(), 1)}
+
+    def raw_publish(n: int) -> None:
+        with open(weights, "rb") as f:
+            plain.client.put_object(Bucket=BUCKET, Key="raw/model.safetensors", Body=f)
+
+    times["raw_publish"] = best(raw_publish, 1)
+
+    def raw_fetch(n: int) -> None:
+        body = plain.client.get_object(Bucket=BUCKET, Key="raw/model.safetensors")["Body"]
+        with open(tmp / "fetched-s3", "wb") as f:
+            shutil.copyfileobj(body, f, 16 << 20)
+
+    times["raw_fetch"] = best(raw_fetch, 1)
+    (tmp / "fetched-s3").unlink()
+    times["fetch"] = best(lambda n: swap_weights(pub.storage, pub.manifest, policy, held), 1)
+    reset_bucket(plain, endpoint)  # moto keeps objects in memory and temp files: free them
+    return rows_for("s3", dtype, size, times, "", quick)
+
+
+def results(quick: bool = False) -> list[Row]:
+    from bench.s3_checkpoint import start
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ[name] = "testing"  # moto accepts any key; never send real ones to it
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    t0 = time.perf_counter()
+    policy = policy_for(qwen3(quick))
+    n = sum(p.numel() for p in policy.model.parameters())
+    print(f"Qwen3-shaped model, {n / 1e6:.1f} M parameters, built in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    rows, sizes = [], {}
+    server, endpoint = start([str(ROOT / "infra" / "s3_server.py")], "the moto server")
+    try:
+        with tempfile.TemporaryDirectory(prefix="vrl-sync-") as tmp:
+            for dtype in ("fp32", "bf16"):
+                folder_rows, sizes[dtype], weights, held = folder_round(
+                    policy, dtype, Path(tmp), 2, quick)
+                rows += folder_rows
+                if weights.stat().st_size <= S3_MAX_BYTES:
+                    rows += s3_round(policy, dtype, weights, held, endpoint, Path(tmp), quick)
+                else:
+                    print(f"s3 {dtype}: skipped at {weights.stat().st_size / MB:.0f} MB (moto "
+                          "would need more memory than this machine's budget; see the "
+                          "module docstring)", flush=True)
+                del held
+    finally:
+        server.terminate()
+        server.wait(30)
+    fp32, bf16 = sizes["fp32"]["total"], sizes["bf16"]["total"]
+    rows.append(Row("checkpoint bytes per version", "bytes, bf16 (vrl) vs fp32 (baseline)",
+                    bf16, fp32, fp32 / bf16, "-", None,
+                    "python -m bench.checkpoint_sync" + (" --quick" if quick else ""),
+                    f"every file of a version; weights alone {sizes['bf16']['weights']:,} vs "
+                    f"{sizes['fp32']['weights']:,} bytes"))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(cli(results, __doc__))

@@ -1,0 +1,20 @@
+"""bench/checkpoint_sync.py at --quick size: it runs the product's publish and fetch against
+raw copies on a folder and on moto, and its rows add up."""
+
+import math
+
+from bench.checkpoint_sync import results
+
+
+def test_checkpoint_sync_quick_rows_are_sane():
+    rows = results(quick=True)
+    timed = [r for r in rows if r.measure.endswith("seconds")]
+    cells = {(r.benchmark.split()[-1], r.measure.split(":")[0]) for r in timed}
+    assert cells == {(way, f"{b} {d}") for way in ("publish", "fetch")
+                     for b in ("folder", "s3") for d in ("fp32", "bf16")}
+    for r in timed:
+        assert r.vrl > 0 and r.baseline > 0
+        assert math.isclose(r.ratio, r.baseline / r.vrl)  # times: raw / vrl, > 1 = vrl faster
+        assert r.met == (r.ratio >= 0.8)
+    (size,) = [r for r in rows if r.benchmark == "checkpoint bytes per version"]
+    assert 1.8 < size.ratio < 2.0 and math.isclose(size.ratio, size.baseline / size.vrl)
