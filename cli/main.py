@@ -126,7 +126,7 @@ def volunteer(
     max_seconds: Annotated[float, typer.Option(help="Stop after this many seconds (0: until Ctrl-C).")] = 0.0,
     heartbeat_seconds: Annotated[float, typer.Option(min=0, help="Seconds between heartbeats (volunteers/ID.json; 0: none).")] = 30.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for prompt choice and sampling.")] = None,
-    threads: Threads = 0,
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads for sampling (0: auto, 1 for a model under 5 M parameters on the CPU, else torch's default).")] = 0,
     curriculum: Annotated[bool, typer.Option(help="Prefer prompts likely to have reward variance (off: uniform).")] = True,
     nice: Annotated[int, typer.Option(min=0, max=19, help="Lower CPU priority by this much (POSIX niceness; 0: unchanged).")] = 10,
     device: Device = "auto",

@@ -4,8 +4,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from volunteer_rl.policy import (Policy, build_tiny_model, build_tokenizer, encode_prompts,
-                                 load_policy, load_weights, sample, save_policy, token_logprobs)
+from volunteer_rl.policy import (TORCH_DEFAULT_THREADS, Policy, build_tiny_model, build_tokenizer,
+                                 draw, encode_prompts, load_policy, load_weights, sample,
+                                 sampling_threads, save_policy, set_sampling_threads,
+                                 token_logprobs)
 from volunteer_rl.task import generate_problems
 
 
@@ -147,3 +149,56 @@ def test_warm_start_loss_matches_masked_scoring(tiny):
         logp, mask = token_logprobs(policy, prompts, [[t] for t in targets], 1.0)
         expected = -(logp * mask).sum() / mask.sum()
         assert torch.allclose(target_nll(policy, prompts, targets), expected, atol=1e-5)
+
+
+def test_draw_follows_the_softmax_and_never_picks_an_impossible_token():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 40_000
+    picked = draw(probs.log().expand(n, 5))
+    freq = torch.bincount(picked, minlength=5).double() / n
+    assert freq[1] == 0 and freq[4] == 0  # 0-probability tokens, the last one included
+    assert torch.allclose(freq, probs.double(), atol=0.01)  # 4 standard errors
+
+
+def test_greedy_sampling_equals_generate_one_prompt_at_a_time(tiny):
+    """Left-padded, batched, rows leaving the batch at EOS: the same tokens as `generate`."""
+    policy, problems = tiny
+    prompts = encode_prompts(policy, [p.prompt for p in problems[:5]])
+    groups = sample(policy, prompts, k=1, temperature=0.0, max_new_tokens=8)
+    with torch.no_grad():
+        for p, (s,) in zip(prompts, groups):
+            ids = torch.tensor([p])
+            out = policy.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=8, pad_token_id=policy.pad_id,
+                                        eos_token_id=policy.eos_id)[0, len(p):].tolist()
+            n = out.index(policy.eos_id) + 1 if policy.eos_id in out else len(out)
+            assert s.token_ids == out[:n]
+            assert len(s.logprobs) == n and s.text == policy.tokenizer.decode(out[:n], skip_special_tokens=True)
+
+
+def test_rows_stop_at_max_new_tokens_or_their_first_eos(tiny):
+    policy, problems = tiny
+    prompts = encode_prompts(policy, [p.prompt for p in problems[:4]])
+    torch.manual_seed(3)
+    for s in (s for g in sample(policy, prompts, k=8, temperature=1.0, max_new_tokens=3) for s in g):
+        assert 1 <= len(s.token_ids) <= 3 and len(s.logprobs) == len(s.token_ids)
+        assert policy.eos_id not in s.token_ids[:-1]
+        assert len(s.token_ids) == 3 or s.token_ids[-1] == policy.eos_id
+    assert all(s.token_ids == [] for g in sample(policy, prompts, 2, 1.0, 0) for s in g)
+
+
+def test_small_models_sample_on_one_thread_big_ones_on_torchs_default(tiny):
+    policy, _ = tiny
+    assert sampling_threads(policy) == 1                  # 0.5 M parameters on the CPU
+    assert sampling_threads(policy, threads=3) == 3       # --threads wins
+    big = Policy(torch.nn.Linear(2500, 2500), policy.tokenizer, "plain", torch.device("cpu"))
+    assert sampling_threads(big) == TORCH_DEFAULT_THREADS  # 6.3 M parameters
+    gpu = Policy(policy.model, policy.tokenizer, "plain", torch.device("cuda"))
+    assert sampling_threads(gpu) == TORCH_DEFAULT_THREADS  # no CPU matmuls to size
+    before = torch.get_num_threads()
+    try:
+        assert set_sampling_threads(policy) == 1 == torch.get_num_threads()
+        assert set_sampling_threads(policy, 2) == 2 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -63,3 +63,34 @@ def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
     assert not v._at_cap(w)        # patience over: one more batch is allowed
     w.add(groups(4, 3), 3)
     assert v._at_cap(w)            # and then it pauses again
+
+
+def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
+    """Threads follow the model the volunteer loads: auto (0) gives a small CPU model one
+    thread, --threads N gives N; the count is logged when it changes."""
+    import torch
+
+    from volunteer_rl import volunteer as vol
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.policy import Policy
+    from volunteer_rl.volunteer import Volunteer
+
+    small = Policy(torch.nn.Linear(10, 10), None, "plain", torch.device("cpu"))
+
+    class M:
+        run_id, version, files, dataset = "run", 0, {}, "d"
+
+    monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(vol, "load_policy", lambda folder, device: small)
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: [])
+    before = torch.get_num_threads()
+    try:
+        for threads, expected, how in ((0, 1, "auto"), (2, 2, "--threads")):
+            logs = []
+            v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", threads=threads,
+                                          device="cpu"), log=logs.append)
+            v._switch(M())
+            assert torch.get_num_threads() == expected == v.threads
+            assert f"sampling with {expected} torch thread" in logs[0] and f"({how})" in logs[0]
+    finally:
+        torch.set_num_threads(before)

@@ -128,7 +128,8 @@ class VolunteerConfig:
     max_seconds: float = 0.0
     """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
     threads: int = 0
-    """torch CPU threads (0: torch's default)."""
+    """torch CPU threads for sampling (0: auto, one for a model of under 5 M parameters on the
+    CPU, torch's default otherwise; see policy.sampling_threads)."""
     nice: int = 10
     """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.

@@ -51,6 +51,38 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+SMALL_MODEL_PARAMS = 5_000_000
+"""Below this many parameters a model on the CPU samples on one torch thread (sampling_threads)."""
+
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+"""torch's own thread count at start (its default, or what OMP_NUM_THREADS asked for)."""
+
+
+def sampling_threads(policy: Policy, threads: int = 0) -> int:
+    """torch CPU threads to sample with: `threads` when > 0, else (auto) one for a model of
+    fewer than SMALL_MODEL_PARAMS parameters on the CPU and torch's default otherwise.
+
+    A small model's matmuls (128 rows x hidden 128 for the tiny one) are too short for
+    threads to pay for their hand-offs, and every step waits for the slowest thread: on this
+    2-core machine while other work ran on it, the tiny model sampled 5-15x more completions/s
+    on one thread than on two (bench/generation.py). A volunteer's machine is a shared one by
+    design, so one thread is the robust choice for small models; big models keep all cores.
+    """
+    if threads > 0:
+        return threads
+    if policy.device.type == "cpu" and sum(p.numel() for p in policy.model.parameters()) < SMALL_MODEL_PARAMS:
+        return 1
+    return TORCH_DEFAULT_THREADS
+
+
+def set_sampling_threads(policy: Policy, threads: int = 0) -> int:
+    """Apply `sampling_threads` to this process; returns the thread count now in force."""
+    n = sampling_threads(policy, threads)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 # ---------------------------------------------------------------------------------------------
 # The tiny model: built offline from a config and a tokenizer trained on the task's own text.
 
@@ -292,6 +324,19 @@ def _prefill(policy: Policy, prompts: list[list[int]], k: int):
             mask.repeat_interleave(k, 0), pos[:, -1:].repeat_interleave(k, 0) + 1)
 
 
+def draw(logp: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logp` [rows, V], drawn from softmax, i.e. from exp(logp).
+
+    Inverse CDF: one uniform per row against the running sum of the row's probabilities,
+    both in float64, so every token's interval is its probability to ~1e-16 and a token of
+    probability 0 is never drawn. One random number per row instead of one per vocabulary
+    entry (the exponential race, also how torch.multinomial draws one sample) made a
+    128 x 640 draw about 8x cheaper here. MPS has no float64: float32 there."""
+    cdf = logp.to(torch.float32 if logp.device.type == "mps" else torch.float64).exp().cumsum(-1)
+    u = torch.rand((logp.shape[0], 1), dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logp.shape[-1] - 1)
+
+
 @torch.inference_mode()
 def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
                     max_new_tokens: int) -> list[Sample]:
@@ -300,23 +345,21 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
     A plain sampling loop over the KV cache rather than `generate`: it shares the prompt
     pass across the K rows, drops rows from the batch as soon as they emit EOS, and samples
     from exactly softmax(logits / T) (no top-k / top-p), which is what the logprobs describe.
+    Tokens and logprobs stay in tensors until the end: no per-token Python work.
     """
     logits, cache, mask, pos = _prefill(policy, prompts, k)
-    rows = len(prompts) * k
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logps: list[list[float]] = [[] for _ in range(rows)]
-    live = torch.arange(rows, device=policy.device)  # original row of each batch row
+    rows, dev, eos = len(prompts) * k, policy.device, policy.eos_id
+    tokens = torch.full((rows, max_new_tokens), eos, dtype=torch.long, device=dev)
+    logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)
+    live = torch.arange(rows, device=dev)  # original row of each batch row
+    steps = 0
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
-        if temperature <= 0:
-            nxt = logp.argmax(-1)
-        else:  # exponential race: argmax(p / E), E ~ Exp(1), draws from p; cheaper than multinomial
-            nxt = (logp.exp() / torch.empty_like(logp).exponential_(1.0)).argmax(-1)
-        chosen = logp.gather(-1, nxt[:, None])[:, 0]
-        for r, t, lp in zip(live.tolist(), nxt.tolist(), chosen.tolist()):
-            tokens[r].append(t)
-            logps[r].append(lp)
-        going = nxt != policy.eos_id
+        nxt = logp.argmax(-1) if temperature <= 0 else draw(logp)
+        tokens[live, step] = nxt
+        logps[live, step] = logp.gather(-1, nxt[:, None])[:, 0]
+        steps = step + 1
+        going = nxt != eos
         if step == max_new_tokens - 1 or not going.any():
             break
         if not going.all():  # finished rows leave the batch: no compute spent on padding
@@ -327,8 +370,15 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
         out = policy.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                            past_key_values=cache)
         logits, pos = out.logits[:, -1], pos + 1
-    return [Sample(t, lp, policy.tokenizer.decode(t, skip_special_tokens=True))
-            for t, lp in zip(tokens, logps)]
+    # A row's length runs to its first EOS, inclusive; a row that never emitted one ran
+    # all `steps` (the loop stops early only once every row has ended).
+    is_eos = tokens[:, :steps] == eos
+    lengths = (torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, steps).tolist() if steps
+               else [0] * rows)
+    token_rows = [t[:n] for t, n in zip(tokens[:, :steps].tolist(), lengths)]
+    logp_rows = [lp[:n] for lp, n in zip(logps[:, :steps].tolist(), lengths)]
+    texts = policy.tokenizer.batch_decode(token_rows, skip_special_tokens=True)
+    return [Sample(t, lp, text) for t, lp, text in zip(token_rows, logp_rows, texts)]
 
 
 def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,

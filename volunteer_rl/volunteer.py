@@ -32,8 +32,8 @@ from .config import VolunteerConfig
 from .curriculum import PromptPicker
 from .heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from .manifest import Manifest, ManifestError, poll_manifest
-from .policy import WEIGHTS_FILE, Policy, encode_prompts, load_policy, load_weights, pick_device, \
-    sample
+from .policy import (WEIGHTS_FILE, Policy, encode_prompts, load_policy, load_weights,
+                     pick_device, sample, set_sampling_threads)
 from .retention import is_missing
 from .shards import Completion, Group, encode_shard, new_shard_name
 from .signing import SignatureError, reader_trust
@@ -122,6 +122,7 @@ class Volunteer:
         self.stop = threading.Event()
         self.policy: Policy | None = None
         self.weights_buffer: memoryview | None = None  # reused by every in-place swap
+        self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
@@ -186,6 +187,11 @@ class Volunteer:
             fetch_checkpoint(self.storage, m, folder)
             self.policy = load_policy(folder, self.device)
             self.policy.model.eval()
+            threads = set_sampling_threads(self.policy, self.cfg.threads)
+            if threads != self.threads:
+                how = "--threads" if self.cfg.threads > 0 else "auto"
+                self.log(f"sampling with {threads} torch thread{'s' * (threads != 1)} ({how})")
+                self.threads = threads
         self.manifest = m
         self.extra_groups, self.capped_since = 0, None
         self.log(f"now on v{m.version} of {m.run_id}")
@@ -272,8 +278,6 @@ class Volunteer:
     def run(self) -> int:
         """Generate until stopped; returns the number of groups uploaded."""
         cfg = self.cfg
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
         if cfg.nice > 0 and hasattr(os, "nice"):  # POSIX only; elsewhere the OS decides
             os.nice(cfg.nice)
         if cfg.seed is not None:
