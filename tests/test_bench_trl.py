@@ -1,6 +1,7 @@
 """The bookkeeping of bench/trl_time_to_accuracy.py that needs neither TRL nor a run."""
 import gzip
 import json
+import os
 
 import pytest
 
@@ -31,6 +32,12 @@ def test_vrl_snapshots_take_the_newest_version_committed_by_each_grid_time(tmp_p
     shard.parent.mkdir(parents=True)
     with gzip.open(shard, "wt") as f:
         f.write("{}\n{}\n")
+    os.utime(shard, (t0 + 3.0, t0 + 3.0))  # written within the budget
+    late = bucket / "rollouts" / "v000004" / "vol" / "late.jsonl.gz"
+    late.parent.mkdir(parents=True)
+    with gzip.open(late, "wt") as f:
+        f.write("{}\n")
+    os.utime(late, (t0 + 30.0, t0 + 30.0))  # after the budget: not counted
     run = vrl_snapshots(bucket, Plan(budget=10.0, grid=5.0, gain=0.1, eval_prompts=1), launched=t0 - 2.0)
     # launched 2 s before v0: versions 1-4 came 6, 7, 11.5 and 12.5 s after launch
     assert {g: p.name for g, p in run.snapshots.items()} == {0.0: "v000000", 5.0: "v000000", 10.0: "v000002"}
