@@ -1,11 +1,13 @@
 """bench/checkpoint_sync.py at --quick size: it runs the product's publish and fetch against
 raw copies on a folder and on moto, and its rows add up."""
-
 import math
+
+import pytest
 
 from bench.checkpoint_sync import results
 
 
+@pytest.mark.slow  # runs the benchmark at --quick size: a check of bench code, ~1 min
 def test_checkpoint_sync_quick_rows_are_sane():
     rows = results(quick=True)
     timed = [r for r in rows if r.measure.endswith("seconds")]
