@@ -4,8 +4,9 @@
 
 Each benchmark runs alone (one after the other, never two at once: they measure a shared
 2-core machine) as `python -m bench.<name> --json <tmp>`; its rows, the machine's facts and
-the command that reproduces each row go into one Markdown table. A benchmark that fails is
-named in the file with its exit code, and the others still run. `--quick` checks the code
+the command that reproduces each row go into one Markdown table (and the rows into
+docs/PERFORMANCE.json, so that `--only` reruns some benchmarks and keeps the others' rows). A
+benchmark that fails is named in the file with its exit code, and the others still run. `--quick` checks the code
 with small sizes; its figures mean little and the file says so.
 """
 
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dataclasses import asdict
 
 from bench.common import Row, machine
 
@@ -75,6 +78,23 @@ def render(results: dict[str, tuple[list[Row], str | None, float]], quick: bool)
     return "\n".join(lines)
 
 
+def rows_file(out: Path) -> Path:
+    """The rows behind the Markdown file, so `--only` can redo some and keep the others."""
+    return out.with_suffix(".json")
+
+
+def kept(out: Path, redone: list[str], quick: bool) -> dict[str, tuple[list[Row], str | None, float]]:
+    """Results of the benchmarks not being rerun, from the last run of the same size."""
+    try:
+        old = json.loads(rows_file(out).read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("quick") != quick:
+        return {}
+    return {name: ([Row(**r) for r in b["rows"]], b["error"], b["seconds"])
+            for name, b in old["benchmarks"].items() if name in BENCHMARKS and name not in redone}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (checks the code)")
@@ -85,8 +105,14 @@ def main() -> int:
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {', '.join(unknown)}")
-    results = {name: run_one(name, args.quick) for name in names}
+    fresh = {name: run_one(name, args.quick) for name in names}
+    results = {**kept(Path(args.out), names, args.quick), **fresh}
+    results = {name: results[name] for name in BENCHMARKS if name in results}
     Path(args.out).write_text(render(results, args.quick))
+    rows_file(Path(args.out)).write_text(json.dumps(
+        {"quick": args.quick, "benchmarks": {name: {"rows": [asdict(r) for r in rows], "error": err,
+                                                    "seconds": sec}
+                                             for name, (rows, err, sec) in results.items()}}, indent=1))
     print(f"wrote {args.out}")
     return 1 if any(err for _, err, _ in results.values()) else 0
 

@@ -234,18 +234,17 @@ def test_multipart_write_then_one_streamed_get_on_a_fast_link(store, admin, smal
 
 def test_a_slow_stream_splits_into_ranged_gets_pinned_to_the_etag(store, admin, small_parts,
                                                                    monkeypatch):
-    monkeypatch.setattr(s3, "PROBE_SECONDS", 0.0)  # every stream counts as slow
-    monkeypatch.setattr(s3, "SPLIT_SECONDS", 0.0)
+    monkeypatch.setattr(s3, "PROBE_BYTES", 2 * MiB)  # two 1 MiB chunks, then every stream
+    monkeypatch.setattr(s3, "SPLIT_SECONDS", 0.0)   # counts as slow
     data = os.urandom(12 * MiB)
     store.write("big.bin", data)
     etag = admin.head_object(Bucket=BUCKET, Key="some/prefix/big.bin")["ETag"]
     requests = Requests(store.client)
     assert store.read("big.bin") == data
     gets = requests.named("GetObject")
-    # after its first 1 MiB the stream keeps the next 5 MiB; 6-11 MiB and 11-12 MiB come ranged
-    assert sorted(str(_header(h, "range")) for h in gets) == [
-        "None", "bytes=11534336-12582911", "bytes=6291456-11534335"]
-    assert sum(_header(h, "if-match") == etag for h in gets) == 2
+    # after its first 2 MiB the stream keeps the next 5 MiB; 7-12 MiB comes ranged
+    assert sorted(str(_header(h, "range")) for h in gets) == ["None", "bytes=7340032-12582911"]
+    assert sum(_header(h, "if-match") == etag for h in gets) == 1
 
 
 def test_upload_choice_tries_both_methods_then_keeps_the_faster():

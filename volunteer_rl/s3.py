@@ -6,7 +6,7 @@ atomically with `If-None-Match: *`, `If-Match: <etag>` and a conditional GET tha
 304 without a body, so thousands of idle volunteers polling the manifest cost almost nothing.
 
 Large objects (checkpoints) adapt to the link. A read is one GET that streams; if after
-PROBE_SECONDS the rest would take one stream longer than SPLIT_SECONDS, the rest is split
+PROBE_BYTES the rest would take one stream longer than SPLIT_SECONDS, the rest is split
 into parallel ranged GETs. An upload is one PUT or a multipart upload with parts sent in
 parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
 where one TCP stream is the limit, that means parallel transfers; on a LAN or to a server on
@@ -43,15 +43,17 @@ MIN_PART = 8 * MiB
 MAX_SINGLE_PUT = 5 * 1024 * MiB
 """S3's limit for one PUT: bigger objects must go up as multipart."""
 STREAM_CHUNK = 1 * MiB
-"""Bytes taken from the socket at a time while a read streams."""
-PROBE_SECONDS = 0.25
-"""A read streams on one connection at least this long before it may split."""
+"""Bytes taken from the socket at a time while a read probes its stream's rate."""
+PROBE_BYTES = 8 * MiB
+"""A read measures its one stream's rate over this many bytes before it may split."""
+REST_CHUNK = 16 * MiB
+"""Bytes per socket read after the probe (read_into hands each piece on as it lands)."""
 SPLIT_SECONDS = 1.0
 """A read splits the rest of its object into parallel ranged GETs only when one stream, at
 the rate it has shown, would need longer than this for it. On a fast link (a LAN, a server
 on the same host) one stream finishes first, and servers that re-read the whole object for
 each ranged GET (moto) are spared the extra reads; over the internet, where one TCP stream
-is the limit, a big object splits after PROBE_SECONDS."""
+is the limit, a big object splits after PROBE_BYTES."""
 RETRY_EVERY = 10
 """Once both upload methods have been measured, every this many big uploads use the one that
 is not the current best, so the choice follows a link that changes."""
@@ -248,42 +250,104 @@ class S3Storage:
                 return None
             raise
 
-    def _stream_into(self, key: str, body, buf: memoryview, etag: str,
-                     on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
-        """Fill `buf` (the whole object) from the open GET `body`. If this one stream turns
-        out slow (see SPLIT_SECONDS), the rest is split: the stream keeps the next share and
-        parallel ranged GETs pinned to `etag` fetch the others, each into its own slice.
-        `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed."""
-        total, got, start = len(buf), 0, time.perf_counter()
-        cut = total
-        pool, parts = None, []
-        try:
-            while got < cut:
-                chunk = body.read(min(STREAM_CHUNK, cut - got))
-                if not chunk:
-                    raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
-                buf[got:got + len(chunk)] = chunk
-                if on_chunk is not None:
-                    on_chunk(got, buf[got:got + len(chunk)])
-                got += len(chunk)
-                elapsed, left = time.perf_counter() - start, total - got
-                if (pool is None and elapsed >= PROBE_SECONDS and left >= 2 * MIN_PART
-                        and left * elapsed / got > SPLIT_SECONDS):
-                    share = max(MIN_PART, min(PART_SIZE, -(-left // CONCURRENCY)))
-                    cut = got + share
-                    ranges = _part_ranges(cut, total, share)
-                    pool = ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges))))
-                    parts = [(r, pool.submit(self._get_into, key, etag, buf, r)) for r in ranges]
-            for (first, last), future in parts:
-                future.result()
-                if on_chunk is not None:
-                    on_chunk(first, buf[first:last + 1])
-        finally:
-            body.close()
-            if pool is not None:
+    def _probe(self, key: str, body, total: int) -> tuple[list[bytes], int, bool]:
+        """Read the first PROBE_BYTES of an open GET: (chunks, bytes read, split the rest?).
+
+        The rate is measured from the first chunk on, so the server's time to first byte
+        does not count; the rest is split when one stream at that rate would need longer
+        than SPLIT_SECONDS for it."""
+        chunks, got, first, t_first = [], 0, 0, 0.0
+        while got < min(total, PROBE_BYTES):
+            chunk = body.read(min(STREAM_CHUNK, total - got))
+            if not chunk:
+                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
+            if not chunks:
+                first, t_first = len(chunk), time.perf_counter()
+            chunks.append(chunk)
+            got += len(chunk)
+        left, measured = total - got, got - first
+        elapsed = time.perf_counter() - t_first
+        split = left >= 2 * MIN_PART and measured > 0 and left * elapsed / measured > SPLIT_SECONDS
+        return chunks, got, split
+
+    def _read_stream(self, key: str, body, buf: memoryview, got: int,
+                     on_chunk: Callable[[int, memoryview], None] | None) -> None:
+        """buf[got:] from the rest of the one open stream, in REST_CHUNK pieces."""
+        total = len(buf)
+        while got < total:
+            chunk = body.read(min(REST_CHUNK, total - got))
+            if not chunk:
+                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
+            buf[got:got + len(chunk)] = chunk
+            if on_chunk is not None:
+                on_chunk(got, buf[got:got + len(chunk)])
+            got += len(chunk)
+
+    def _split_rest(self, key: str, body, buf: memoryview, got: int, etag: str,
+                    on_chunk: Callable[[int, memoryview], None] | None) -> None:
+        """buf[got:] with the open stream taking the next share and parallel ranged GETs
+        pinned to `etag` the others (If-Match: a replaced object fails the read instead of
+        mixing two versions), each into its own slice; `on_chunk` sees pieces in order."""
+        total = len(buf)
+        share = max(MIN_PART, min(PART_SIZE, -(-(total - got) // CONCURRENCY)))
+        cut = min(total, got + share)
+        ranges = _part_ranges(cut, total, share)
+        with ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges)))) as pool:
+            parts = [(r, pool.submit(self._get_into, key, etag, buf, r)) for r in ranges]
+            try:
+                self._read_stream(key, body, buf[:cut], got, on_chunk)
+                for (first, last), future in parts:
+                    future.result()
+                    if on_chunk is not None:
+                        on_chunk(first, buf[first:last + 1])
+            finally:
                 for _, future in parts:
                     future.cancel()
-                pool.shutdown(wait=True)
+
+    def _stream_into(self, key: str, body, buf: memoryview, etag: str,
+                     on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `buf` (the whole object) from the open GET `body`: probe the stream's rate,
+        then read the rest on it, or split the rest if one stream is too slow (_probe).
+        `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed."""
+        try:
+            chunks, got, split = self._probe(key, body, len(buf))
+            offset = 0
+            for chunk in chunks:
+                buf[offset:offset + len(chunk)] = chunk
+                if on_chunk is not None:
+                    on_chunk(offset, buf[offset:offset + len(chunk)])
+                offset += len(chunk)
+            if split:
+                self._split_rest(key, body, buf, got, etag, on_chunk)
+            else:
+                self._read_stream(key, body, buf, got, on_chunk)
+        finally:
+            body.close()
+
+    def _read_whole(self, key: str, body, total: int, etag: str) -> bytes:
+        """The object as bytes, with as few copies as plain `get_object().read()` plus one
+        when the stream is fast: the probe, then the rest in one read."""
+        try:
+            chunks, got, split = self._probe(key, body, total)
+            if not split:
+                rest = body.read(total - got) if got < total else b""
+                if len(rest) != total - got:
+                    raise StorageError(f"{key}: connection closed after {got + len(rest)} of {total} bytes")
+                return b"".join([*chunks, rest])
+        except BaseException:
+            body.close()
+            raise
+        buf = bytearray(total)
+        view = memoryview(buf)
+        offset = 0
+        for chunk in chunks:
+            view[offset:offset + len(chunk)] = chunk
+            offset += len(chunk)
+        try:
+            self._split_rest(key, body, view, got, etag, None)
+        finally:
+            body.close()
+        return bytes(buf)
 
     def _open_sized(self, key: str, max_bytes: int | None, conditions: dict):
         """(body, etag, size) of a GET of the whole object, its body not yet read, or None
@@ -339,9 +403,7 @@ class S3Storage:
             if opened is None:
                 return None, if_none_match
             body, etag, total = opened
-            buf = bytearray(total)
-            self._stream_into(key, body, memoryview(buf), etag)
-        return bytes(buf), etag
+            return self._read_whole(key, body, total, etag), etag
 
     def read_into(self, key: str, buf: memoryview,
                   on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
