@@ -69,17 +69,21 @@ def print_rows(rows: list[Row]) -> None:
               + (f"  [{r.note}]" if r.note else ""), flush=True)
 
 
+def report(rows: list[Row], json_path: str | None) -> int:
+    """Print the rows, and write them as JSON to `json_path` if given (for `python -m bench`)."""
+    print_rows(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
 def cli(results: Callable[[bool], list[Row]], doc: str | None) -> int:
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the code, not the figures")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args()
-    rows = results(args.quick)
-    print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
-    return 0
+    return report(results(args.quick), args.json)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import Row, print_rows
+from bench.common import Row, report
 from volunteer_rl import s3
 from volunteer_rl.s3 import S3Storage
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,12 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cap per connection on the capped link, MB/s (default 50)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
-    found = run(args.mb, args.repeat, args.stream_mbps)
-    print_rows(found)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in found], f, indent=1)
-    return 0
+    return report(run(args.mb, args.repeat, args.stream_mbps), args.json)
 
 
 if __name__ == "__main__":
