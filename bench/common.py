@@ -69,7 +69,7 @@ def print_rows(rows: list[Row]) -> None:
               + (f"  [{r.note}]" if r.note else ""), flush=True)
 
 
-def report(rows: list[Row], json_path: str | None) -> int:
+def emit_rows(rows: list[Row], json_path: str | None) -> int:
     """Print the rows, and write them as JSON to `json_path` if given (for `python -m bench`)."""
     print_rows(rows)
     if json_path:
@@ -83,7 +83,7 @@ def cli(results: Callable[[bool], list[Row]], doc: str | None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the code, not the figures")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args()
-    return report(results(args.quick), args.json)
+    return emit_rows(results(args.quick), args.json)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import Row, report
+from bench.common import Row, emit_rows
 from volunteer_rl import s3
 from volunteer_rl.s3 import S3Storage
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="cap per connection on the capped link, MB/s (default 50)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
-    return report(run(args.mb, args.repeat, args.stream_mbps), args.json)
+    return emit_rows(run(args.mb, args.repeat, args.stream_mbps), args.json)
 
 
 if __name__ == "__main__":
