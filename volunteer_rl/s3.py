@@ -5,9 +5,9 @@ on `manifest.json`, and a cheap "has the manifest changed?" poll. S3 does all th
 atomically with `If-None-Match: *`, `If-Match: <etag>` and a conditional GET that answers
 304 without a body, so thousands of idle volunteers polling the manifest cost almost nothing.
 
-Large objects (checkpoints) adapt to the link. A read is one GET that streams; if after
-PROBE_BYTES the rest would take one stream longer than SPLIT_SECONDS, the rest is split
-into parallel ranged GETs. An upload is one PUT or a multipart upload with parts sent in
+Large objects (checkpoints) adapt to the link. A read is one GET that streams from the
+socket straight into the caller's buffer; if after PROBE_BYTES the rest would take one stream
+longer than SPLIT_SECONDS, the rest is split into parallel ranged GETs into their own slices. An upload is one PUT or a multipart upload with parts sent in
 parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
 where one TCP stream is the limit, that means parallel transfers; on a LAN or to a server on
 the same host, one stream, which is faster there. A multipart object only becomes visible when
@@ -117,6 +117,45 @@ def expected_etag(data: bytes, multipart: bool | None = None) -> str:
     ranges = _split(0, len(data))
     digests = b"".join(hashlib.md5(data[a:b + 1]).digest() for a, b in ranges)
     return f'"{hashlib.md5(digests).hexdigest()}-{len(ranges)}"'
+
+
+def _socket_reader(body) -> Callable[[memoryview], int]:
+    """A readinto(view) -> n for the body of a boto3 GET that puts bytes from the socket
+    straight into `view`.
+
+    botocore's StreamingBody reads through urllib3, which copies every sized read through
+    its own buffer; the http.client response underneath reads into the caller's buffer.
+    That is used only for a plain StreamingBody whose body is not content-encoded and not
+    yet touched; anything else (a checksum-validating body, an unknown wrapper) goes
+    through body.read() and one copy. Whoever calls it reads exactly Content-Length bytes
+    and checks them (sha256 in the manifest), which is what StreamingBody would check.
+    """
+    from botocore.response import StreamingBody
+
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None) or {}
+    if (type(body) is StreamingBody and hasattr(fp, "readinto")
+            and not headers.get("content-encoding")
+            and getattr(raw, "_fp_bytes_read", None) == 0):
+        return fp.readinto
+
+    def readinto(view: memoryview) -> int:
+        chunk = body.read(len(view))
+        view[:len(chunk)] = chunk
+        return len(chunk)
+    return readinto
+
+
+def _fill(key: str, readinto: Callable[[memoryview], int], view: memoryview,
+          got: int, stop: int) -> int:
+    """Read view[got:stop] from a stream; returns stop. StorageError if it ends early."""
+    while got < stop:
+        n = readinto(view[got:stop])
+        if not n:
+            raise StorageError(f"{key}: connection closed after {got} of {len(view)} bytes")
+        got += n
+    return got
 
 
 class UploadChoice:
@@ -250,40 +289,35 @@ class S3Storage:
                 return None
             raise
 
-    def _probe(self, key: str, body, total: int) -> tuple[list[bytes], int, bool]:
-        """Read the first PROBE_BYTES of an open GET: (chunks, bytes read, split the rest?).
+    def _probe(self, key: str, readinto, view: memoryview) -> tuple[int, bool]:
+        """Read the first PROBE_BYTES of an open GET into `view`: (bytes read, split the rest?).
 
         The rate is measured from the first chunk on, so the server's time to first byte
         does not count; the rest is split when one stream at that rate would need longer
         than SPLIT_SECONDS for it."""
-        chunks, got, first, t_first = [], 0, 0, 0.0
-        while got < min(total, PROBE_BYTES):
-            chunk = body.read(min(STREAM_CHUNK, total - got))
-            if not chunk:
-                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
-            if not chunks:
-                first, t_first = len(chunk), time.perf_counter()
-            chunks.append(chunk)
-            got += len(chunk)
+        total = len(view)
+        first = _fill(key, readinto, view, 0, min(total, STREAM_CHUNK))
+        t_first = time.perf_counter()
+        got = _fill(key, readinto, view, first, min(total, PROBE_BYTES))
         left, measured = total - got, got - first
         elapsed = time.perf_counter() - t_first
         split = left >= 2 * MIN_PART and measured > 0 and left * elapsed / measured > SPLIT_SECONDS
-        return chunks, got, split
+        return got, split
 
-    def _read_stream(self, key: str, body, buf: memoryview, got: int,
+    @staticmethod
+    def _read_stream(key: str, readinto, buf: memoryview, got: int,
                      on_chunk: Callable[[int, memoryview], None] | None) -> None:
-        """buf[got:] from the rest of the one open stream, in REST_CHUNK pieces."""
+        """buf[got:] from the rest of the one open stream: in one go, or in REST_CHUNK pieces
+        handed to `on_chunk` as each lands."""
         total = len(buf)
+        step = REST_CHUNK if on_chunk is not None else total
         while got < total:
-            chunk = body.read(min(REST_CHUNK, total - got))
-            if not chunk:
-                raise StorageError(f"{key}: connection closed after {got} of {total} bytes")
-            buf[got:got + len(chunk)] = chunk
+            end = _fill(key, readinto, buf, got, min(total, got + step))
             if on_chunk is not None:
-                on_chunk(got, buf[got:got + len(chunk)])
-            got += len(chunk)
+                on_chunk(got, buf[got:end])
+            got = end
 
-    def _split_rest(self, key: str, body, buf: memoryview, got: int, etag: str,
+    def _split_rest(self, key: str, readinto, buf: memoryview, got: int, etag: str,
                     on_chunk: Callable[[int, memoryview], None] | None) -> None:
         """buf[got:] with the open stream taking the next share and parallel ranged GETs
         pinned to `etag` the others (If-Match: a replaced object fails the read instead of
@@ -295,7 +329,7 @@ class S3Storage:
         with ThreadPoolExecutor(max(1, min(CONCURRENCY - 1, len(ranges)))) as pool:
             parts = [(r, pool.submit(self._get_into, key, etag, buf, r)) for r in ranges]
             try:
-                self._read_stream(key, body, buf[:cut], got, on_chunk)
+                self._read_stream(key, readinto, buf[:cut], got, on_chunk)
                 for (first, last), future in parts:
                     future.result()
                     if on_chunk is not None:
@@ -308,46 +342,26 @@ class S3Storage:
                      on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
         """Fill `buf` (the whole object) from the open GET `body`: probe the stream's rate,
         then read the rest on it, or split the rest if one stream is too slow (_probe).
+        Bytes go from the socket straight into `buf` (_socket_reader): no copy on the way.
         `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed."""
         try:
-            chunks, got, split = self._probe(key, body, len(buf))
-            offset = 0
-            for chunk in chunks:
-                buf[offset:offset + len(chunk)] = chunk
-                if on_chunk is not None:
-                    on_chunk(offset, buf[offset:offset + len(chunk)])
-                offset += len(chunk)
+            readinto = _socket_reader(body)
+            got, split = self._probe(key, readinto, buf)
+            if on_chunk is not None:
+                on_chunk(0, buf[:got])
             if split:
-                self._split_rest(key, body, buf, got, etag, on_chunk)
+                self._split_rest(key, readinto, buf, got, etag, on_chunk)
             else:
-                self._read_stream(key, body, buf, got, on_chunk)
+                self._read_stream(key, readinto, buf, got, on_chunk)
         finally:
             body.close()
 
-    def _read_whole(self, key: str, body, total: int, etag: str) -> bytes:
-        """The object as bytes, with as few copies as plain `get_object().read()` plus one
-        when the stream is fast: the probe, then the rest in one read."""
-        try:
-            chunks, got, split = self._probe(key, body, total)
-            if not split:
-                rest = body.read(total - got) if got < total else b""
-                if len(rest) != total - got:
-                    raise StorageError(f"{key}: connection closed after {got + len(rest)} of {total} bytes")
-                return b"".join([*chunks, rest])
-        except BaseException:
-            body.close()
-            raise
+    def _read_whole(self, key: str, body, total: int, etag: str) -> bytearray:
+        """The whole object, read straight into one buffer that is then handed over as it is:
+        as few copies as a plain `get_object()["Body"].read()`, which is one."""
         buf = bytearray(total)
-        view = memoryview(buf)
-        offset = 0
-        for chunk in chunks:
-            view[offset:offset + len(chunk)] = chunk
-            offset += len(chunk)
-        try:
-            self._split_rest(key, body, view, got, etag, None)
-        finally:
-            body.close()
-        return bytes(buf)
+        self._stream_into(key, body, memoryview(buf), etag)
+        return buf
 
     def _open_sized(self, key: str, max_bytes: int | None, conditions: dict):
         """(body, etag, size) of a GET of the whole object, its body not yet read, or None
@@ -425,23 +439,26 @@ class S3Storage:
 
         first, last = byte_range
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag,
-                                          Range=f"bytes={first}-{last}")["Body"]
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                              IfMatch=etag, Range=f"bytes={first}-{last}")
         except ClientError as exc:
             if _status(exc) == 412:
                 raise StorageError(f"{key}: replaced while being read from {self.uri}") from None
             raise
-        pos = first
-        for chunk in body.iter_chunks(1 << 20):
-            if pos + len(chunk) > last + 1:
-                raise StorageError(f"{key}: ranged GET returned more than bytes {first}-{last}")
-            buf[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
-        if pos != last + 1:
-            raise StorageError(f"{key}: ranged GET of bytes {first}-{last} ended at {pos}")
+        size = last + 1 - first
+        if response["ContentLength"] != size:
+            response["Body"].close()
+            raise StorageError(f"{key}: ranged GET of bytes {first}-{last} returned "
+                               f"{response['ContentLength']} bytes")
+        try:
+            _fill(key, _socket_reader(response["Body"]), buf[first:last + 1], 0, size)
+        finally:
+            response["Body"].close()
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
-        """The object's bytes; TooLarge if it has more than max_bytes."""
+        """The object's bytes; TooLarge if it has more than max_bytes. A big object comes
+        back as the bytearray it was read into (bytes-like like the rest), which saves a
+        copy of the whole object."""
         return self._read(key, max_bytes)[0]
 
     def read_if_changed(self, key: str, etag: str | None,
