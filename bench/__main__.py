@@ -25,8 +25,8 @@ from dataclasses import asdict
 from bench.common import Row, machine
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ["generation", "trl_time_to_accuracy", "checkpoint_sync", "s3_checkpoint",
-              "ingest_fleet"]
+BENCHMARKS = ["generation", "trl_time_to_accuracy", "prototype_recipe", "checkpoint_sync",
+              "s3_checkpoint", "ingest_fleet"]
 """In the order of docs/PERFORMANCE.md; each is bench/<name>.py."""
 
 
