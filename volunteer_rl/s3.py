@@ -9,8 +9,9 @@ Large objects (checkpoints) adapt to the link. A read is one GET that streams fr
 socket straight into the caller's buffer; if after PROBE_BYTES the rest would take one stream
 longer than SPLIT_SECONDS, the rest is split into parallel ranged GETs into their own slices.
 (Against AWS itself botocore validates response checksums and wraps the body of objects
-uploaded with one; such reads take one copy more, which the internet link hides.) An upload is one PUT or a multipart upload with parts sent in
-parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
+uploaded with one; such reads take one copy more, which the internet link hides.)
+
+An upload is one PUT or a multipart upload with parts sent in parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
 where one TCP stream is the limit, that means parallel transfers; on a LAN or to a server on
 the same host, one stream, which is faster there. A multipart object only becomes visible when
 CompleteMultipartUpload succeeds, and that request carries the same condition as a single
