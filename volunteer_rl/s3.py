@@ -11,9 +11,10 @@ longer than SPLIT_SECONDS, the rest is split into parallel ranged GETs into thei
 (Against AWS itself botocore validates response checksums and wraps the body of objects
 uploaded with one; such reads take one copy more, which the internet link hides.)
 
-An upload is one PUT or a multipart upload with parts sent in parallel, whichever has been faster on this link so far (UploadChoice). Over the internet,
-where one TCP stream is the limit, that means parallel transfers; on a LAN or to a server on
-the same host, one stream, which is faster there. A multipart object only becomes visible when
+An upload is one PUT or a multipart upload with parts sent in parallel, whichever has
+been faster on this link so far (UploadChoice). Over the internet, where one TCP stream is
+the limit, that means parallel transfers; on a LAN or to a server on the same host, one
+stream, which is faster there. A multipart object only becomes visible when
 CompleteMultipartUpload succeeds, and that request carries the same condition as a single
 PUT would, so readers never see a partial or a replaced written-once object. A failed upload
 is aborted; give the bucket a lifecycle rule that aborts incomplete uploads after a day to
