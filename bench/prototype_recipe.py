@@ -41,17 +41,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import Row, cli, machine
-from bench.trl_time_to_accuracy import (EVAL_SAMPLES, FULL, K, MAX_NEW_TOKENS, QUICK, ROOT,
-                                        TEMPERATURE, THREADS, Plan, Run, _pump, log, score,
-                                        shared_start, vrl_snapshots)
+from bench.trl_time_to_accuracy import (EVAL_SAMPLES, FULL, K, MAX_NEW_TOKENS, QUICK,
+                                        TEMPERATURE, THREADS, GridKeeper, Plan, Run, _pump, log,
+                                        run_child, score, shared_start, vrl_snapshots)
 
 SETTINGS = ((8, 3e-4), (32, 1e-4))
 """(prompts per step, learning rate) of the recipe's two runs: the one the issue quotes, and
@@ -92,21 +90,9 @@ def run_recipe(model: Path, plan: Plan, prompts_per_step: int, lr: float, work: 
     out = work / f"recipe-{prompts_per_step}-{lr:g}"
     out.mkdir()
     spec = {"model": str(model), "out": str(out), "budget": plan.budget, "grid": plan.times(),
-            "prompts_per_step": prompts_per_step, "lr": lr, "launched": time.time()}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(THREADS)}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.prototype_recipe", CHILD, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    tail: list[str] = []
-    pump = _pump(proc, "recipe", tail, lambda line: False)
-    try:
-        code = proc.wait(timeout=plan.budget + 600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        pump.join(timeout=5)
-    if code != 0:
-        raise SystemExit("the recipe's run failed:\n" + "\n".join(tail))
-    done = json.loads((out / "run.json").read_text())
+            "prompts_per_step": prompts_per_step, "lr": lr}
+    done = run_child("bench.prototype_recipe", CHILD, spec, "recipe", lambda line: False, plan,
+                     "the recipe's run")
     return Run(f"recipe {prompts_per_step}x{K} lr {lr:g}",
                snapshots={float(g): out / name for g, name in done["snapshots"].items()},
                steps=done["steps"], completions=done["steps"] * prompts_per_step * K,
@@ -131,16 +117,7 @@ def recipe_child(spec: dict) -> None:
     problems = load_csv(PACKAGE_DATA / "train.csv")
     opt = torch.optim.AdamW(policy.model.parameters(), lr=spec["lr"], weight_decay=0.0)
     rng, n = random.Random(0), spec["prompts_per_step"]
-    names, off_clock, steps, first_step, next_grid = {}, 0.0, 0, None, 0
-
-    def keep(until: float, inclusive: bool) -> None:
-        nonlocal next_grid
-        name = f"step-{steps:06d}.pt"
-        while next_grid < len(grid) and (grid[next_grid] < until or inclusive and grid[next_grid] <= until):
-            if not (out / name).exists():
-                torch.save(policy.model.state_dict(), out / name)
-            names[grid[next_grid]] = name
-            next_grid += 1
+    keeper, off_clock, steps, first_step = GridKeeper(out, grid), 0.0, 0, None
 
     while True:
         batch = rng.sample(problems, n)
@@ -153,7 +130,7 @@ def recipe_child(spec: dict) -> None:
         # Before the step: grid times up to now get the weights this step started from.
         t = time.time() - launched - off_clock
         paused = time.time()
-        keep(t, inclusive=False)
+        keeper.keep(policy.model.state_dict(), steps, t, inclusive=False)
         off_clock += time.time() - paused
         opt.zero_grad(set_to_none=True)
         reinforce_loss(logp, mask, reinforce_advantages(rewards).flatten()).backward()
@@ -163,9 +140,9 @@ def recipe_child(spec: dict) -> None:
         t = time.time() - launched - off_clock
         first_step = t if first_step is None else first_step
         if t >= budget:
-            keep(budget, inclusive=True)
+            keeper.keep(policy.model.state_dict(), steps, budget, inclusive=True)
             break
-    (out / "run.json").write_text(json.dumps({"snapshots": names, "steps": steps, "first_step": first_step}))
+    (out / "run.json").write_text(json.dumps({"snapshots": keeper.names, "steps": steps, "first_step": first_step}))
 
 
 def _se(p: float, n: int) -> float:

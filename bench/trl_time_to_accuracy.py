@@ -241,18 +241,17 @@ def vrl_snapshots(bucket: Path, plan: Plan, launched: float) -> Run:
 # ---------------------------------------------------------------------------------------------
 # TRL: GRPOTrainer in a process of its own.
 
-def run_trl(model: Path, plan: Plan, work: Path) -> Run:
-    out = work / "trl"
-    out.mkdir()
-    spec = {"model": str(model), "out": str(out), "budget": plan.budget, "grid": plan.times()}
+def run_child(module: str, flag: str, spec: dict, tag: str, show, plan: Plan, what: str) -> dict:
+    """A contender in a process of its own: `python -m <module> <flag> <spec as JSON>` with
+    THREADS OpenMP threads. Its clock starts now (spec["launched"]); returns the run.json it
+    leaves in spec["out"] (snapshots by grid time, steps, first_step)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(THREADS)}
-    launched = time.time()
-    spec["launched"] = launched
-    proc = subprocess.Popen([sys.executable, "-m", "bench.trl_time_to_accuracy", TRL_CHILD, json.dumps(spec)],
+    spec = {**spec, "launched": time.time()}
+    proc = subprocess.Popen([sys.executable, "-m", module, flag, json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     tail: list[str] = []
-    pump = _pump(proc, "TRL", tail, lambda line: not line.startswith("{'train_runtime'"))
+    pump = _pump(proc, tag, tail, show)
     try:
         code = proc.wait(timeout=plan.budget + 600)
     finally:
@@ -260,8 +259,37 @@ def run_trl(model: Path, plan: Plan, work: Path) -> Run:
             proc.kill()
         pump.join(timeout=5)
     if code != 0:
-        raise SystemExit("TRL run failed:\n" + "\n".join(tail))
-    done = json.loads((out / "run.json").read_text())
+        raise SystemExit(f"{what} failed:\n" + "\n".join(tail))
+    return json.loads((Path(spec["out"]) / "run.json").read_text())
+
+
+class GridKeeper:
+    """The weights that stand for each grid time of a run in one process: those held when the
+    grid time passed, each set saved once under `out` and named by its step count."""
+
+    def __init__(self, out: Path, grid: list[float]):
+        self.out, self.grid, self.next, self.names = out, grid, 0, {}
+
+    def keep(self, state: dict, steps: int, until: float, inclusive: bool) -> None:
+        """`state` (the weights after `steps` steps) for the grid times before `until`
+        (or at it, if `inclusive`) that have none yet."""
+        import torch
+
+        name = f"step-{steps:06d}.pt"
+        grid = self.grid
+        while self.next < len(grid) and (grid[self.next] < until or inclusive and grid[self.next] <= until):
+            if not (self.out / name).exists():
+                torch.save(state, self.out / name)
+            self.names[grid[self.next]] = name
+            self.next += 1
+
+
+def run_trl(model: Path, plan: Plan, work: Path) -> Run:
+    out = work / "trl"
+    out.mkdir()
+    spec = {"model": str(model), "out": str(out), "budget": plan.budget, "grid": plan.times()}
+    done = run_child("bench.trl_time_to_accuracy", TRL_CHILD, spec, "TRL",
+                     lambda line: not line.startswith("{'train_runtime'"), plan, "TRL run")
     return Run("TRL", snapshots={float(g): out / name for g, name in done["snapshots"].items()},
                steps=done["steps"], completions=done["steps"] * PROMPTS_PER_STEP * K,
                first_step=done["first_step"])
@@ -320,17 +348,12 @@ def trl_child(spec: dict) -> None:
         saved once per step; copying and saving are taken off the clock."""
 
         def __init__(self):
-            self.off_clock, self.next, self.names = 0.0, 0, {}
+            self.off_clock, self.keeper = 0.0, GridKeeper(out, grid)
             self.state, self.steps, self.first_step = None, 0, None
 
         def keep(self, until: float, inclusive: bool) -> None:
             """The weights held (those after step self.steps) for the grid times before `until`."""
-            name = f"step-{self.steps:06d}.pt"
-            while self.next < len(grid) and (grid[self.next] < until or inclusive and grid[self.next] <= until):
-                if not (out / name).exists():
-                    torch.save(self.state, out / name)
-                self.names[grid[self.next]] = name
-                self.next += 1
+            self.keeper.keep(self.state, self.steps, until, inclusive)
 
         def on_train_begin(self, args, state, control, model=None, **kw):
             paused = time.time()
@@ -355,7 +378,7 @@ def trl_child(spec: dict) -> None:
     check_trl_sampling(trainer)
     log(f"TRL {trl.__version__}: {PROMPTS_PER_STEP} prompts x {K} per step, {torch.get_num_threads()} threads")
     trainer.train()
-    (out / "run.json").write_text(json.dumps({"snapshots": snaps.names, "steps": snaps.steps,
+    (out / "run.json").write_text(json.dumps({"snapshots": snaps.keeper.names, "steps": snaps.steps,
                                               "first_step": snaps.first_step}))
 
 
