@@ -2,8 +2,8 @@
 # Static checks of terraform/: `terraform fmt -check` (when terraform is installed) and checkov.
 #
 # checkov pins old versions of boto3 and friends, so it lives in its own venv, never in the
-# project's Python: ${VRL_CHECKOV_VENV:-.venv-checkov}, created on first use. Set
-# VRL_CHECKOV_VERSION to pin a checkov release (default: the newest). Offline after the install:
+# project's Python: ${VRL_CHECKOV_VENV:-.venv-checkov}, created on first use and installed from
+# .ci/checkov.lock (checkov and all it pulls in, pinned). Offline after the install:
 # --skip-download keeps checkov from fetching anything at scan time.
 set -euo pipefail
 
@@ -12,12 +12,11 @@ cd "$repo_root"
 
 venv="${VRL_CHECKOV_VENV:-.venv-checkov}"
 python_bin="${PYTHON:-python3}"
-checkov_spec="checkov${VRL_CHECKOV_VERSION:+==$VRL_CHECKOV_VERSION}"
 
 if [[ ! -x "$venv/bin/checkov" ]]; then
-    echo "checkov.sh: installing $checkov_spec into $venv"
+    echo "checkov.sh: installing checkov from .ci/checkov.lock into $venv"
     "$python_bin" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$checkov_spec"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r .ci/checkov.lock
 fi
 
 status=0

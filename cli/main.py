@@ -92,24 +92,42 @@ def trainer(
     deny_after: Annotated[int, typer.Option(help="Rejected shards before a volunteer is denied (0: never).")] = 5,
     deny_rate: Annotated[float, typer.Option(help="...if at least this share of its shards was rejected.")] = 0.5,
     log_shards: Annotated[bool, typer.Option("--log-shards", help="One log line per shard taken.")] = False,
-    dashboard_every: Annotated[int, typer.Option(min=0, help="Write dashboard/ (HTML + plots) after every N publishes (0: off).")] = 0,
+    dashboard_every: Annotated[float, typer.Option(min=0, metavar="SECONDS", help="Write dashboard/ (HTML + plots) every SECONDS, but never sooner than 50x the last write took (at most 2 % of the trainer's time), and at the last publish (0: off).")] = 60.0,
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
-    rollout shards, publish a new version every --publish-every steps.
+    rollout shards, publish a new version every --publish-every steps. Ctrl-C or SIGTERM,
+    also to a trainer started in the background (`vrl trainer ... &`), finishes the current
+    step, publishes the steps not yet published (without the final evaluation), writes their
+    metrics, fleet.json and dashboard/, and exits 0; before the first step it stops at once,
+    leaving no half-made version. A second signal while stopping exits at once.
 
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
     from volunteer_rl.config import TrainerConfig
+    from volunteer_rl.stopping import StopSignal, Stopped
 
     cfg = TrainerConfig(**{k_: v for k_, v in locals().items() if k_ in TrainerConfig.__dataclass_fields__})
     if algo not in ("reinforce", "grpo"):
         raise typer.BadParameter("use reinforce or grpo", param_hint="--algo")
     if weights_dtype not in ("fp32", "bf16"):
         raise typer.BadParameter("use fp32 or bf16", param_hint="--weights-dtype")
+    # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
+    # importing torch takes seconds, and a signal then must stop the process too.
+    stop = StopSignal(_log).install()
+    trainer_ = None
     with _clean_errors():
-        from volunteer_rl.trainer import train
+        try:
+            with stop.abortable():
+                from volunteer_rl.trainer import Trainer
 
-        manifest = train(cfg, log=_log)
+                trainer_ = Trainer(cfg, log=_log, stop=stop)
+            trainer_.start()
+            manifest = trainer_.run()
+        except Stopped as exc:
+            published = getattr(trainer_, "manifest", None)
+            _log(f"trainer stopped by signal {exc.signum} before its first step; "
+                 + (f"the bucket stands at v{published.version}" if published else "nothing published"))
+            return
         _log(f"trainer stopped at v{manifest.version}")
 
 

@@ -46,7 +46,8 @@ def template(tmp_path_factory) -> Template:
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:11]))
     cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=500, eval_every=0,
                         eval_dataset=str(eval_csv), work_dir=str(root / "work"),
-                        signing_key=str(root / "signing-key.pem"))
+                        signing_key=str(root / "signing-key.pem"),
+                        dashboard_every=0)  # no dashboard/: tests see only what their trainer writes
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.start()
     for _ in range(TEMPLATE_VERSION):

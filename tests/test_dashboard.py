@@ -5,10 +5,8 @@ import json
 
 import pytest
 
-pytest.importorskip("matplotlib")
-
 from vrlproc import run_vrl  # noqa: E402
-from volunteer_rl import layout  # noqa: E402
+from volunteer_rl import dashboard, layout  # noqa: E402
 from volunteer_rl.dashboard import (History, TrainerDashboard, read_history,  # noqa: E402
                                     staleness_counts, throughput_series, write_dashboard)
 from volunteer_rl.storage import open_storage  # noqa: E402
@@ -59,14 +57,70 @@ def test_write_dashboard_puts_plots_then_the_page():
     assert 'src="accuracy.png"' in page and "http" not in page.split("<body>")[1]  # relative only
 
 
-def test_trainer_dashboard_every_n_publishes_and_never_fatal():
+class Clock:
+    """An injected clock: time moves only when the test (or a fake write) moves it."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_trainer_dashboard_every_seconds_with_the_cost_guard(monkeypatch):
+    clock, writes, took, cost = Clock(1000), [], [], {"seconds": 2.0}
+
+    def timed_write(storage, history):  # render + upload, taking cost["seconds"] of the clock
+        writes.append(clock.now)
+        took.append(cost["seconds"])
+        clock.now += cost["seconds"]
+    monkeypatch.setattr(dashboard, "write_dashboard", timed_write)
+    d = TrainerDashboard(open_storage("memory://dash-cadence"), 60, print, clock=clock)
+
+    def publish_at(t: float, final: bool = False) -> None:
+        clock.now = t
+        d.after_publish([], final)
+
+    publish_at(1001)
+    publish_at(1059)
+    assert writes == [] and d.take_seconds() == 0.0
+    publish_at(1060)  # the first, --dashboard-every seconds after the start
+    assert writes == [1060] and d.take_seconds() == 2.0 and d.take_seconds() == 0.0
+    publish_at(1061)
+    publish_at(1130)  # 60 s have passed, but the last write took 2 s: not before 50 x 2 s
+    assert writes == [1060]
+    publish_at(1160)
+    assert writes == [1060, 1160]
+    cost["seconds"] = 0.1  # fast writes: the cadence is --dashboard-every again
+    publish_at(1260)
+    publish_at(1310)
+    publish_at(1320.1)
+    assert writes == [1060, 1160, 1260, 1320.1]
+    publish_at(1321, final=True)  # the last publish is always written
+    assert writes[-1] == 1321
+    # each write took at most 2 % of the time until the next one (the final write aside)
+    assert all(b - a >= dashboard.COST_RATIO * t for a, b, t in zip(writes, writes[1:-1], took))
+
+
+def test_trainer_dashboard_reads_history_once_and_is_never_fatal():
     s = open_storage("memory://dash-trainer")
     bucket_with_run(s, 2)
-    d = TrainerDashboard(s, 3, print)
-    d.after_publish(metrics_lines(3))
-    d.after_publish(metrics_lines(4))
-    assert not s.exists("dashboard/index.html")
-    d.after_publish(metrics_lines(5))
+    clock = Clock()
+    d = TrainerDashboard(s, 60, print, clock=clock)
+
+    def publish(version: int, final: bool = False) -> None:  # as Trainer._publish_next does
+        d.after_publish(metrics_lines(version), final)
+        body = "".join(json.dumps(m) + "\n" for m in metrics_lines(version))
+        s.create(layout.metrics_key(version), body.encode())
+
+    publish(3)
+    assert not s.exists("dashboard/index.html")  # not due yet
+    clock.now += 60
+    publish(4)
+    assert s.exists("dashboard/index.html")
+    s.delete("dashboard/index.html")
+    clock.now += 1
+    publish(5, final=True)
     assert s.exists("dashboard/index.html")
     assert [st["step"] for st in d.history.steps] == [1, 2, 3, 4, 5]  # read once, then fed
 
@@ -75,6 +129,15 @@ def test_trainer_dashboard_every_n_publishes_and_never_fatal():
     broken.after_publish([], final=True)  # no manifest: a warning, not an exception
     broken.after_publish([], final=True)
     assert len(logs) == 1 and logs[0].startswith("warning: dashboard/")
+
+
+def test_dashboard_every_0_writes_nothing():
+    s = open_storage("memory://dash-off")
+    bucket_with_run(s, 2)
+    d = TrainerDashboard(s, 0, print)
+    d.after_publish(metrics_lines(3))
+    d.after_publish(metrics_lines(4), final=True)
+    assert s.list("dashboard") == [] and d.take_seconds() == 0.0
 
 
 def test_vrl_dashboard_command(tmp_path):

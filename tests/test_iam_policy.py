@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("moto.server", reason="moto[server] is needed for the IAM policy tests")
+import boto3
+import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
 from vrlproc import load_infra  # noqa: E402

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("moto.server", reason="moto[server] is needed for the S3 loop test")
+import boto3
+import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
 from botocore.config import Config  # noqa: E402
 
 from vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, wait_for  # noqa: E402

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("moto.server", reason="moto[server] is needed for the S3 tests")
+import boto3
+import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ConnectionClosedError  # noqa: E402
 from botocore.stub import Stubber  # noqa: E402

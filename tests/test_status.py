@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from volunteer_rl import layout
 from volunteer_rl.fleet import Counts, Fleet
-from volunteer_rl.fleet_summary import FleetSummary, absorb_steps
+from volunteer_rl.fleet_summary import (TIMELINE_POINTS, TIMELINE_SECONDS, FleetSummary,
+                                        absorb_steps, add_point)
 from volunteer_rl.heartbeat import Heartbeat, Tally, heartbeat_payload
 from volunteer_rl.manifest import Dataset, Manifest, Sampling
-from volunteer_rl.status import build_status, classify, read_status, render
+from volunteer_rl.status import (build_status, classify, heartbeat_lag, read_status, render,
+                                 timeline_points, version_at)
 from volunteer_rl.storage import StorageError, open_storage
 
 NOW = 1_800_000_000.0
@@ -48,7 +51,74 @@ def manifest(version: int = 42, run_id: str = "r1") -> Manifest:
     (None, "unknown"),
 ])
 def test_classify(hb, state):
-    assert classify(hb, NOW, 42, 2, "r1") == state
+    points = [(NOW - 3, 42)]  # v42 published 3 s ago; every heartbeat above is newer or unjudged
+    assert classify(hb, NOW, "r1", 2, heartbeat_lag(hb or {}, NOW, points)) == state
+
+
+# --- lag at the heartbeat's time --------------------------------------------------------------
+
+def test_a_heartbeat_is_judged_against_the_version_of_its_own_time():
+    """The issue's case: a 30 s heartbeat names v10; the trainer was at v10 then and has
+    published 48 versions since. Producing, with lag 0 then and 48 now."""
+    summary = {"timeline": [[NOW - 40, 8], [NOW - 31, 10], [NOW - 20, 30], [NOW - 5, 55]],
+               "volunteers": {}}
+    hb = beat(updated_at=NOW - 29, version=10, heartbeat_seconds=30.0)
+    m = manifest(58)
+    doc = build_status("/b", m, {"a": hb}, summary, [], [], NOW)
+    row = doc["volunteers"][0]
+    assert (row["state"], row["version_lag"], row["version_lag_now"]) == ("producing", 0, 48)
+    # The same heartbeat naming v7 was 3 behind v10 at its time: stale, and nothing trained.
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "stale-version"
+    # ...unless the trainer stepped on its groups within the last minute.
+    summary["volunteers"]["a"] = {"last_version": 56, "last_trained_at": NOW - 10}
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "producing"
+    summary["volunteers"]["a"]["last_trained_at"] = NOW - 300
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "stale-version"
+
+
+def test_version_at_is_a_lower_bound_from_the_points():
+    points = timeline_points([[NOW - 10, 3], [NOW - 5, 9]], NOW - 1, 12)
+    assert [version_at(points, t) for t in (NOW - 11, NOW - 10, NOW - 6, NOW - 5, NOW)] == [None, 3, 3, 9, 12]
+    # A heartbeat older than every point is not judged by version (its age still counts).
+    assert heartbeat_lag(beat(updated_at=NOW - 11, version=0), NOW, points) is None
+
+
+@pytest.mark.parametrize("timeline", [
+    "not a list", [["x", 1]], [[NOW, "v3"]], [[NOW, 2.5]], [[True, 1]], [[NOW]], [[NOW, 1, 2]],
+    [{"t": NOW, "v": 1}], [[float("nan"), 1]], [[NOW, 10 ** 40]], [[NOW - 1, -5]],
+    [[NOW - 1, 1]] * 100_000, [[[[[NOW - 1]]]]],
+])
+@pytest.mark.parametrize("hb", [
+    beat(), beat(updated_at=NOW + 1e9), beat(updated_at=-1e300), beat(version=-(10 ** 30)),
+    beat(version=10 ** 30), beat(version=float("inf")), beat(version=True), beat(version="7"),
+    beat(run_id=["r1"]), beat(updated_at=None),
+])
+def test_hostile_timelines_and_heartbeats_give_a_state_never_an_exception(timeline, hb):
+    doc = build_status("/b", manifest(), {"a": hb}, {"timeline": timeline, "volunteers": {"a": []}},
+                       [], [], NOW)
+    row = doc["volunteers"][0]
+    assert row["state"] in ("producing", "idle", "stale-version", "offline")
+    assert row["version_lag"] is None or row["version_lag"] >= 0
+    json.dumps(doc)
+
+
+def test_timeline_is_bounded_thinned_and_never_ahead_of_the_trainer():
+    """Five versions a second for 40 minutes: at most TIMELINE_POINTS points over at most
+    TIMELINE_SECONDS, and every time inside that span reads a version the trainer had reached,
+    behind it by at most one slot's worth of publishes."""
+    timeline: list = []
+    rate, slot = 5, TIMELINE_SECONDS / TIMELINE_POINTS
+    for i in range(rate * 2400):
+        add_point(timeline, NOW + i / rate, i)
+    assert len(timeline) <= TIMELINE_POINTS
+    assert timeline[-1][0] - timeline[0][0] <= TIMELINE_SECONDS
+    points = [tuple(p) for p in timeline]
+    for t in range(math.ceil(timeline[0][0]), int(NOW + 2400)):
+        truth = int((t - NOW) * rate)
+        assert truth - rate * slot - 1 <= version_at(points, t) <= truth
 
 
 # --- the heartbeat payload -------------------------------------------------------------------
@@ -150,8 +220,11 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
                                       "last_trained_at": NOW + 2, "denied": False}
     assert doc["volunteers"]["c"]["denied"] and doc["evals"][0]["accuracy_sampled"] == 0.4
     restarted = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
+    clock[0] += 5
     restarted.after_publish(manifest(8), 13, [step(3, {layout.shard_key(8, "a", "s3"): 1})], fleet)
-    assert json.loads(s.read(layout.FLEET))["volunteers"]["a"]["groups_trained"] == 9
+    doc = json.loads(s.read(layout.FLEET))
+    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 2
+    assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot
 
 
 # --- the status document ---------------------------------------------------------------------
@@ -170,7 +243,8 @@ def test_build_status_joins_heartbeats_summary_and_metrics():
     by_id = {r["id"]: r for r in doc["volunteers"]}
     assert [r["id"] for r in doc["volunteers"]] == ["a", "b", "broken", "old-build"]
     assert by_id["a"]["state"] == "producing" and by_id["a"]["acceptance_rate"] == 0.9
-    assert by_id["a"]["version_lag"] == 2 and by_id["a"]["trainer_version_lag"] == 1
+    assert by_id["a"]["version_lag"] == 2 and by_id["a"]["version_lag_now"] == 2
+    assert by_id["a"]["trainer_version_lag"] == 1
     assert by_id["b"]["state"] == "offline" and by_id["b"]["denied"]
     assert by_id["broken"]["state"] == "unknown" and by_id["broken"]["heartbeat_error"] == "bad json"
     assert by_id["old-build"]["state"] == "unknown" and by_id["old-build"]["acceptance_rate"] == 1.0

@@ -128,3 +128,49 @@ def test_dashboard_renders_in_headless_chromium(tmp_path):
     assert [i["src"] for i in seen["images"]] == [f"{p}.png" for p in PLOTS], seen
     assert all(i["loaded"] for i in seen["images"]), seen
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_publishes(tmp_path):
+    """Issue 12's case, live: a volunteer with the default 30 s heartbeat feeding a trainer that
+    publishes several versions a second. By the time `vrl status` reads the heartbeat the
+    trainer is far past the version it names (the old rule called it stale-version, lag 48);
+    judged at the heartbeat's own time, it is producing."""
+    bucket = tmp_path / "bucket"
+    window = 4
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "300",
+                    "--groups-per-step", "1", "--max-staleness", str(window), "--threads", "1",
+                    "--eval-every", "0", "--dashboard-every", "0", "--poll-seconds", "0.05",
+                    "--work-dir", str(tmp_path / "tw")],
+                   tmp_path / "trainer.log", tmp_path, {"OMP_NUM_THREADS": "1"})
+    vol = Proc(["volunteer", "--bucket", str(bucket), "--id", "slow-beat", "--threads", "1",
+                "--heartbeat-seconds", "30", "--prompts-per-batch", "8", "--shard-groups", "8",
+                "--shard-seconds", "1", "--poll-seconds", "0.1", "--work-dir", str(tmp_path / "vw")],
+               tmp_path / "vol.log", tmp_path, {"OMP_NUM_THREADS": "1"})
+    try:
+        def named_version():  # the first heartbeat is written before any weights are loaded
+            hb = bucket / layout.heartbeat_key("slow-beat")
+            return hb.exists() and json.loads(hb.read_text()).get("version") is not None
+        wait_for(named_version, 180, "a heartbeat naming a version")
+        seen = []
+        deadline = time.time() + 75
+        while time.time() < deadline:
+            doc, _ = status(bucket, tmp_path)
+            row = by_id(doc)["slow-beat"]
+            seen.append((time.time(), doc["trainer"]["version"], row["state"],
+                         row["version_lag"], row["version_lag_now"]))
+            if sum(s[4] is not None and s[4] > 3 * window for s in seen) >= 3:
+                break
+            time.sleep(1.0)
+        far_behind = [s for s in seen if s[4] is not None and s[4] > 3 * window]
+        (t0, v0, *_), (t1, v1, *_) = seen[0], seen[-1]
+        rate = (v1 - v0) / (t1 - t0)
+        print(f"trainer published {rate:.1f} versions/s; samples (time, version, state, lag then, "
+              f"lag now): {seen}")
+        assert rate >= 2, seen  # several versions a second
+        assert len(far_behind) >= 3, seen  # the heartbeat was long out of date when read
+        assert all(s[2] == "producing" for s in seen), seen
+        assert all(s[3] is not None and s[3] <= window for s in far_behind), seen
+        assert json.loads((bucket / layout.FLEET).read_text())["timeline"]
+    finally:
+        for p in (trainer, vol):
+            p.kill()

@@ -9,13 +9,22 @@ import time
 from pathlib import Path
 
 
+def as_background_job() -> None:
+    """What bash does to `cmd &` in a script (no job control) before it execs cmd: SIGINT and
+    SIGQUIT ignored. Python then installs no KeyboardInterrupt handler of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 class Proc:
-    def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None,
+                 background_job: bool = False):
         self.log = log
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._f = open(log, "w")
         self.p = subprocess.Popen([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd,
-                                  stdout=self._f, stderr=subprocess.STDOUT, env=env)
+                                  stdout=self._f, stderr=subprocess.STDOUT, env=env,
+                                  preexec_fn=as_background_job if background_job else None)
 
     def text(self) -> str:
         return self.log.read_text()

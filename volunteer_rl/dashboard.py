@@ -5,11 +5,13 @@ any bucket served as a static site. Plots: held-out accuracy and reward against 
 wall time, fleet throughput (trained groups per minute, per volunteer), and the staleness of
 trained groups. The fleet table is `vrl status`'s document rendered as HTML.
 
-Written by the trainer every `--dashboard-every` publishes (it feeds each publish's metrics in,
-so it never re-reads history; on its first pass after a start it reads the run's metrics/
-once), or by hand with `vrl dashboard`, which reads all of metrics/. The plots go up first and
-index.html last; every object under dashboard/ is overwritten each time. matplotlib is imported
-only here, with its non-interactive Agg backend (no display needed).
+Written by the trainer every `--dashboard-every` seconds (60 by default; the first that long
+after it starts), but never sooner than COST_RATIO times the last write's duration after it,
+and at its last publish (TrainerDashboard). It feeds each publish's metrics in, so it never
+re-reads history; on its first write after a start it reads the run's metrics/ once. `vrl
+dashboard` writes it by hand from all of metrics/. The plots go up first and index.html last;
+every object under dashboard/ is overwritten each time. matplotlib is imported only here, with
+its non-interactive Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from .storage import Storage
 DASHBOARD = "dashboard"
 PLOTS = ("accuracy", "reward", "throughput", "staleness")
 REFRESH_SECONDS = 30
+COST_RATIO = 50
+"""A trainer's write starts no sooner than this many times the last one's duration after the
+last one started: at most 1/50 = 2 % of the trainer's time, however slow rendering gets."""
 
 
 @dataclass
@@ -264,27 +269,64 @@ def write_dashboard(storage: Storage, history: History) -> list[str]:
 
 
 class TrainerDashboard:
-    """The trainer's side: history fed from each publish's metrics, a dashboard every
-    `every` publishes. A failure is a warning, never fatal."""
+    """The trainer's side: history fed from each publish's metrics, a dashboard written at
+    the first publish `every` seconds or more after the start, then at the first publish
+    `every` seconds or more after the last write, and at the last publish (0: never).
 
-    def __init__(self, storage: Storage, every: int, log: Callable[[str], None]):
-        self.storage, self.every, self.log = storage, every, log
+    The unit is seconds, not publishes: a trainer may publish several versions a second, and
+    rendering four plots takes a good fraction of one. However long a write takes, the next
+    starts no sooner than COST_RATIO times that after it, so writing costs the trainer at
+    most 2 % of its time, the final write aside. Not at the first publish: that write (the
+    costliest, with matplotlib's import and the one read of metrics/) would then count
+    against a run of any length. A failure is a warning, never fatal."""
+
+    def __init__(self, storage: Storage, every: float, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.storage, self.every, self.log, self.clock = storage, every, log, clock
         self.history: History | None = None
-        self.publishes = 0
+        self.last_start = clock()  # when the last write began; the first counts from here
+        self.last_duration = 0.0  # how long it took (render + upload, failed or not)
+        self.seconds = 0.0  # spent here since take_seconds last ran (the trainer's time/dashboard)
         self.failing = False
 
+    def due(self, now: float) -> bool:
+        return now - self.last_start >= max(self.every, COST_RATIO * self.last_duration)
+
     def after_publish(self, metrics: list[dict], final: bool = False) -> None:
+        """Take in one publish's metrics; write dashboard/ if due, or if `final`."""
         if self.every <= 0:
             return
+        start = self.clock()
+        try:
+            if self.history is not None:
+                self.history.add(metrics)
+            if final or self.due(start):
+                self._write(metrics, start)
+        finally:
+            self.seconds += self.clock() - start
+
+    def _write(self, metrics: list[dict], start: float) -> None:
+        self.last_start = start
         try:
             if self.history is None:
-                self.history = read_history(self.storage)  # once: what earlier runs wrote
-            self.history.add(metrics)
-            self.publishes += 1
-            if final or self.publishes % self.every == 0:
-                write_dashboard(self.storage, self.history)
-            self.failing = False
+                # Once, at the first write: what earlier runs and publishes wrote. This
+                # publish's metrics are not in the bucket yet; they come after.
+                history = read_history(self.storage)
+                history.add(metrics)
+                self.history = history
+            write_dashboard(self.storage, self.history)
         except Exception as exc:  # plots are for people: never stop training for them
             if not self.failing:
                 self.log(f"warning: {DASHBOARD}/ not written ({type(exc).__name__}: {exc})")
             self.failing = True
+            return
+        finally:
+            self.last_duration = self.clock() - start
+        self.failing = False
+        self.log(f"wrote {DASHBOARD}/ in {self.last_duration:.2f}s; next one in "
+                 f"{max(self.every, COST_RATIO * self.last_duration):.0f}s at the earliest")
+
+    def take_seconds(self) -> float:
+        """Seconds spent here since the last call (the trainer's `time/dashboard`)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

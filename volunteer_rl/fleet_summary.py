@@ -3,7 +3,9 @@
 Heartbeats (volunteers/<id>.json) say what volunteers claim; this object says what the
 trainer made of their work: shards accepted and rejected (Fleet.counts), groups trained, the
 newest policy version of theirs it trained on, whether they are denied, plus the trainer's own
-version, step, last reward and recent held-out evaluations. `vrl status` joins the two.
+version, step, last reward and recent held-out evaluations, and a short timeline of
+(time, version) points so a reader can tell which version was current when a heartbeat was
+written. `vrl status` joins the two.
 
 The trainer calls `FleetSummary.after_publish` once per publish. Per-volunteer figures are
 accumulated from the step metrics of every publish (in memory), but the object is written at
@@ -22,8 +24,13 @@ from .fleet import Fleet
 from .manifest import Manifest
 from .storage import NotFound, Storage, StorageError
 
-SUMMARY_SCHEMA = 1
+SUMMARY_SCHEMA = 2
 SUMMARY_INTERVAL_SECONDS = 5.0
+TIMELINE_POINTS = 256
+TIMELINE_SECONDS = 900.0
+"""The timeline keeps at most TIMELINE_POINTS (time, version) points spread over the last
+TIMELINE_SECONDS: one point per TIMELINE_SECONDS / TIMELINE_POINTS (3.5 s) at most, the first
+publish of each such slot, so a version read off it is never newer than the true one."""
 MAX_SUMMARY_BYTES = 16 << 20
 EVALS_KEPT = 10
 EVAL_FIELDS = ("eval/accuracy_greedy", "eval/accuracy_sampled", "eval/prompts")
@@ -47,6 +54,16 @@ def absorb_steps(volunteers: dict[str, dict], metrics: list[dict]) -> None:
             v["last_trained_at"] = m.get("time")
 
 
+def add_point(timeline: list[list[float]], now: float, version: int) -> None:
+    """Record that `version` was current at `now`, thinned as TIMELINE_POINTS says."""
+    slot = TIMELINE_SECONDS / TIMELINE_POINTS
+    if timeline and (now - timeline[-1][0] < slot or version <= timeline[-1][1]):
+        return
+    timeline.append([now, version])
+    while timeline and (len(timeline) > TIMELINE_POINTS or now - timeline[0][0] > TIMELINE_SECONDS):
+        timeline.pop(0)
+
+
 def eval_record(m: dict) -> dict:
     """The short form of an eval metrics line kept in fleet.json."""
     return {"version": m.get("version"), "time": m.get("time"),
@@ -55,7 +72,7 @@ def eval_record(m: dict) -> dict:
 
 def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                     volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
-                    evals: list[dict], now: float) -> dict:
+                    evals: list[dict], timeline: list[list[float]], now: float) -> dict:
     """The JSON object of fleet.json (schema in docs/PROTOCOL.md)."""
     ids = set(volunteers) | set(fleet.counts) | set(fleet.denied)
     rows = {}
@@ -70,7 +87,8 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                      "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied}
     return {"schema_version": SUMMARY_SCHEMA, "run_id": run_id, "updated_at": now,
             "trainer": {"version": version, "step": step, "max_staleness": max_staleness},
-            "last_step": last_step, "evals": evals[-EVALS_KEPT:], "volunteers": rows}
+            "last_step": last_step, "evals": evals[-EVALS_KEPT:], "timeline": timeline,
+            "volunteers": rows}
 
 
 class FleetSummary:
@@ -81,6 +99,7 @@ class FleetSummary:
         self.storage, self.log, self.interval, self.clock = storage, log, interval, clock
         self.volunteers: dict[str, dict] = {}
         self.evals: list[dict] = []
+        self.timeline: list[list[float]] = []
         self.last_step: dict | None = None
         self.last_write = float("-inf")
         self.loaded = False
@@ -99,6 +118,7 @@ class FleetSummary:
             for row in self.volunteers.values():
                 row["groups_trained"] = int(row["groups_trained"] or 0)
             self.evals = list(raw.get("evals", []))[-EVALS_KEPT:]
+            self.timeline = [[float(t), int(v)] for t, v in raw.get("timeline", [])[-TIMELINE_POINTS:]]
         except NotFound:
             pass
         except (StorageError, ValueError, TypeError, AttributeError) as exc:
@@ -118,11 +138,12 @@ class FleetSummary:
         self.evals = (self.evals + [eval_record(m) for m in metrics
                                     if m.get("kind") == "eval"])[-EVALS_KEPT:]
         now = self.clock()
+        add_point(self.timeline, now, manifest.version)
         if final or now - self.last_write >= self.interval:
             self.last_write = now
             self.write(summary_payload(manifest.run_id, manifest.version, step,
                                        manifest.max_staleness, self.volunteers, fleet,
-                                       self.last_step, self.evals, now))
+                                       self.last_step, self.evals, self.timeline, now))
 
     def write(self, payload: dict) -> None:
         try:

@@ -41,6 +41,13 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 SHARD_SUFFIX = ".jsonl.gz"
 
 
+def in_window(lag: int, max_staleness: int) -> bool:
+    """The staleness rule: groups sampled `lag` versions behind the trainer may be trained on.
+
+    It decides which rollouts/v*/ prefixes are still live, so it sits with the keys."""
+    return 0 <= lag <= max_staleness
+
+
 def is_safe_name(name: str) -> bool:
     """True if `name` may be used as one path component of a key (no slashes, no '..')."""
     return bool(SAFE_NAME.match(name)) and ".." not in name

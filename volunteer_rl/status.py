@@ -8,11 +8,17 @@ The logic is pure: `classify` judges one heartbeat against a clock, `build_statu
 everything into one JSON-able document, `render` turns that into rich tables. `read_status`
 is the only function that touches the bucket.
 
+A heartbeat names the version in use when it was written, up to a period ago; a trainer
+publishing several versions a second has moved on since. So the lag is taken against the
+trainer's version *at the heartbeat's time*, read off fleet.json's timeline (and the manifest),
+never against the version now.
+
 States, judged with the reader's clock (keep clocks NTP-synced):
 - `offline`: no heartbeat for more than OFFLINE_PERIODS of the period the volunteer itself
   reports, or its last heartbeat says `stopped`;
-- `stale-version`: alive, but its version is out of the trainer's staleness window (or of
-  another run): what it makes now would be dropped;
+- `stale-version`: alive, but the version it reports was out of the trainer's staleness window
+  when the heartbeat was written (or of another run), and the trainer has not trained on its
+  groups lately: what it makes would be dropped;
 - `producing`: alive and it made completions in the last minute;
 - `idle`: alive and it made none (waiting for a version, at its per-version cap, ...);
 - `unknown`: the trainer has shards from it but there is no heartbeat (an older build).
@@ -75,34 +81,80 @@ def seconds_since(hb: dict, now: float) -> float | None:
     return None if updated is None else max(0.0, now - updated)
 
 
-def classify(hb: dict | None, now: float, version: int, max_staleness: int, run_id: str) -> str:
-    """One of STATES for a volunteer whose last heartbeat is `hb` (None: none found), given
-    the trainer's current `version` and window."""
+def timeline_points(summary_timeline, published_at: float | None, version: int) -> list[tuple[float, int]]:
+    """(time, version) points, oldest first: fleet.json's timeline (bad points dropped) and
+    the manifest's own publish time."""
+    points = []
+    if isinstance(summary_timeline, list):
+        for p in summary_timeline[:4 * 256]:
+            if isinstance(p, list) and len(p) == 2 and _num(p[0]) is not None and _int(p[1]) is not None:
+                points.append((_num(p[0]), _int(p[1])))
+    if _num(published_at) is not None:
+        points.append((_num(published_at), version))
+    return sorted(points)
+
+
+def version_at(points: list[tuple[float, int]], when: float) -> int | None:
+    """The newest version known to be published at or before `when` (None: `when` is older
+    than every point). Thinned points make this a lower bound, never an overestimate."""
+    best = None
+    for t, v in points:
+        if t <= when:
+            best = v if best is None else max(best, v)
+    return best
+
+
+def heartbeat_lag(hb: dict, now: float, points: list[tuple[float, int]]) -> int | None:
+    """Versions the heartbeat's own version was behind the trainer's when it was written
+    (clamped at 0; None when either is unknown)."""
+    used, written = _int(hb.get("version")), _num(hb.get("updated_at"))
+    if used is None or written is None:
+        return None
+    current = version_at(points, min(written, now))
+    return None if current is None else max(0, current - used)
+
+
+def recently_trained(trained: dict | None, now: float, period: float) -> bool:
+    """The trainer stepped on this volunteer's groups within two of its heartbeat periods
+    (at least a minute): hard evidence it makes usable work, whatever the heartbeat says."""
+    at = _num((trained or {}).get("last_trained_at"))
+    return at is not None and now - at <= max(60.0, OFFLINE_PERIODS * period)
+
+
+def classify(hb: dict | None, now: float, run_id: str, max_staleness: int,
+             lag: int | None, trained_lately: bool = False) -> str:
+    """One of STATES for a volunteer whose last heartbeat is `hb` (None: none found); `lag`
+    is `heartbeat_lag` of it."""
     if hb is None:
         return "unknown"
     age = seconds_since(hb, now)
     if hb.get("state") == "stopped" or age is None or age > OFFLINE_PERIODS * heartbeat_period(hb):
         return "offline"
-    used = _int(hb.get("version"))
-    if used is not None and (hb.get("run_id") != run_id or version - used > max_staleness):
+    if _int(hb.get("version")) is not None and hb.get("run_id") != run_id:
+        return "stale-version"
+    if lag is not None and not layout.in_window(lag, max_staleness) and not trained_lately:
         return "stale-version"
     return "producing" if (_num(hb.get("completions_per_minute")) or 0) > 0 else "idle"
 
 
 def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool, now: float,
-                  version: int, max_staleness: int, run_id: str) -> dict:
+                  version: int, max_staleness: int, run_id: str,
+                  points: list[tuple[float, int]] = ()) -> dict:
     """One volunteer as `vrl status --json` shows it: its claims (heartbeat) next to the
     trainer's figures (fleet.json)."""
     hb_ok = hb if isinstance(hb, dict) and "unreadable" not in hb else None
     used = _int(hb_ok.get("version")) if hb_ok else None
-    t = trained or {}
+    t = trained if isinstance(trained, dict) else {}
     accepted, rejected = _int(t.get("accepted_shards")) or 0, _int(t.get("rejected_shards")) or 0
     last = _int(t.get("last_version"))
-    row = {"id": vid, "state": classify(hb_ok, now, version, max_staleness, run_id),
+    lag = heartbeat_lag(hb_ok, now, list(points)) if hb_ok else None
+    trained_lately = recently_trained(t, now, heartbeat_period(hb_ok) if hb_ok else DEFAULT_PERIOD)
+    row = {"id": vid, "state": classify(hb_ok, now, run_id, max_staleness, lag, trained_lately),
            "reported_state": hb_ok.get("state") if hb_ok else None,
            "seconds_since_heartbeat": seconds_since(hb_ok, now) if hb_ok else None,
            "heartbeat_seconds": heartbeat_period(hb_ok) if hb_ok else None,
-           "version": used, "version_lag": None if used is None else version - used,
+           "version": used, "version_lag": lag,
+           "version_lag_now": None if used is None else version - used,
            "accepted_shards": accepted, "rejected_shards": rejected,
            "acceptance_rate": accepted / (accepted + rejected) if accepted + rejected else None,
            "groups_trained": _int(t.get("groups_trained")) or 0,
@@ -147,8 +199,9 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
     denied = set(denied)
     version, window, run_id = manifest.version, manifest.max_staleness, manifest.run_id
     ids = sorted(set(heartbeats) | set(trained) | denied)
+    points = timeline_points(summary.get("timeline"), manifest.created_at, version)
     rows = [volunteer_row(vid, heartbeats.get(vid), trained.get(vid), vid in denied, now,
-                          version, window, run_id) for vid in ids]
+                          version, window, run_id, points) for vid in ids]
     trends = metric_trends(metrics_rows, summary.get("evals") or [])
     trainer = summary.get("trainer") if isinstance(summary.get("trainer"), dict) else {}
     steps = [s["step"] for s in trends["rewards"] if s["step"] is not None]

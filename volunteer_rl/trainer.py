@@ -3,6 +3,10 @@
 One loop, no server: everything it says to volunteers it writes into the bucket (checkpoints,
 then the manifest that commits them), and everything it hears comes from shards it lists
 under the rollout prefixes of the versions inside the staleness window.
+
+SIGINT and SIGTERM (stopping.py) end it with exit 0 and nothing half-made: the loop finishes
+the step in hand, publishes the steps not yet published (without the final evaluation) and
+writes their metrics, fleet.json and dashboard/ one last time.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .policy import WEIGHTS_DTYPES, WEIGHTS_FILE, Policy, build_tiny_model, buil
 from .retention import TrainerRetention
 from .signing import Trust, key_path, load_or_create_key, public_key_text
 from .state import load_state, master_weights, prune_states, save_state
+from .stopping import StopSignal, Stopped
 from .storage import AlreadyExists, PreconditionFailed, Storage, open_storage
 from .task import Problem, file_sha256, load_csv
 from .warmstart import warm_start
@@ -221,9 +226,11 @@ def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[i
 # The loop.
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print):
+    def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print,
+                 stop: StopSignal | None = None):
         self.cfg = cfg
         self.log = log
+        self.stop = stop or StopSignal(log)  # set by SIGINT/SIGTERM once handlers are installed
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log)
         self.device = pick_device(cfg.device)
@@ -238,26 +245,40 @@ class Trainer:
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
 
+    def install_signal_handlers(self) -> None:
+        """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
+
+        `vrl trainer` installs them itself before it imports torch, so a signal during the
+        seconds that takes counts too; this is for programs that build a Trainer."""
+        self.stop.install()
+
     def start(self) -> None:
-        """Publish v0 on an empty bucket, or pick up where the manifest says the run is."""
+        """Publish v0 on an empty bucket, or pick up where the manifest says the run is.
+
+        A stop signal raises Stopped here: at once where start only reads or computes
+        (loading, the warm start, v0's evaluation), after the write in hand where it writes
+        (the signing key, the dataset, v0 and its metrics, a repaired manifest copy). What it
+        leaves is whole: the bucket as it was, or v0 with its metrics."""
         cfg = self.cfg
-        self.key = signing_key(cfg, self.storage.uri, self.log)
-        trust = Trust(public_key_text(self.key), cfg.allow_unsigned, origin="this trainer's --signing-key")
-        manifest, etag = poll_manifest(self.storage, None, trust=trust)
-        if manifest is None:
-            self._start_fresh()
-        else:
-            self._resume(manifest, etag)
-        # Versions left half-published by a crash are never reused: the next one goes above.
-        self.last_used = max([self.version] + published_or_started(self.storage))
-        tok = self.policy.tokenizer
-        rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
-                      lambda ids: tok.decode(ids, skip_special_tokens=True))
-        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
-        audit = self._audit if cfg.audit_tolerance > 0 else None
-        self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, audit,
-                             self.log, cfg.log_shards, cfg.seed)
-        self.ingest.audit_version = self.version
+        with self.stop.abortable():
+            with self.stop.shielded():
+                self.key = signing_key(cfg, self.storage.uri, self.log)
+            trust = Trust(public_key_text(self.key), cfg.allow_unsigned, origin="this trainer's --signing-key")
+            manifest, etag = poll_manifest(self.storage, None, trust=trust)
+            if manifest is None:
+                self._start_fresh()
+            else:
+                self._resume(manifest, etag)
+            # Versions left half-published by a crash are never reused: the next one goes above.
+            self.last_used = max([self.version] + published_or_started(self.storage))
+            tok = self.policy.tokenizer
+            rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
+                          lambda ids: tok.decode(ids, skip_special_tokens=True))
+            self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+            audit = self._audit if cfg.audit_tolerance > 0 else None
+            self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, audit,
+                                 self.log, cfg.log_shards, cfg.seed)
+            self.ingest.audit_version = self.version
 
     def _start_fresh(self) -> None:
         cfg = self.cfg
@@ -265,15 +286,16 @@ class Trainer:
         self.policy = initial_policy(cfg, self.problems, self.device, self.log)
         self._make_optimizer()
         self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        self.dataset = upload_dataset(self.storage, self.train_path)
-        self.ledger = Ledger()
-        self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
-                                           self.dataset, None, self.key, lambda: self._save(0))
-        self._sync_published()
-        self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
-        self.published = {0}
-        self._evaluate(0, full=True)
-        self._flush_metrics(0)
+        with self.stop.shielded():  # from here on v0 goes out whole, metrics included
+            self.dataset = upload_dataset(self.storage, self.train_path)
+            self.ledger = Ledger()
+            self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
+                                               self.dataset, None, self.key, lambda: self._save(0))
+            self._sync_published()
+            self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
+            self.published = {0}
+            self._evaluate_unless_stopping(0, full=True)
+            self._flush_metrics(0)
 
     def _resume(self, manifest: Manifest, etag: str | None) -> None:
         """Weights from the manifest's checkpoint; optimizer, step and counts from the state
@@ -287,7 +309,8 @@ class Trainer:
         self._make_optimizer()
         self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
         self.etag = etag
-        self._repair_history(manifest)
+        with self.stop.shielded():
+            self._repair_history(manifest)
         win = Window(manifest.version, cfg.max_staleness, set())
         self.published = self._committed(win)
         self.ledger = rebuild(self.storage, sorted(self.published))
@@ -374,6 +397,16 @@ class Trainer:
                                     "eval/prompts": len(problems), **res})
         return res
 
+    def _evaluate_unless_stopping(self, version: int, full: bool = False) -> None:
+        """`_evaluate`, but a stop signal skips it or cuts it short: it only reads and
+        computes, and a full one (500 prompts) takes far longer than the few seconds a stop
+        may. The version's metrics then go out without it."""
+        try:
+            with self.stop.abortable():
+                self._evaluate(version, full)
+        except Stopped as exc:
+            self.log(f"signal {exc.signum}: no eval of v{version}, stopping")
+
     def _flush_metrics(self, version: int) -> None:
         """Metrics of the steps that led to `version`, as one write-once object."""
         body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics_buffer)
@@ -386,7 +419,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         started = time.time()
         buffer: list[ScoredGroup] = []
-        steps, stats = 0, IngestStats()
+        steps, unpublished, stats = 0, 0, IngestStats()
         stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
         while not self._done(steps, started):
             t0 = time.time()
@@ -397,7 +430,7 @@ class Trainer:
             t_ingest += time.time() - t0
             if len(fresh) < cfg.groups_per_step:
                 buffer = fresh
-                time.sleep(cfg.poll_seconds)
+                self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
                 waited += cfg.poll_seconds
                 continue
             batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
@@ -405,18 +438,34 @@ class Trainer:
             self.ingest.audit_version = None  # the weights in memory are about to move on
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
             steps += 1
+            unpublished += 1
             self.steps += 1
             self._record(batch, "trained", self.steps)
             timing = {"train/step_time": time.time() - t0, "time/ingest": t_ingest,
-                      "time/waiting_for_rollouts": waited, "time/last_publish": last_publish}
+                      "time/waiting_for_rollouts": waited, "time/last_publish": last_publish,
+                      "time/dashboard": self.dashboard.take_seconds()}
             self._record_step(self.steps, batch, result, stats, stale_dropped, timing)
             stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
-            done = self._done(steps, started)
-            if steps % cfg.publish_every == 0 or done:
+            if unpublished == cfg.publish_every and not self._done(steps, started):
                 t0 = time.time()
-                self._publish_next(final=done)
+                self._publish_next()
                 last_publish = time.time() - t0
+                unpublished = 0
+        self._finish(unpublished)
         return self.manifest
+
+    def _finish(self, unpublished: int) -> None:
+        """After the loop: publish the steps not yet published as the final version, or, if
+        there are none, give fleet.json and dashboard/ their last write.
+
+        Stopped by a signal, that version goes out without its final evaluation
+        (`_evaluate_unless_stopping`). With no step since the last publish no metrics are
+        pending: step lines and evals go out with the publish that follows them, in its
+        write-once metrics object, so the buffer is empty here."""
+        if unpublished:
+            self._publish_next(final=True)
+        else:
+            self._write_views(final=True)
 
     def _record(self, groups: list[ScoredGroup], outcome: str, step: int | None = None) -> None:
         """Ledger records for `groups`, one per shard."""
@@ -429,7 +478,7 @@ class Trainer:
 
     def _done(self, steps: int, started: float) -> bool:
         cfg = self.cfg
-        return bool((cfg.max_steps and steps >= cfg.max_steps)
+        return bool(self.stop.is_set() or (cfg.max_steps and steps >= cfg.max_steps)
                     or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
 
     def _publish_next(self, final: bool = False) -> None:
@@ -446,10 +495,15 @@ class Trainer:
         prune_states(self.state_root, {version})
         every = self.cfg.eval_every
         if final or (every and self.version % every == 0):
-            self._evaluate(self.version, full=final)
+            self._evaluate_unless_stopping(self.version, full=final)
+        self._write_views(final)
+        self._flush_metrics(self.version)
+
+    def _write_views(self, final: bool) -> None:
+        """fleet.json and dashboard/, for people: each written when its cadence says so, and
+        at the end. Neither can fail the trainer."""
         self.fleet_summary.after_publish(self.manifest, self.steps, self.metrics_buffer, self.fleet, final)
         self.dashboard.after_publish(self.metrics_buffer, final)
-        self._flush_metrics(self.version)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
                      stats: IngestStats, stale_dropped: int, timing: dict[str, float]) -> None:
@@ -479,7 +533,9 @@ class Trainer:
                  f"dropped {stale_dropped} loss {result.loss:+.4f} ({timing['train/step_time']:.2f}s)")
 
 
-def train(cfg: TrainerConfig, log: Callable[[str], None] = print) -> Manifest:
-    trainer = Trainer(cfg, log)
+def train(cfg: TrainerConfig, log: Callable[[str], None] = print,
+          stop: StopSignal | None = None) -> Manifest:
+    """Start and run a trainer. A stop signal before the loop begins raises Stopped."""
+    trainer = Trainer(cfg, log, stop)
     trainer.start()
     return trainer.run()
