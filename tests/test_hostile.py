@@ -90,6 +90,16 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
         c = next(c for c in rows[0]["completions"] if c["reward"] == 0.0)
         c["reward"] = 1.0
 
+    def raw_edit(vol: str, old: str, new: str) -> bytes:
+        """A JSON text no json.dumps writes: numbers and nesting the parser must bound."""
+        rows = copy.deepcopy(spare[:2])
+        for r in rows:
+            r["volunteer_id"] = vol
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        assert old in text
+        return gzip.compress(text.replace(old, new, 1).encode())
+
+    first_logprob = json.dumps(spare[0]["completions"][0]["logprobs"][0])
     good = gz_lines(g1)
     bomb = gzip.compress(b"\n" * (100 << 20), compresslevel=9)
     dup_one = copy.deepcopy(g1[1])
@@ -116,6 +126,12 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
         "missing_field": (key("sloppy", "s"), edited("sloppy", lambda rows: rows[0].pop("prompt_id"))),
         "too_many_tokens": (key("chatty", "s"), edited("chatty", ramble)),
         "not_a_shard_name": (f"rollouts/{layout.version_dir(V)}/x/notes.txt", b"hi"),
+        # float(10**400) raises OverflowError, and 5,000 brackets (well inside the line budget) RecursionError: both once
+        # escaped intake and stopped the trainer for good
+        "bignum_logprob": (key("bignum", "s"), raw_edit("bignum", first_logprob, "-" + "9" * 400)),
+        "infinite_logprob": (key("inf", "s"), raw_edit("inf", first_logprob, "-1e999")),
+        "deep_nesting": (key("deep", "s"), raw_edit(
+            "deep", '"prompt_id": ', '"prompt_id": ' + "[" * 5_000 + "]" * 5_000 + ", \"x\": ")),
         # after G1 was taken: the same bytes again, and one of its groups under another id
         "replayed_shard": (key("good-a", "again"), good),
         "duplicated_group": (key("copycat", "s"), gz_lines([dup_one])),
@@ -126,13 +142,14 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
 EXPECTED = {
     "gzip_bomb": "too_large", "forged_reward": "reward_mismatch",
     "unknown_prompt": "unknown_prompt", "out_of_range_token": "bad_token",
-    "nan_logprob": "bad_logprob", "oversized_line": "line_too_long",
+    "nan_logprob": "bad_number", "oversized_line": "line_too_long",
     "unpublished_version": "unpublished_version", "stale_version": "stale_version",
     "version_mismatch": "version_mismatch", "path_traversal_id": "bad_key",
     "mismatched_volunteer_id": "volunteer_mismatch", "wrong_behavior_logprobs": "logprob_mismatch",
     "truncated_gzip": "bad_gzip", "not_json": "bad_json", "wrong_group_size": "bad_group_size",
     "missing_field": "bad_schema", "too_many_tokens": "too_many_tokens",
-    "not_a_shard_name": "bad_key",
+    "not_a_shard_name": "bad_key", "bignum_logprob": "bad_number", "infinite_logprob": "bad_number",
+    "deep_nesting": "too_deep",
 }
 DUPLICATES = {"replayed_shard": 4, "duplicated_group": 1}
 

@@ -240,3 +240,29 @@ def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
     put(s, top + 1, "a", [g(1, top + 1, "a", [[8], [3]])], name="late")
     ing.poll(win(top + 1), IngestStats())
     assert {layout.parse_shard_key(k)[0] for k in ing.taken} == {top - 1, top, top + 1}
+
+
+def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
+    """Reading one object ends in "accepted" or a reason code: an exception nobody planned for
+    (here from the audit) is logged with its traceback, quarantined and put in the ledger, so
+    a restarted trainer does not read the shard again, and later shards are still taken."""
+    s = fresh_storage("unforeseen")
+    bad = put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
+    good = put(s, 3, "b", [g(0, 3, "b", [[12], [1]])], name="s2")
+
+    def audit(groups):
+        if groups[0].volunteer_id == "a":
+            raise OverflowError("int too large to convert to float")
+        return None
+
+    logs = []
+    ing = make(s, log=logs.append, audit=audit)
+    ing.audit_version = 3
+    stats = IngestStats()
+    out = ing.poll(win(3), stats)
+    assert [x.key for x in out] == [good]
+    assert stats.rejected == {"internal_error": 1}
+    assert any("Traceback" in m and "OverflowError" in m for m in logs)
+    assert s.exists(layout.quarantine_key(bad))
+    ing.ledger.flush(s, 4)
+    assert rebuild(s, [4]).finished(bad)

@@ -72,6 +72,22 @@ def test_grpo_truncates_the_weight_of_stale_rows():
     assert logp.grad.abs().sum().item() == 0.0  # truncated: no gradient pushes it further
 
 
+def test_a_lying_behavior_logprob_cannot_blow_up_the_loss():
+    """A volunteer that claims a logprob of -100 for a token the policy gives ~0 asks for a
+    ratio of e^100 (inf in fp32). The log-ratio is clamped before exp and the unclipped term
+    capped, so loss and gradient stay finite and one token weighs at most RATIO_CAP x |A|."""
+    from volunteer_rl.losses import RATIO_CAP
+
+    logp = torch.tensor([[-0.01, -0.2], [-0.3, -0.1]], requires_grad=True)
+    behav = torch.tensor([[-100.0, -0.2], [-0.3, -0.1]])  # row 0 lies on its first token
+    adv = torch.tensor([-2.0, 2.0])
+    loss, stats = grpo_loss(logp, behav, torch.ones(2, 2), adv, torch.tensor([False, False]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0].abs().item() <= RATIO_CAP * 2.0 / 4 + 1e-6
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-4)
+
+
 def test_padding_is_ignored():
     logp = torch.tensor([[-1.0, -50.0]])
     a = reinforce_loss(logp, torch.tensor([[1.0, 0.0]]), torch.tensor([1.0]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import traceback
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from . import layout
 from .faults import crash_point
 from .fleet import Fleet
 from .ledger import Ledger, group_digest
-from .shards import MAX_SHARD_BYTES, Group, ShardError, decode_shard
+from .shards import MAX_SHARD_BYTES, Budget, Group, ShardError, iter_groups
 from .storage import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from .task import Problem, reward
 
@@ -121,8 +122,8 @@ def split_fresh(groups: list[ScoredGroup], version: int,
 
     Newest first so the trainer learns from the most on-policy data it has; the rest waits
     for the next step or falls out of the window."""
-    fresh = [g for g in groups if 0 <= version - g.policy_version <= max_staleness]
-    stale = [g for g in groups if not 0 <= version - g.policy_version <= max_staleness]
+    fresh = [g for g in groups if layout.in_window(version - g.policy_version, max_staleness)]
+    stale = [g for g in groups if not layout.in_window(version - g.policy_version, max_staleness)]
     fresh.sort(key=lambda g: g.policy_version, reverse=True)
     return fresh, stale
 
@@ -186,9 +187,10 @@ def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[Scored
     if parsed is None:
         raise ShardError("bad_key", "not a shard key")
     version, volunteer, _ = parsed
-    groups = decode_shard(data)
-    for g in groups:
-        check_group(g, version, volunteer, rules, win)
+    groups = []
+    for g in iter_groups(data, Budget(rules.k, rules.max_new_tokens)):
+        check_group(g, version, volunteer, rules, win)  # stop paying at the first bad line
+        groups.append(g)
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
 
 
@@ -312,6 +314,14 @@ class Ingest:
             self.failures[key] += 1
             if self.failures[key] >= MAX_READ_ATTEMPTS:
                 self._reject(key, "unreadable", f"{MAX_READ_ATTEMPTS} failed reads: {exc}", stats)
+            return []
+        except Exception as exc:
+            # Reading one object ends in "accepted" or a reason code, never in a dead trainer:
+            # an error nobody foresaw is a bug of ours, so its traceback goes to the log, but
+            # the shard is recorded (and so never read again after a restart) like any reject.
+            self.log(f"error: unexpected {type(exc).__name__} while checking {key}:\n"
+                     + "".join(traceback.format_exception(exc)))
+            self._reject(key, "internal_error", type(exc).__name__, stats)
             return []
         crash_point("ingest")
         self.taken.add(key)

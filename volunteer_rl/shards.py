@@ -5,8 +5,11 @@ A line:
      "completions": [{"token_ids": [..], "logprobs": [..], "text": "..", "reward": 1.0}, ..]}
 
 Volunteers are strangers, so decoding is defensive: decompression is streamed and stops at a
-byte cap (a gzip bomb costs us the cap, not its size), every count is bounded, and the schema
-is checked field by field before anything else sees the data. The reward a volunteer reports
+byte cap (a gzip bomb costs us the cap, not its size), a line's size is capped by what the
+manifest's k and max_new_tokens allow before it is parsed (so parsing costs at most that),
+numbers are parsed with bounds (no bignums, no NaN/Infinity literals), nesting is bounded,
+and the schema is checked field by field before anything else sees the data. Anything else
+that goes wrong is still a ShardError, never another exception. The reward a volunteer reports
 is kept only for its own statistics; the trainer recomputes it.
 """
 
@@ -16,6 +19,7 @@ import gzip
 import io
 import json
 import math
+import re
 import time
 import uuid
 import zlib
@@ -27,6 +31,19 @@ MAX_LINE_BYTES = 1 << 20
 MAX_GROUPS_PER_SHARD = 4096
 MAX_COMPLETIONS_PER_GROUP = 64
 MAX_TOKENS_PER_COMPLETION = 2048
+MAX_INT_DIGITS = 18
+"""Digits of a JSON integer (ids, versions): a longer literal is refused, not made a bignum."""
+MAX_NESTING = 4
+"""A line is {completions: [{token_ids: [...]}]}: four levels. Deeper is refused before parsing."""
+LOGPROB_FLOOR = -40.0
+"""Behavior logprobs below this are raised to it at intake. A token sampled with probability
+e^-40 does not happen; a claim of one is either a bug or a lever on the importance ratio, and
+the floor (with the loss's own clamp) keeps it from reaching a tensor as a huge number."""
+BYTES_PER_TOKEN = 100
+"""Line budget per generated token: its id (<= 8 bytes), its logprob (<= 26) and up to 64 bytes
+of JSON-escaped text. Budgeted per line, so a few long tokens are fine."""
+BYTES_PER_COMPLETION = 128
+BYTES_PER_LINE = 320
 
 
 class ShardError(ValueError):
@@ -83,6 +100,57 @@ def _gunzip_capped(data: bytes, cap: int) -> bytes:
     return out.getvalue()
 
 
+@dataclass(frozen=True)
+class Budget:
+    """The sizes a shard may have under one manifest: its k and max_new_tokens."""
+
+    k: int = MAX_COMPLETIONS_PER_GROUP
+    max_new_tokens: int = MAX_TOKENS_PER_COMPLETION
+
+    @property
+    def line_bytes(self) -> int:
+        per_completion = BYTES_PER_COMPLETION + self.max_new_tokens * BYTES_PER_TOKEN
+        return min(MAX_LINE_BYTES, BYTES_PER_LINE + self.k * per_completion)
+
+    @property
+    def decompressed_bytes(self) -> int:
+        return min(MAX_DECOMPRESSED_BYTES, MAX_GROUPS_PER_SHARD * (self.line_bytes + 1))
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ShardError("bad_number", f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)  # never raises for what the JSON grammar calls a number
+    if not math.isfinite(value):
+        raise ShardError("bad_number", f"{text[:20]} is not a finite float")
+    return value
+
+
+def _no_constant(text: str):
+    raise ShardError("bad_number", f"{text} is not JSON")
+
+
+_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _check_nesting(line: bytes) -> None:
+    """Refuse a line nested deeper than MAX_NESTING, scanning brackets outside strings, so
+    the parser never recurses on volunteer input beyond that."""
+    depth = 0
+    for m in _BRACKETS.finditer(line):
+        c = m.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ShardError("too_deep", f"nested deeper than {MAX_NESTING}")
+        elif c in (b"]", b"}"):
+            depth -= 1
+
+
 def _int_list(value, what: str) -> list[int]:
     if not isinstance(value, list) or not all(type(v) is int for v in value):
         raise ShardError("bad_schema", f"{what} must be a list of integers")
@@ -102,13 +170,17 @@ def _completion(raw) -> Completion:
         raise ShardError("bad_logprob", "logprobs must be finite and <= 0")
     if not isinstance(raw["text"], str) or not isinstance(raw["reward"], (int, float)):
         raise ShardError("bad_schema", "text must be a string and reward a number")
-    return Completion(ids, [float(v) for v in lps], raw["text"], float(raw["reward"]))
+    return Completion(ids, [max(float(v), LOGPROB_FLOOR) for v in lps], raw["text"], float(raw["reward"]))
 
 
 def _group(line: bytes) -> Group:
+    _check_nesting(line)
     try:
-        raw = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
+        raw = json.loads(line, parse_int=_bounded_int, parse_float=_finite_float,
+                         parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, ShardError):
+            raise
         raise ShardError("bad_json", str(exc)[:80]) from None
     if not isinstance(raw, dict) or set(raw) != {"prompt_id", "policy_version", "volunteer_id", "completions"}:
         raise ShardError("bad_schema", "group needs exactly prompt_id, policy_version, volunteer_id, completions")
@@ -123,17 +195,31 @@ def _group(line: bytes) -> Group:
                  [_completion(c) for c in comps])
 
 
-def decode_shard(data: bytes) -> list[Group]:
-    """Parse and schema-check a shard; raises ShardError with a reason code on anything off."""
+def iter_groups(data: bytes, budget: Budget = Budget()):
+    """Parse and schema-check a shard one line at a time, so a caller that checks each group
+    as it comes stops paying at the first bad one. Raises ShardError with a reason code on
+    anything off, and nothing else: an unforeseen error inside the parser is `bad_json`."""
     if len(data) > MAX_SHARD_BYTES:
         raise ShardError("too_large", f"{len(data)} compressed bytes")
-    text = _gunzip_capped(data, MAX_DECOMPRESSED_BYTES)
+    text = _gunzip_capped(data, budget.decompressed_bytes)
     lines = [ln for ln in text.split(b"\n") if ln.strip()]
     if not lines:
         raise ShardError("empty", "no groups")
     if len(lines) > MAX_GROUPS_PER_SHARD:
         raise ShardError("too_many_groups", f"{len(lines)} lines")
     for ln in lines:
-        if len(ln) > MAX_LINE_BYTES:
-            raise ShardError("line_too_long", f"a line of {len(ln)} bytes")
-    return [_group(ln) for ln in lines]
+        if len(ln) > budget.line_bytes:
+            raise ShardError("line_too_long", f"a line of {len(ln)} bytes (at most {budget.line_bytes} "
+                             f"for k={budget.k}, max_new_tokens={budget.max_new_tokens})")
+    for ln in lines:
+        try:
+            yield _group(ln)
+        except ShardError:
+            raise
+        except Exception as exc:  # a parser corner we did not foresee is still a rejection
+            raise ShardError("bad_json", f"{type(exc).__name__}") from None
+
+
+def decode_shard(data: bytes, budget: Budget = Budget()) -> list[Group]:
+    """Every group of a shard (iter_groups, all at once)."""
+    return list(iter_groups(data, budget))
