@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import TEMPLATE_VERSION
-from test_hostile import as_dicts, gz_lines, key, put
+from test_hostile import FolderBucket, as_dicts, gz_lines, key
 from vrlproc import Proc, wait_for
 from volunteer_rl import layout
 from volunteer_rl.checkpoint import fetch_checkpoint
@@ -65,7 +65,7 @@ def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
 def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path):
     bucket = template.copy(tmp_path / "bucket")
     groups = template.groups
-    keys = [put(bucket, key(f"vol-{i}", "s"), gz_lines(as_dicts(groups[4 * i: 4 * i + 4], f"vol-{i}")))
+    keys = [FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(groups[4 * i: 4 * i + 4], f"vol-{i}")))
             for i in range(SHARDS)]
     expected = {(k, line) for k in keys for line in range(4)}
     versions = [TEMPLATE_VERSION]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_hostile import as_dicts, gz_lines, key, put
+from test_hostile import FolderBucket, as_dicts, gz_lines, key
 from vrlproc import Proc
 from volunteer_rl import layout
 
@@ -17,7 +17,7 @@ from volunteer_rl import layout
 def short_run(template, root: Path, *args: str) -> tuple[Path, str]:
     bucket = template.copy(root / "bucket")
     for i in range(2):
-        put(bucket, key(f"vol-{i}", "s"), gz_lines(as_dicts(template.groups[4 * i: 4 * i + 4], f"vol-{i}")))
+        FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(template.groups[4 * i: 4 * i + 4], f"vol-{i}")))
     trainer = Proc(["trainer", "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
                     "--eval-dataset", str(template.eval_csv), "--threads", "1",
                     "--poll-seconds", "0.05", "--work-dir", str(root / "tw"),

@@ -1,10 +1,13 @@
-"""Hostile shards dropped into a live `vrl trainer`: each one is turned away with its reason,
-the trainer keeps going, and its next step is bit for bit the step of a run that never saw
-them.
+"""Hostile objects dropped into a live `vrl trainer`, on a folder bucket and on moto's S3
+server: each one is turned away with its reason code and a quarantine record, the trainer
+keeps going, and its next step is bit for bit the step of a run that never saw them. Hostile
+heartbeats sit in volunteers/ meanwhile; `vrl status` and the dashboard must show them
+escaped and intact.
 
 Both runs start from the same published v2 (conftest.template). Good shards G1 and G2 hold
 4 groups each (real samples of the v2 policy); a step takes 8. Run A gets G1 then G2. Run B
-gets G1, then every hostile shard (waiting until the trainer has dealt with each), then G2.
+gets G1, then every hostile object (waiting until the trainer has dealt with each), then G2.
+The list of attack kinds and what each one tests is in docs/THREATS.md.
 """
 from __future__ import annotations
 
@@ -15,16 +18,79 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+import boto3
+import pytest
+from botocore.config import Config
+
 from conftest import TEMPLATE_VERSION
-from vrlproc import Proc, wait_for
+from vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
 from volunteer_rl import layout
+from volunteer_rl.printable import printable
 
 V = TEMPLATE_VERSION
 VOCAB = 640
+S3_BUCKET = "vrl-hostile"
 
 
-def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, key: Path) -> Proc:
-    return Proc(["trainer", "--bucket", str(bucket), "--max-steps", "1", "--groups-per-step", "8",
+class FolderBucket:
+    def __init__(self, path: Path):
+        self.path, self.args = path, ["--bucket", str(path)]
+
+    def put(self, key: str, data: bytes) -> str:
+        path = self.path / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".tmp-" + path.name[:200])
+        tmp.write_bytes(data)
+        tmp.replace(path)  # the trainer must never see half a test object either
+        return key
+
+    def read(self, key: str) -> bytes:
+        return (self.path / key).read_bytes()
+
+
+class S3Bucket:
+    """A prefix of a bucket on moto's server, written with plain boto3 (not the code under test)."""
+
+    def __init__(self, endpoint: str, prefix: str):
+        self.client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"addressing_style": "path"}))
+        self.prefix = prefix
+        self.args = ["--bucket", f"s3://{S3_BUCKET}/{prefix}", "--endpoint-url", endpoint]
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=S3_BUCKET, Key=f"{self.prefix}/{key}", Body=data)
+        return key
+
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=S3_BUCKET, Key=f"{self.prefix}/{key}")["Body"].read()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in FAKE_AWS_CREDENTIALS.items():  # the subprocesses inherit os.environ
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        server, endpoint = load_infra("s3_server").start_s3_server()
+        try:
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=S3_BUCKET)
+            yield endpoint
+        finally:
+            server.stop()
+
+
+def make_bucket(backend: str, template, root: Path, name: str, endpoint: str | None):
+    """A copy of the template's bucket on `backend`."""
+    if backend == "folder":
+        return FolderBucket(template.copy(root / f"{name}-bucket"))
+    bucket = S3Bucket(endpoint, name)
+    for path in sorted(template.bucket.rglob("*")):
+        if path.is_file():
+            bucket.put(path.relative_to(template.bucket).as_posix(), path.read_bytes())
+    return bucket
+
+
+def trainer(bucket, root: Path, name: str, eval_csv: Path, key: Path) -> Proc:
+    return Proc(["trainer", *bucket.args, "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
                  "--work-dir", str(root / f"{name}-work"),
@@ -42,15 +108,6 @@ def as_dicts(groups, volunteer: str) -> list[dict]:
 
 def gz_lines(rows: list) -> bytes:
     return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
-
-
-def put(bucket: Path, key: str, data: bytes) -> str:
-    path = bucket / key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".tmp-" + path.name)
-    tmp.write_bytes(data)
-    tmp.replace(path)  # the trainer must never see half a test shard either
-    return key
 
 
 def key(volunteer: str, name: str, version: int = V) -> str:
@@ -135,8 +192,62 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
         # after G1 was taken: the same bytes again, and one of its groups under another id
         "replayed_shard": (key("good-a", "again"), good),
         "duplicated_group": (key("copycat", "s"), gz_lines([dup_one])),
+        # numbers where the parser once made bignums or floats of anything
+        "bignum_prompt_id": (key("bigid", "s"), raw_edit(
+            "bigid", f'"prompt_id": {spare[0]["prompt_id"]},', '"prompt_id": ' + "7" * 400 + ",")),
+        "bignum_version": (key("bigver", "s"), raw_edit(
+            "bigver", f'"policy_version": {V},', '"policy_version": ' + "2" * 400 + ",")),
+        "nan_reward": (key("nanrew", "s"), raw_edit("nanrew", '"reward": ', '"reward": NaN, "r": ')),
+        "huge_reward": (key("hugerew", "s"), edited("hugerew", set_(["completions", 0, "reward"], 1e308))),
+        "positive_logprob": (key("optimist", "s"), edited(
+            "optimist", set_(["completions", 0, "logprobs", 0], 3.0))),
+        # wrong types and shapes
+        "bool_prompt_id": (key("boolean", "s"), edited("boolean", set_(["prompt_id"], True))),
+        "string_token": (key("stringy", "s"), edited("stringy", set_(["completions", 0, "token_ids", 0], "5"))),
+        "negative_token": (key("negative", "s"), edited("negative", set_(["completions", 0, "token_ids", 0], -1))),
+        "negative_prompt_id": (key("below", "s"), edited("below", set_(["prompt_id"], -1))),
+        "lengths_mismatch": (key("uneven", "s"), edited(
+            "uneven", lambda rows: rows[0]["completions"][0]["logprobs"].pop())),
+        "completions_not_a_list": (key("dicty", "s"), edited("dicty", set_(["completions"], {"a": 1}))),
+        "line_not_an_object": (key("listy", "s"), gzip.compress(b"[1, 2, 3]\n")),
+        "too_many_completions": (key("greedy", "s"), edited(
+            "greedy", lambda rows: rows[0].update(completions=rows[0]["completions"] * 8))),
+        "empty_shard": (key("nothing", "s"), gzip.compress(b"")),
+        "not_gzip": (key("plain", "s"), gz_lines(spare[:1])[10:] + b"plain bytes"),
+        "not_utf8": (key("latin", "s"), gzip.compress(b'{"prompt_id": "\xff\xfe"}\n')),
+        # names: a volunteer owns its prefix, so whatever it puts there is charged to it
+        "junk_long_name": (f"rollouts/{layout.version_dir(V)}/spam/" + "/".join(["y" * 200] * 4), b"x"),
+        "junk_nested_shard": (f"rollouts/{layout.version_dir(V)}/spam2/a/b/s.jsonl.gz", good),
+        "newline_in_name": (f"rollouts/{layout.version_dir(V)}/newline/s\n.jsonl.gz", good),
+        "foreign_digits_in_name": (f"rollouts/{layout.version_dir(V)}/digits/s\u0663.jsonl.gz", good),
+        # a volunteer_id field written for the operator's terminal
+        "terminal_escape_id": (key("escaper", "s"), edited(
+            "\x1b]52;c;cm0gLXJmIH4=\x07[/][bold]x", lambda rows: None)),
     }
     return shards
+
+
+HEARTBEATS = {
+    # volunteers/<id>.json: read by `vrl status` and the dashboard only, believed by nobody
+    "markup": json.dumps({"state": "running", "updated_at": 4e9, "version": V, "run_id": "x",
+                          "host": {"device": "[/][link=https://evil.example]cpu[/link]"}}).encode(),
+    "escapes": json.dumps({"state": "\x1b[2J\x1b]52;c;AAAA\x07", "updated_at": 4e9,
+                           "host": {"device": "\x9b31m\u202ecpu"}, "version": "v\n"}).encode(),
+    "not-json": b"\x00\xff not json",
+    "bignum": b'{"updated_at": ' + b"9" * 5000 + b', "version": -' + b"9" * 5000 + b"}",
+    "nan": b'{"updated_at": NaN, "heartbeat_seconds": -Infinity, "completions_per_minute": 1e999}',
+    "deep": b"[" * 50_000 + b"]" * 50_000,
+    "huge": b'{"pad": "' + b"x" * (200 << 10) + b'"}',
+}
+
+
+NOT_ON_MOTO = {"newline_in_name"}
+"""Kinds moto's server cannot store (it answers 404 to a PUT of a key holding a newline;
+real S3 stores one): the folder run covers them."""
+
+
+def kinds(backend: str) -> list[str]:
+    return [k for k in EXPECTED if not (backend == "s3" and k in NOT_ON_MOTO)]
 
 
 EXPECTED = {
@@ -150,46 +261,76 @@ EXPECTED = {
     "missing_field": "bad_schema", "too_many_tokens": "too_many_tokens",
     "not_a_shard_name": "bad_key", "bignum_logprob": "bad_number", "infinite_logprob": "bad_number",
     "deep_nesting": "too_deep",
+    # repeats of groups already taken: once accepted, and so a free way to dilute rejects
+    "replayed_shard": "duplicate_only", "duplicated_group": "duplicate_only",
+    "bignum_prompt_id": "bad_number", "bignum_version": "bad_number", "nan_reward": "bad_number",
+    "huge_reward": "reward_mismatch", "positive_logprob": "bad_logprob",
+    "bool_prompt_id": "bad_schema", "string_token": "bad_schema", "negative_token": "bad_token",
+    "negative_prompt_id": "unknown_prompt", "lengths_mismatch": "bad_lengths",
+    "completions_not_a_list": "bad_lengths", "line_not_an_object": "bad_schema",
+    "too_many_completions": "bad_group_size", "empty_shard": "empty", "not_gzip": "bad_gzip",
+    "not_utf8": "bad_json", "junk_long_name": "bad_key", "junk_nested_shard": "bad_key",
+    "newline_in_name": "bad_key", "foreign_digits_in_name": "bad_key",
+    "terminal_escape_id": "volunteer_mismatch",
 }
-DUPLICATES = {"replayed_shard": 4, "duplicated_group": 1}
 
 
-def run(template, root: Path, name: str, hostile: bool) -> tuple[bytes, str, Path]:
-    bucket = template.copy(root / f"{name}-bucket")
+def run(backend: str, template, root: Path, name: str, hostile: bool, endpoint: str | None):
+    bucket = make_bucket(backend, template, root, name, endpoint)
     groups = template.groups
     g1, g2 = as_dicts(groups[:4], "good-a"), as_dicts(groups[4:8], "good-b")
     proc = trainer(bucket, root, name, template.eval_csv, template.key)
     try:
-        g1_key = put(bucket, key("good-a", "g1"), gz_lines(g1))
+        g1_key = bucket.put(key("good-a", "g1"), gz_lines(g1))
         wait_for(lambda: f"took {g1_key}: 4 usable" in proc.text(), 120, "G1 taken")
         if hostile:
-            for what, (k, data) in hostile_shards(g1, as_dicts(groups[8:10], "x")).items():
-                put(bucket, k, data)
-                wait_for(lambda: re.search(rf"(rejected|took) {re.escape(k)}:", proc.text()),
+            for vid, body in HEARTBEATS.items():
+                bucket.put(layout.heartbeat_key(vid), body)
+            shards = hostile_shards(g1, as_dicts(groups[8:10], "x"))
+            for what in kinds(backend):
+                k, data = shards[what]
+                bucket.put(k, data)
+                shown = re.escape(printable(k))
+                wait_for(lambda: re.search(rf"(rejected|took) {shown}:", proc.text()),
                          60, f"the trainer to deal with {what}")
-        put(bucket, key("good-b", "g2"), gz_lines(g2))
+                assert proc.p.poll() is None, proc.text()[-3000:]  # never stops the trainer
+        bucket.put(key("good-b", "g2"), gz_lines(g2))
         assert proc.wait(120) == 0, proc.text()[-3000:]
     finally:
         proc.kill()
-    weights = (bucket / layout.checkpoint_key(V + 1, "model.safetensors")).read_bytes()
+    weights = bucket.read(layout.checkpoint_key(V + 1, "model.safetensors"))
     return weights, proc.text(), bucket
 
 
-def test_hostile_shards_are_rejected_and_change_nothing(template, tmp_path):
-    clean, _, _ = run(template, tmp_path, "clean", hostile=False)
-    dirty, log, bucket = run(template, tmp_path, "hostile", hostile=True)
+@pytest.mark.parametrize("backend", ["folder", "s3"])
+def test_hostile_objects_are_rejected_and_change_nothing(backend, template, tmp_path, request):
+    endpoint = request.getfixturevalue("s3_endpoint") if backend == "s3" else None
+    clean, _, _ = run(backend, template, tmp_path, "clean", False, endpoint)
+    dirty, log, bucket = run(backend, template, tmp_path, "hostile", True, endpoint)
     shards = hostile_shards(as_dicts(template.groups[:4], "good-a"), as_dicts(template.groups[8:10], "x"))
-    assert len(shards) >= 15
-    for what, reason in EXPECTED.items():
-        k = shards[what][0]
-        assert re.search(rf"rejected {re.escape(k)}: {reason}:", log), (what, reason)
-        if layout.parse_shard_key(k):  # a key that is no shard has no quarantine name either
-            record = json.loads((bucket / layout.quarantine_key(k)).read_text())
-            assert record["reason"] == reason
-    for what, n in DUPLICATES.items():
-        assert f"took {shards[what][0]}: 0 usable, 0 zero-variance, {n} duplicate" in log, what
+    assert set(shards) == set(EXPECTED) and len(kinds(backend)) >= 40
+    for what in kinds(backend):
+        k, reason = shards[what][0], EXPECTED[what]
+        assert re.search(rf"rejected {re.escape(printable(k))}: {reason}:", log), (what, reason)
+        if layout.rollout_author(k):  # all but the traversal, which names no volunteer folder
+            record = json.loads(bucket.read(layout.quarantine_key(k)))
+            assert record["reason"] == reason, what
     assert "Traceback" not in log
-    step = [json.loads(x) for x in (bucket / layout.metrics_key(V + 1)).read_text().splitlines()]
+    assert not any(ord(c) < 0x20 and c not in "\n" or 0x7f <= ord(c) < 0xa0 for c in log)
+    step = [json.loads(x) for x in bucket.read(layout.metrics_key(V + 1)).decode().splitlines()]
     sources = step[0]["rollout/sources"]
     assert sorted(sources) == [key("good-a", "g1"), key("good-b", "g2")]
-    assert dirty == clean, "the step after the hostile shards differs from the clean run's"
+    assert dirty == clean, "the step after the hostile objects differs from the clean run's"
+
+    # The operator's views of the same bucket: whole, and every volunteer string escaped.
+    r = run_vrl(["status", *bucket.args, "--json"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    rows = {row["id"]: row for row in doc["volunteers"]}
+    assert set(HEARTBEATS) <= set(rows)
+    assert rows["markup"]["state"] == "stale-version" and rows["huge"]["heartbeat_error"]
+    table = run_vrl(["status", *bucket.args], cwd=tmp_path, timeout=120)
+    assert table.returncode == 0 and "markup" in table.stdout, table.stderr
+    assert "\x1b" not in table.stdout and "\x9b" not in table.stdout  # not a tty: no colours
+    page = bucket.read("dashboard/index.html").decode()
+    assert "<td>escapes</td>" in page and "\x1b" not in page and "\x9b" not in page

@@ -142,9 +142,13 @@ def test_duplicates_count_once_across_keys_and_volunteers():
     ing = make(s)
     out = ing.poll(win(3), stats)
     assert [(x.volunteer_id, x.prompt_id) for x in out] == [("a", 1), ("b", 0)]
-    assert stats.duplicates == 2 and not stats.rejected
+    # s2 brings nothing new: rejected (a repeat must not count as accepted); s3 brings one
+    # new group, so it is accepted and its repeat is recorded as a duplicate.
+    assert stats.duplicates == 1 and stats.rejected == {"duplicate_only": 1}
+    assert ing.fleet.counts["a"].rejected == 1 and ing.fleet.counts["b"].rejected == 0
     outcomes = {(r["key"].split("/")[-1], r["outcome"]) for r in ing.ledger.pending}
-    assert outcomes == {("s2.jsonl.gz", "duplicate"), ("s3.jsonl.gz", "duplicate")}
+    assert outcomes == {("s2.jsonl.gz", "rejected"), ("s3.jsonl.gz", "duplicate")}
+    assert s.exists("quarantine/v000003/a/s2.json")
 
 
 def test_the_ledger_survives_a_restart_through_the_bucket():
@@ -266,3 +270,67 @@ def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
     assert s.exists(layout.quarantine_key(bad))
     ing.ledger.flush(s, 4)
     assert rebuild(s, [4]).finished(bad)
+
+
+def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded_small():
+    """Objects that are no shard used to be free: never counted, never denied, and each left a
+    ledger record holding its whole key. Now each is a rejection of the id in its path, with a
+    quarantine record, a ledger record of bounded size, and denial like any other reject."""
+    s = fresh_storage("junk")
+    long_name = "x" * 900
+    junk = [f"rollouts/v000003/spammer/notes-{i}.txt" for i in range(5)]
+    junk.append(f"rollouts/v000003/spammer/zz/{long_name}")  # listed last
+    for k in junk:
+        s.write(k, b"hi")
+    good = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    fleet = Fleet(deny_after=5, deny_rate=0.5)
+    ing, logs = make(s, fleet=fleet), []
+    ing.log = logs.append
+    stats = IngestStats()
+    assert [x.key for x in ing.poll(win(3), stats)] == [good]
+    assert stats.rejected == {"bad_key": 5}  # the sixth was skipped: denied after five
+    assert fleet.is_denied("spammer") and "spammer" in read_denylist(s)[0]
+    assert all(s.exists(layout.quarantine_key(k)) for k in junk[:5])
+    assert all(len(r["key"]) <= 160 for r in ing.ledger.pending)
+    ing.ledger.flush(s, 4)
+    rebuilt = rebuild(s, [4])
+    assert all(rebuilt.finished(k) for k in junk[:5])
+    # a long key is recorded shortened, and looked up the same way
+    s.delete(layout.DENYLIST)  # lifted: its objects are read again by a new trainer
+    ing2 = make(s, fleet=Fleet(deny_after=0))
+    ing2.poll(win(3), IngestStats())
+    assert ing2.ledger.finished(junk[-1])
+    assert max(len(r["key"]) for r in ing2.ledger.pending) <= 160
+
+
+def test_objects_past_the_per_volunteer_cap_are_skipped_unread(monkeypatch):
+    import volunteer_rl.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
+    s = fresh_storage("cap")
+    for i in range(6):
+        put(s, 3, "busy", [g(0, 3, "busy", [[12], [i]])], name=f"s{i}")
+    put(s, 3, "calm", [g(1, 3, "calm", [[8], [1]])])
+    stats = IngestStats()
+    out = make(s).poll(win(3), stats)
+    assert sorted((x.volunteer_id, x.key.rsplit("/", 1)[1]) for x in out) == [
+        ("busy", "s0.jsonl.gz"), ("busy", "s1.jsonl.gz"), ("busy", "s2.jsonl.gz"),
+        ("calm", "s1.jsonl.gz")]
+    assert stats.over_cap == 3 and not stats.rejected
+
+
+def test_the_audited_group_is_not_predictable_from_the_seed():
+    """Two trainers with the same seed must not audit the same groups: a liar that could
+    predict the choice would lie only in the others."""
+    s = fresh_storage("unpredictable")
+    for i in range(40):
+        put(s, 3, "a", [g(0, 3, "a", [[12], [j // 10, j % 10]]) for j in range(4 * i, 4 * i + 4)],
+            name=f"s{i}")
+    picks = []
+    for _ in range(2):
+        chosen = []
+        ing = make(s, audit=lambda groups: chosen.append(groups[0].line))
+        ing.audit_version = 3
+        ing.poll(win(3), IngestStats())
+        picks.append(chosen)
+    assert len(picks[0]) == 40 and picks[0] != picks[1]  # same by chance: 4**-40

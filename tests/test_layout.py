@@ -1,4 +1,7 @@
+import pytest
+
 from volunteer_rl import layout
+
 
 
 def test_keys_are_zero_padded_and_sorted():
@@ -40,3 +43,37 @@ def test_dataset_key_is_content_addressed():
 def test_parse_version_dir():
     assert layout.parse_version_dir("rollouts/v000042/") == 42
     assert layout.parse_version_dir("v12") is None
+
+
+@pytest.mark.parametrize("name", ["vol-1\n", "v\u0661\u0662", "vol\u0663", "a" * 65, "..x", ".x", "",
+                                  "x/y", "vol 1", "vol\x1b[31m"])
+def test_unsafe_names_are_refused_whole(name):
+    """`$` accepted a trailing newline and `\\d` other scripts' digits (int() reads them)."""
+    assert not layout.is_safe_name(name)
+
+
+@pytest.mark.parametrize("key", [
+    "rollouts/v000003\n/vol/s.jsonl.gz", "rollouts/v\u0660\u0660\u0660\u0660\u0660\u0663/vol/s.jsonl.gz",
+    "rollouts/v000003/vol\n/s.jsonl.gz", "rollouts/v000003/vol/s\n.jsonl.gz",
+])
+def test_shard_keys_with_newlines_or_foreign_digits_do_not_parse(key):
+    assert layout.parse_shard_key(key) is None
+
+
+def test_foreign_digits_are_no_version():
+    assert layout.parse_version_dir("v\u0660\u0660\u0660\u0660\u0660\u0663") is None
+    assert layout.parse_version_dir("v000003\n") is None
+    assert layout.split_versioned_key("metrics/v000003.jsonl\n") is None
+    assert layout.parse_version_dir("v000003") == 3
+
+
+def test_every_object_under_a_volunteer_folder_has_an_author_and_a_quarantine_name():
+    assert layout.rollout_author("rollouts/v000003/vol/notes.txt") == (3, "vol")
+    assert layout.rollout_author("rollouts/v000003/vol/a/b/c") == (3, "vol")
+    assert layout.rollout_author("rollouts/v000003/x.txt") is None
+    assert layout.rollout_author("rollouts/v000003/../x") is None
+    q = layout.quarantine_key("rollouts/v000003/vol/notes.txt")
+    assert q.startswith("quarantine/v000003/vol/junk-") and q.endswith(".json") and len(q) < 60
+    assert layout.quarantine_key(layout.shard_key(3, "vol", "s1")) == "quarantine/v000003/vol/s1.json"
+    with pytest.raises(ValueError):
+        layout.quarantine_key("rollouts/v000003/x.txt")

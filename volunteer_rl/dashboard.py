@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import layout
+from .printable import printable
 from .status import READ_WORKERS, read_metrics_lines, read_status
 from .storage import Storage
 
@@ -196,7 +197,9 @@ def staleness_plot(history: History) -> bytes:
 # The page.
 
 def _cell(x) -> str:
-    return html.escape("-" if x is None else str(x))
+    """A table cell: volunteer-written values arrive here, so control characters are escaped
+    (printable) and then the HTML."""
+    return html.escape("-" if x is None else printable(x))
 
 
 def fleet_rows_html(status: dict) -> str:
@@ -229,7 +232,7 @@ def index_html(status: dict, now: float) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
-<title>vrl {html.escape(t['run_id'])} v{t['version']}</title>
+<title>vrl {html.escape(printable(t['run_id']))} v{t['version']}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1.5em; }} table {{ border-collapse: collapse; }}
 td, th {{ padding: 0.2em 0.7em; text-align: right; border-bottom: 1px solid #ddd; }}
@@ -237,7 +240,7 @@ td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; d
 .producing td:nth-child(2) {{ color: green; }} .idle td:nth-child(2) {{ color: #b58900; }}
 .stale-version td:nth-child(2) {{ color: purple; }} .offline td:nth-child(2) {{ color: #c00; }}
 </style></head><body>
-<h1>run {html.escape(t['run_id'])}: version {t['version']}</h1>
+<h1>run {html.escape(printable(t['run_id']))}: version {t['version']}</h1>
 <p>step {t['step']}, staleness window {t['max_staleness']}, reward {reward}; last held-out
 evaluation {html.escape(last_eval)}. Written {stamp}; reloads every {REFRESH_SECONDS} s.</p>
 <h2>fleet</h2>

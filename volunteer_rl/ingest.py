@@ -22,6 +22,7 @@ from .faults import crash_point
 from .fleet import Fleet
 from .ledger import Ledger, group_digest
 from .shards import MAX_SHARD_BYTES, Budget, Group, ShardError, iter_groups
+from .printable import printable
 from .storage import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from .task import Problem, reward
 
@@ -38,6 +39,12 @@ PREFETCH = 16
 """Shards fetched ahead of the one being checked: bounds memory at PREFETCH x MAX_SHARD_BYTES
 (128 MiB) whatever a hostile fleet uploads."""
 REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
+MAX_OBJECTS_PER_VOLUNTEER_VERSION = 1024
+"""Objects of one volunteer under one version folder the trainer considers (in key order,
+which is upload order for shard names); the rest are skipped unread and unrecorded, counted
+as `ingest/over_cap`. Bounds the GETs, ledger records and quarantine writes any one id can
+cause per version, junk or not. An honest volunteer that outruns it (a trainer stuck on one
+version for hours) loses only the excess."""
 
 
 @dataclass
@@ -66,6 +73,7 @@ class IngestStats:
     zero_variance: int = 0
     duplicates: int = 0
     denied: int = 0
+    over_cap: int = 0
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
 
@@ -224,7 +232,9 @@ class Ingest:
         """The version of the weights in memory, when they are a published one."""
         self.log = log
         self.log_shards = log_shards
-        self.rng = random.Random(seed)  # audit sampling; not torch's RNG, which training owns
+        # Which group is audited must not be predictable from the code or the seed, or a liar
+        # would only lie in the others: the OS's randomness, not a seeded generator.
+        self.rng = random.SystemRandom()
         self.taken: set[str] = set()
         self.failures: Counter = Counter()
         self.fetch_workers = max(1, fetch_workers)
@@ -246,13 +256,30 @@ class Ingest:
             except StorageError as exc:
                 self.log(f"warning: {exc}")
                 continue
-            keys += [key for key in listed if self._wanted(key, stats)]
+            keys += [key for key in self._within_caps(listed, stats) if self._wanted(key, stats)]
         out: list[ScoredGroup] = []
         for key, fetched in self._prefetch(keys):
             if self._denied(key, stats):  # denied by an earlier shard of this very poll
                 continue
             out.extend(self._take(key, fetched, win, stats))
         return out
+
+    @staticmethod
+    def _within_caps(listed: list[str], stats: IngestStats) -> list[str]:
+        """The keys of one version's listing, past each volunteer's first
+        MAX_OBJECTS_PER_VOLUNTEER_VERSION dropped (keys outside any volunteer's prefix are
+        kept: they are charged to nobody, and only the trainer's credentials can write there)."""
+        seen: Counter = Counter()
+        kept = []
+        for key in listed:
+            author = layout.rollout_author(key)
+            if author is not None:
+                seen[author] += 1
+                if seen[author] > MAX_OBJECTS_PER_VOLUNTEER_VERSION:
+                    stats.over_cap += 1
+                    continue
+            kept.append(key)
+        return kept
 
     def _wanted(self, key: str, stats: IngestStats) -> bool:
         """True if `key` still has something to take and its author is not denied."""
@@ -261,7 +288,7 @@ class Ingest:
         return not self._denied(key, stats)
 
     def _denied(self, key: str, stats: IngestStats) -> bool:
-        parsed = layout.parse_shard_key(key)
+        parsed = layout.rollout_author(key)
         if parsed and self.fleet.is_denied(parsed[1]):
             stats.denied += 1
             return True
@@ -319,15 +346,27 @@ class Ingest:
             # Reading one object ends in "accepted" or a reason code, never in a dead trainer:
             # an error nobody foresaw is a bug of ours, so its traceback goes to the log, but
             # the shard is recorded (and so never read again after a restart) like any reject.
-            self.log(f"error: unexpected {type(exc).__name__} while checking {key}:\n"
-                     + "".join(traceback.format_exception(exc)))
+            trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
+            self.log(f"error: unexpected {type(exc).__name__} while checking {printable(key)}:\n"
+                     + "\n".join(printable(line, 1000) for line in trace))
             self._reject(key, "internal_error", type(exc).__name__, stats)
             return []
         crash_point("ingest")
+        if self._only_repeats(key, groups):
+            # Repeats cost nothing to make: counted as accepted they would dilute any number
+            # of rejects below --deny-rate.
+            self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats)
+            return []
         self.taken.add(key)
         stats.shards += 1
         self._count(key, True, stats)
         return self._sort(key, groups, stats)
+
+    def _only_repeats(self, key: str, groups: list[ScoredGroup]) -> bool:
+        """True if every group of `key` was taken before, from other shards. A shard half
+        taken before a restart (some of its lines already have outcomes) is not one."""
+        return (bool(groups) and not any(self.ledger.is_done(key, g.line) for g in groups)
+                and all(self.ledger.seen(g.digest) for g in groups))
 
     def _audit(self, groups: list[ScoredGroup]) -> None:
         """Check one random group made with the weights in memory (if the shard has one)."""
@@ -357,14 +396,18 @@ class Ingest:
             self.ledger.record(key, "zero_variance", [g.line for g in zero], n, [g.digest for g in zero])
         if dup:
             self.ledger.record(key, "duplicate", [g.line for g in dup], n)
-        self.ledger.groups[key] = n
+        self.ledger.set_size(key, n)
         stats.groups += len(groups)
         stats.zero_variance += len(zero)
         stats.duplicates += len(dup)
         if self.log_shards:
-            self.log(f"took {key}: {len(usable)} usable, {len(zero)} zero-variance, "
+            self.log(f"took {printable(key)}: {len(usable)} usable, {len(zero)} zero-variance, "
                      f"{len(dup)} duplicate")
         return usable
+
+    def reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
+        """Reject a shard after intake (the trainer found its groups poison a step)."""
+        self._reject(key, reason, detail, stats)
 
     def _reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
         """Record the rejection (ledger, quarantine/, counts); deny a volunteer that keeps
@@ -372,8 +415,8 @@ class Ingest:
         self.taken.add(key)
         stats.rejected[reason] += 1
         self.ledger.record(key, "rejected", [], 0, reason=reason)
-        self.log(f"rejected {key}: {detail}")
-        record = {"key": key, "reason": reason, "detail": detail, "time": time.time()}
+        self.log(f"rejected {printable(key)}: {printable(detail)}")
+        record = {"key": key[:1024], "reason": reason, "detail": detail[:1000], "time": time.time()}
         try:
             self.storage.create(layout.quarantine_key(key), json.dumps(record).encode())
         except (AlreadyExists, ValueError):
@@ -383,7 +426,7 @@ class Ingest:
         self._count(key, False, stats)
 
     def _count(self, key: str, accepted: bool, stats: IngestStats) -> None:
-        parsed = layout.parse_shard_key(key)
+        parsed = layout.rollout_author(key)
         if parsed is None:
             return
         volunteer = parsed[1]

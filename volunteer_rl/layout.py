@@ -19,6 +19,7 @@ relative to the bucket root (the storage object adds any prefix from the URI).
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SCHEMA_VERSION = 1
@@ -35,9 +36,11 @@ VOLUNTEERS = "volunteers"
 FLEET = "fleet.json"
 
 # Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
-# can climb out of its prefix ("../") or collide with another after normalisation.
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+# can climb out of its prefix ("../") or collide with another after normalisation. Every
+# pattern here is matched whole with fullmatch (`$` would let a trailing newline through) and
+# spells digits [0-9] (`\d` also matches other scripts' digits, which int() accepts).
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_VERSION_DIR = re.compile(r"v([0-9]{6,})")
 SHARD_SUFFIX = ".jsonl.gz"
 
 
@@ -50,7 +53,7 @@ def in_window(lag: int, max_staleness: int) -> bool:
 
 def is_safe_name(name: str) -> bool:
     """True if `name` may be used as one path component of a key (no slashes, no '..')."""
-    return bool(SAFE_NAME.match(name)) and ".." not in name
+    return isinstance(name, str) and bool(SAFE_NAME.fullmatch(name)) and ".." not in name
 
 
 def version_dir(version: int) -> str:
@@ -62,11 +65,11 @@ def version_dir(version: int) -> str:
 
 def parse_version_dir(name: str) -> int | None:
     """42 for `v000042`, None for anything else."""
-    m = _VERSION_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    m = _VERSION_DIR.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
 
 
-_VERSIONED_NAME = re.compile(r"^v(\d{6,})(?:\.[a-z]+)*$")
+_VERSIONED_NAME = re.compile(r"v([0-9]{6,})(?:\.[a-z]+)*")
 
 
 def versioned_prefix(top: str, version: int) -> str:
@@ -84,7 +87,7 @@ def split_versioned_key(key: str) -> tuple[str, int] | None:
     parts = key.strip("/").split("/")
     if len(parts) < 2:
         return None
-    m = _VERSIONED_NAME.match(parts[1])
+    m = _VERSIONED_NAME.fullmatch(parts[1])
     if m is None or (len(parts) > 2 and "." in parts[1]):
         return None
     return parts[0], int(m.group(1))
@@ -142,6 +145,18 @@ def parse_shard_key(key: str) -> tuple[int, str, str] | None:
     return version, parts[2], name
 
 
+def rollout_author(key: str) -> tuple[int, str] | None:
+    """(version, volunteer id) of any key under a volunteer's rollouts prefix, shard or not.
+
+    The deployed policies let a volunteer write only under `rollouts/*/<its id>/`, so whatever
+    sits there (junk names included) is charged to that id; None for keys outside any."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] != ROLLOUTS or not is_safe_name(parts[2]):
+        return None
+    version = parse_version_dir(parts[1])
+    return None if version is None else (version, parts[2])
+
+
 def metrics_key(version: int) -> str:
     return f"{METRICS}/{version_dir(version)}.jsonl"
 
@@ -151,13 +166,20 @@ def ledger_key(version: int) -> str:
     return f"{LEDGER}/{version_dir(version)}.jsonl"
 
 
-def quarantine_key(shard: str) -> str:
-    """Where the reason a shard was rejected is kept: its rollout key under quarantine/, .json."""
-    parsed = parse_shard_key(shard)
-    if parsed is None:
-        raise ValueError(f"not a shard key: {shard!r}")
-    version, volunteer, name = parsed
-    return f"{QUARANTINE}/{version_dir(version)}/{volunteer}/{name}.json"
+def quarantine_key(key: str) -> str:
+    """Where the reason an object under rollouts/ was rejected is kept: a shard's own key under
+    quarantine/ (`.json` for `.jsonl.gz`); any other object of a volunteer's prefix as
+    `junk-<sha256 of its key, 16 hex>.json` in that volunteer's folder. ValueError for a key
+    outside every volunteer's prefix."""
+    parsed = parse_shard_key(key)
+    if parsed is not None:
+        version, volunteer, name = parsed
+        return f"{QUARANTINE}/{version_dir(version)}/{volunteer}/{name}.json"
+    author = rollout_author(key)
+    if author is None:
+        raise ValueError(f"not under a volunteer's rollouts prefix: {key[:100]!r}")
+    digest = hashlib.sha256(key.encode(errors="surrogatepass")).hexdigest()[:16]
+    return f"{QUARANTINE}/{version_dir(author[0])}/{author[1]}/junk-{digest}.json"
 
 
 def heartbeat_key(volunteer_id: str) -> str:

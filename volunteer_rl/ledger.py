@@ -23,6 +23,17 @@ from .storage import NotFound, Storage
 
 OUTCOMES = ("trained", "zero_variance", "stale", "duplicate", "rejected")
 MAX_LEDGER_BYTES = 64 << 20  # one version's records; far above what a step can produce
+MAX_RECORD_KEY = 160
+"""Keys longer than this (only junk: a shard key is at most ~100 characters) are recorded as
+their first 100 characters, `#` and 16 hex of their sha256, so no name a volunteer picks can
+make a record large; the same form is used to look them up."""
+
+
+def record_key(key: str) -> str:
+    """The form `key` takes in the ledger (itself unless longer than MAX_RECORD_KEY)."""
+    if len(key) <= MAX_RECORD_KEY:
+        return key
+    return f"{key[:100]}#{hashlib.sha256(key.encode(errors='surrogatepass')).hexdigest()[:16]}"
 
 
 def group_digest(prompt_id: int, policy_version: int, token_ids: list[list[int]]) -> str:
@@ -51,12 +62,21 @@ class Ledger:
 
     def finished(self, key: str) -> bool:
         """True if nothing is left to take from `key`."""
+        key = record_key(key)
         if key in self.rejected:
             return True
         return key in self.groups and len(self.done.get(key, ())) >= self.groups[key]
 
     def is_done(self, key: str, line: int) -> bool:
-        return line in self.done.get(key, ())
+        return line in self.done.get(key, ())  # shard keys only: never shortened
+
+    def set_size(self, key: str, groups: int) -> None:
+        """Note how many groups shard `key` holds (known once it is read)."""
+        self.groups[key] = groups
+
+    def seen(self, digest: str) -> bool:
+        """True if a group with this content was taken before."""
+        return digest in self.digests
 
     def claim(self, digest: str, version: int) -> bool:
         """Take a group's content; False if the same content was taken before."""
@@ -70,7 +90,7 @@ class Ledger:
         """Give `lines` of `key` their outcome and queue the record for the bucket."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}")
-        rec = {"key": key, "outcome": outcome, "lines": sorted(lines), "groups": groups}
+        rec = {"key": record_key(key), "outcome": outcome, "lines": sorted(lines), "groups": groups}
         if digests:
             rec["digests"] = list(digests)
         if reason:
@@ -108,7 +128,8 @@ class Ledger:
 
 
 def _key_version(key: str) -> int:
-    parsed = layout.parse_shard_key(key)
+    """The version folder of a rollouts key (shard or junk), -1 for anything else."""
+    parsed = layout.rollout_author(key)
     return parsed[0] if parsed else -1
 
 

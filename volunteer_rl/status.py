@@ -37,6 +37,7 @@ from .fleet import read_denylist
 from .fleet_summary import MAX_SUMMARY_BYTES
 from .heartbeat import MAX_HEARTBEAT_BYTES
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
+from .printable import markup_safe, printable
 from .storage import NotFound, Storage, StorageError
 
 STATUS_SCHEMA = 1
@@ -207,9 +208,13 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
     steps = [s["step"] for s in trends["rewards"] if s["step"] is not None]
     last = trends["rewards"][-1] if trends["rewards"] else (summary.get("last_step") or {})
     counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
+    from .manifest import OLD_MANIFEST_SECONDS
+    age = now - manifest.created_at  # negative if the trainer's clock is ahead of ours
     return {"schema_version": STATUS_SCHEMA, "bucket": uri, "time": now,
             "trainer": {"run_id": run_id, "version": version, "max_staleness": window,
                         "published_at": manifest.created_at,
+                        "manifest_age_seconds": age, "manifest_old": age > OLD_MANIFEST_SECONDS,
+                        "manifest_old_after_seconds": OLD_MANIFEST_SECONDS,
                         "step": max(steps + [_int(trainer.get("step")) or 0]),
                         "reward_mean": last.get("reward_mean"),
                         "summary_updated_at": _num(summary.get("updated_at")),
@@ -226,8 +231,8 @@ def _read_json(storage: Storage, key: str, cap: int) -> dict | None:
         raw = json.loads(storage.read(key, max_bytes=cap))
     except NotFound:
         return None
-    except (StorageError, ValueError) as exc:
-        return {"unreadable": str(exc)[:200]}
+    except (StorageError, ValueError, RecursionError) as exc:  # a heartbeat is anyone's bytes
+        return {"unreadable": printable(exc, 200)}
     return raw if isinstance(raw, dict) else {"unreadable": f"{key}: not a JSON object"}
 
 
@@ -314,8 +319,12 @@ def trainer_lines(status: dict) -> list[str]:
     recent = [r["reward_mean"] for r in t["rewards"][-20:]]
     avg = f", mean of last {len(recent)} steps {sum(recent) / len(recent):.3f}" if recent else ""
     counts = ", ".join(f"{n} {s}" for s, n in status["counts"].items() if n)
-    return [f"[bold]{status['bucket']}[/bold]  run {t['run_id']}",
-            f"trainer: v{t['version']} (published {_ago(age)}), step {t['step']}, window "
+    old = ""
+    if t.get("manifest_old"):  # no publish for that long: the trainer stopped, or a put-back manifest
+        old = (f", [bold red]OLD: over {t['manifest_old_after_seconds'] / 60:.0f} min, is the "
+               "trainer running?[/bold red]")
+    return [f"[bold]{markup_safe(status['bucket'])}[/bold]  run {markup_safe(t['run_id'])}",
+            f"trainer: v{t['version']} (published {_ago(age)}{old}), step {t['step']}, window "
             f"{t['max_staleness']}, reward {'-' if reward is None else f'{reward:.3f}'}{avg}",
             f"held-out accuracy (sampled): {eval_trend(t['evals'])}",
             f"volunteers: {counts or 'none yet'}"]
@@ -350,11 +359,11 @@ def volunteer_table(status: dict):
     for r in status["volunteers"]:
         state = r["state"] + (" denied" if r["denied"] else "")
         rate = r["completions_per_minute"] if r["state"] != "offline" else None
-        table.add_row(r["id"], f"[{STATE_STYLE[r['state']]}]{state}[/]",
+        table.add_row(markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
                       _short_ago(r["seconds_since_heartbeat"]), _version(r),
                       "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
                       _accepted(r), _count(r["groups_trained"]),
-                      str((r["host"] or {}).get("device", "-")))
+                      markup_safe((r["host"] or {}).get("device", "-"), 20))
     return table
 
 

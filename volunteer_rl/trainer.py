@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 import uuid
 from collections import Counter
@@ -157,6 +158,8 @@ class StepResult:
     grad_norm: float
     tokens: int
     stats: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+    """False when the loss or the gradient norm was not finite: the optimizer was not stepped."""
 
 
 def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
@@ -166,16 +169,14 @@ def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tenso
     return out
 
 
-def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
-               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
-    """One update on `groups` (all with reward variance), accumulating over micro-batches."""
+def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+              version: int, cfg: TrainerConfig) -> tuple[float, int, Counter]:
+    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics)."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
     adv = adv_fn(rewards).to(policy.device)  # [G, K]
     total_tokens = sum(len(c) for g in groups for c in g.token_ids)
     per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
-    policy.model.train()
-    opt.zero_grad(set_to_none=True)
     loss_sum, stats = 0.0, Counter()
     for s in range(0, len(groups), per_micro):
         chunk = groups[s:s + per_micro]
@@ -195,11 +196,51 @@ def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGr
             loss = reinforce_loss(logp, mask, a)
         (loss * share).backward()
         loss_sum += loss.item() * share
+    return loss_sum, total_tokens, stats
+
+
+def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
+               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
+    """One update on `groups` (all with reward variance), accumulating over micro-batches.
+
+    The update is not applied when the loss or the gradient norm is not finite: intake floors
+    logprobs and the loss clamps every ratio, so that should never happen, and if it does
+    (a bug, a shape nobody foresaw) one step's NaN must not reach the weights, the optimizer's
+    moments or the next publish. The caller finds the groups to blame (`non_finite_groups`).
+
+    One group's weight in an applied step is bounded by construction: every token's weight is
+    |A| x min(ratio, RATIO_CAP) (GRPO) or |A| (REINFORCE), |A| <= (K-1)/sqrt(K) for rewards in
+    [0, 1], the loss is a token mean over the step, and the whole gradient is clipped to norm 1.
+    """
+    policy.model.train()
+    opt.zero_grad(set_to_none=True)
+    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        opt.zero_grad(set_to_none=True)
+        policy.model.eval()
+        return StepResult(loss_sum, grad_norm, total_tokens, dict(stats), applied=False)
     crash_point("optimizer_step")
     opt.step()
     policy.model.eval()
     return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
+
+
+def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                      version: int, cfg: TrainerConfig) -> list[ScoredGroup]:
+    """The groups whose own loss or gradient is not finite (one backward pass each; only run
+    after a step was refused, so its cost does not matter). Leaves no gradient behind."""
+    bad = []
+    policy.model.train()
+    for g in groups:
+        policy.model.zero_grad(set_to_none=True)
+        loss, _, _ = _backward(policy, [g], prompt_ids, version, cfg)
+        grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
+        if not math.isfinite(loss) or not all(bool(torch.isfinite(x).all()) for x in grads):
+            bad.append(g)
+    policy.model.zero_grad(set_to_none=True)
+    policy.model.eval()
+    return bad
 
 
 def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
@@ -304,7 +345,8 @@ class Trainer:
         if manifest.dataset.sha256 != file_sha256(self.train_path):
             raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
                                f"{self.train_path}; resume with the same --dataset")
-        folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume")
+        folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume",
+                                  require_model=True)
         self.policy = load_policy(folder, self.device)
         self._make_optimizer()
         self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
@@ -437,6 +479,9 @@ class Trainer:
             t0 = time.time()
             self.ingest.audit_version = None  # the weights in memory are about to move on
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
+            if not result.applied:
+                buffer = self.refuse_step(batch + buffer, batch, result, stats)
+                continue
             steps += 1
             unpublished += 1
             self.steps += 1
@@ -453,6 +498,20 @@ class Trainer:
                 unpublished = 0
         self._finish(unpublished)
         return self.manifest
+
+    def refuse_step(self, waiting: list[ScoredGroup], batch: list[ScoredGroup],
+                     result: StepResult, stats: IngestStats) -> list[ScoredGroup]:
+        """After a step on `batch` with a non-finite loss or gradient was not applied: reject
+        (quarantine, ledger, charge) the shards of the groups to blame, or of the whole batch
+        if no single group is; return the groups of `waiting` from other shards."""
+        bad = non_finite_groups(self.policy, batch, self.prompt_ids, self.version, self.cfg) or batch
+        keys = sorted({g.key for g in bad})
+        self.log(f"warning: step not applied: loss {result.loss}, gradient norm {result.grad_norm}; "
+                 f"rejecting {len(keys)} shard(s)")
+        for key in keys:
+            self.ingest.reject(key, "non_finite", "non_finite: its groups gave a non-finite loss or "
+                               "gradient (the step was not applied)", stats)
+        return [g for g in waiting if g.key not in keys]
 
     def _finish(self, unpublished: int) -> None:
         """After the loop: publish the steps not yet published as the final version, or, if
@@ -521,6 +580,7 @@ class Trainer:
             "ingest/shards": stats.shards, "ingest/groups": stats.groups,
             "ingest/rejected": dict(stats.rejected),
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
+            "ingest/over_cap": stats.over_cap,
             "ingest/by_volunteer": stats.by_volunteer,
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
             **timing,
