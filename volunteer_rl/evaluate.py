@@ -43,13 +43,15 @@ def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: flo
 def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,
                  trust: Trust) -> tuple[Manifest, Policy]:
     """Fetch a published version (the current one if None), check its manifest's signature
-    with `trust`, verify its files against the signed sha256s, load it."""
+    with `trust`, check what its checkpoint holds before downloading it and verify its files
+    against the signed sha256s (fetch_checkpoint), load it (load_policy)."""
     m = read_manifest(storage, version, trust=trust)
     if m is None:
         what = layout.MANIFEST if version is None else layout.manifest_history_key(version)
         raise ManifestError(f"{what}: not found in {storage.uri} (nothing published there?)")
     try:
-        folder = fetch_checkpoint(storage, m, Path(work_dir) / layout.version_dir(m.version))
+        folder = fetch_checkpoint(storage, m, Path(work_dir) / layout.version_dir(m.version),
+                                  require_model=True)
     except StorageError as exc:
         if version is None or not is_missing(exc):
             raise

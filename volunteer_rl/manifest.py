@@ -4,23 +4,30 @@ The trainer writes it only after every object of a version is uploaded and verif
 reader that follows the manifest never meets a half-published checkpoint. Readers go the
 opposite way: manifest first, then the files it names, each checked against its sha256.
 The manifest is signed by the trainer's key (see signing.py) and readers check the signature
-on the bytes they read, against the key they trust, before any sha256 in it is used.
-Schema: docs/PROTOCOL.md.
+on the bytes they read, against the key they trust, before any sha256 in it is used; a reader
+with a high-water mark (volunteers, `vrl eval`) then refuses a current manifest that is behind
+the newest it accepted from the bucket (signing.behind), so an old one put back cannot pin it
+to a dead version. Schema: docs/PROTOCOL.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import layout
-from .signing import Trust, sign
+from .signing import Seen, Trust, sign
 from .storage import NotFound, Storage, StorageError
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; anything near this is not ours
+OLD_MANIFEST_SECONDS = 15 * 60
+"""`vrl status` flags a manifest.json whose `created_at` is older than this: the trainer has
+stopped publishing, or an old manifest was put back. A trainer publishes every few seconds to
+a few minutes; one that publishes less often than this is flagged too (it is a hint)."""
 
 
 class ManifestError(Exception):
@@ -69,6 +76,8 @@ class Manifest:
     manifests of older trainers, which always published float32."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
+    """The trainer's clock when it published this version. Signed like every field; readers
+    order the manifests of different runs on one bucket by it (signing.behind)."""
 
     def to_json(self) -> bytes:
         """Unsigned JSON (what a signature covers is the same object; see to_signed_json)."""
@@ -92,8 +101,10 @@ class Manifest:
             for name in files:
                 if not layout.is_safe_name(name):
                     raise ManifestError(f"{layout.MANIFEST}: unsafe file name {name!r}")
+            if type(raw["version"]) is not int:  # 3.7 or "3" is no version, nor is true
+                raise ValueError(f"version {raw['version']!r} is not an integer")
             m = Manifest(
-                run_id=str(raw["run_id"]), version=int(raw["version"]),
+                run_id=str(raw["run_id"]), version=raw["version"],
                 checkpoint=str(raw["checkpoint"]), files=files,
                 dataset=Dataset(**raw["dataset"]), sampling=Sampling(**raw["sampling"]),
                 max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
@@ -104,8 +115,10 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
-        if m.checkpoint != layout.checkpoint_prefix(m.version) or m.version < 0:
+        if m.version < 0 or m.checkpoint != layout.checkpoint_prefix(m.version):
             raise ManifestError(f"{layout.MANIFEST}: checkpoint {m.checkpoint!r} does not match version {m.version}")
+        if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
+            raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
         return m
 
 
@@ -125,18 +138,23 @@ def decode(data: bytes) -> dict:
 
 
 def _parse(key: str, data: bytes, version: int | None, trust: Trust) -> Manifest:
-    """Decode, check the signature of that very object, then read its fields."""
+    """Decode, check the signature of that very object, read its fields, and (the current
+    manifest only) check it against the reader's high-water mark."""
     try:
         raw = decode(data)
     except ManifestError as exc:
         raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
-    trust.check(raw, key)
+    signed_by = trust.check(raw, key)
     try:
         m = Manifest.from_raw(raw)
     except ManifestError as exc:
         raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
     if version is not None and m.version != version:
         raise ManifestError(f"{key}: holds version {m.version}")
+    if version is None and trust.mark is not None:
+        # manifests/vK.json is history a reader asks for by number (`vrl eval --version K`):
+        # it neither has to beat the mark nor moves it.
+        trust.mark.admit(Seen(m.run_id, m.version, m.created_at), key, record=signed_by is not None)
     return m
 
 
@@ -144,7 +162,8 @@ def read_manifest(storage: Storage, version: int | None = None, *, trust: Trust)
     """The current manifest (or the kept copy of `version`'s), None if there is none yet.
 
     Raises ManifestError (one line, naming the object) if it exists but is not valid, and
-    SignatureError if `trust` does not accept its signature.
+    SignatureError if `trust` does not accept its signature (Rollback if it is the current
+    manifest and behind `trust.mark`).
     """
     key = layout.MANIFEST if version is None else layout.manifest_history_key(version)
     try:

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-WEIGHTS_FILE = "model.safetensors"
+from .checkpoint import VRL_CONFIG, WEIGHTS_FILE, CheckpointRefused, check_model_folder, \
+    read_json_object
+
 WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """What `--weights-dtype` accepts, and the dtype each name publishes."""
 PLAIN_TEMPLATE = "Q: {question}\nA: "
 CHAT_INSTRUCTION = ("Write the arithmetic below as one Python expression. "
                     "Answer with the expression only.\n\n{question}")
-VRL_CONFIG = "vrl.json"  # small side file in every checkpoint: how to prompt this model
+PROMPT_FORMATS = ("plain", "chat")
 
 
 @dataclass
@@ -211,22 +213,31 @@ def weights_writer(model: torch.nn.Module, dtype: torch.dtype):
 
 
 def load_policy(path: str | Path, device: torch.device | str = "cpu") -> Policy:
-    """Load any local Hugging Face causal-LM folder (or a hub id where a hub is reachable)."""
+    """Load a local Hugging Face causal-LM folder: config.json, safetensors weights and the
+    tokenizer's files. `check_model_folder` runs first (CheckpointRefused naming the file,
+    before transformers reads any of it); transformers then loads with remote code off, local
+    files only (a hub id is no folder: refused) and safetensors only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
+    folder = Path(path)
+    check_model_folder(folder)
     device = torch.device(device)
+    local = {"trust_remote_code": False, "local_files_only": True}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **local)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                     use_safetensors=True, **local)
     if tokenizer.pad_token_id is None:  # many chat models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model.config.pad_token_id = tokenizer.pad_token_id
-    side = Path(path) / VRL_CONFIG
+    side = folder / VRL_CONFIG
     if side.is_file():
-        fmt = json.loads(side.read_text()).get("prompt_format", "plain")
+        fmt = read_json_object(side).get("prompt_format", "plain")
+        if fmt not in PROMPT_FORMATS:
+            raise CheckpointRefused(f"{side}: prompt_format {fmt!r:.40} is not plain or chat")
     else:
         fmt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
     model.to(device)
@@ -240,7 +251,11 @@ def load_weights(policy: Policy, source) -> None:
     from checkpoint.fetch_weights): each tensor is copied straight from those bytes into the
     model's own tensor, cast to its dtype (bf16 weights into an fp32 model are upcast
     exactly), with no intermediate state dict. A tied lm_head is saved once under the
-    embedding's name, so it may be missing here."""
+    embedding's name, so it may be missing here. Every tensor's shape and byte range is
+    checked before the first one is copied: weights that do not fit (ValueError) leave the
+    model as it was."""
+    import math
+
     import numpy as np
 
     if isinstance(source, (str, Path)):
@@ -255,7 +270,7 @@ def load_weights(policy: Policy, source) -> None:
         header.pop("__metadata__", None)
         header = {k: (_ST_TORCH[v["dtype"]], [int(d) for d in v["shape"]],
                       [int(o) for o in v["data_offsets"]]) for k, v in header.items()}
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(f"{name}: not a safetensors file ({type(exc).__name__}: {exc})") from None
     targets = policy.model.state_dict()
     tied = {"lm_head.weight"} if policy.model.config.tie_word_embeddings else set()
@@ -265,17 +280,18 @@ def load_weights(policy: Policy, source) -> None:
         raise ValueError(f"{name}: weights do not fit the model "
                          f"(missing {sorted(missing)[:3]}, unexpected {unexpected[:3]})")
     base = 8 + n
+    for key, (dtype, shape, (begin, end)) in header.items():
+        target = targets[key]
+        if list(target.shape) != shape or end - begin != math.prod(shape) * dtype.itemsize \
+                or begin < 0 or base + end > len(buf):
+            raise ValueError(f"{name}: {key} has shape {shape} (bytes {begin}-{end}), "
+                             f"the model {list(target.shape)}")
     with torch.no_grad():
         for key, (dtype, shape, (begin, end)) in header.items():
-            target = targets[key]
-            count = int(np.prod(shape)) if shape else 1
-            if list(target.shape) != shape or end - begin != count * dtype.itemsize \
-                    or base + end > len(buf):
-                raise ValueError(f"{name}: {key} has shape {shape} (bytes {begin}-{end}), "
-                                 f"the model {list(target.shape)}")
+            count = math.prod(shape)
             src = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count \
                 else torch.empty(0, dtype=dtype)
-            target.copy_(src.view(shape))
+            targets[key].copy_(src.view(shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,11 @@ signature over anything else. Verification parses the bytes read once and checks
 object the reader goes on to use, so there is no second parse that could disagree.
 
 Keys travel as short text: `ed25519:<base64 of the 32-byte public key>`.
+
+A signature says who wrote a manifest, not that it is the newest: every `manifests/vN.json`
+of the bucket is a validly signed manifest that anyone able to write `manifest.json` could put
+back. So readers also keep a high-water mark per bucket (`HighWater`) and refuse anything
+behind it (`behind`: the rule is there).
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import os
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -36,8 +44,9 @@ TRUST_KEY_ENV = "VRL_TRUST_KEY"
 
 
 class SignatureError(Exception):
-    """A manifest is unsigned, its signature does not verify, or it is signed by a key the
-    reader does not trust. The message is one line naming the object."""
+    """A manifest is unsigned, its signature does not verify, it is signed by a key the
+    reader does not trust, or it is validly signed but older than one the reader already
+    accepted (Rollback). The message is one line naming the object."""
 
 
 class Unsigned(SignatureError):
@@ -47,6 +56,13 @@ class Unsigned(SignatureError):
 class ForeignKey(SignatureError):
     """The signature is valid but made by another key than the trusted one: another trainer
     (or someone else) wrote this manifest."""
+
+
+class Rollback(SignatureError):
+    """Validly signed by the trusted key, but behind the newest manifest this reader already
+    accepted from the bucket: an old manifest (or one of an older run) put back. Unlike the
+    other refusals it is never fatal to a volunteer: the bucket's trainer is the right one,
+    the bucket is just not showing us its newest version."""
 
 
 class KeyFileError(ValueError):
@@ -210,12 +226,16 @@ class Trust:
 
     def __init__(self, key: str | None = None, allow_unsigned: bool = False,
                  on_pin: Callable[[str], None] | None = None, origin: str = "--trust-key",
-                 hint: str = ""):
+                 hint: str = "", mark: HighWater | None = None):
         self.key = normalize_public_key(key, origin) if key else None
         self.allow_unsigned = allow_unsigned
         self.on_pin = on_pin
         self.origin = origin
         self.hint = hint
+        self.mark = mark
+        """The reader's high-water mark for this bucket: the current manifest it reads must
+        not be behind it (manifest.py checks; reader_trust gives volunteers and `vrl eval`
+        one, the trainer and `vrl gc` read without)."""
 
     def check(self, obj: dict, where: str) -> str | None:
         """The signer of `obj` if this reader trusts it (None: unsigned and allowed).
@@ -269,6 +289,149 @@ class PinFile:
             tmp.unlink(missing_ok=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# No going back: the newest manifest a reader accepted from a bucket.
+#
+# What orders manifests is in the signed bytes already. `run_id` is made fresh (a clock and 24
+# random bits) when a trainer starts on a bucket that has no manifest, and every resume keeps
+# it: it is the random id of the bucket's current history, it survives copying the bucket, and
+# unlike the bucket's URI it does not depend on how each machine names the bucket (a folder
+# mounted at two paths, s3:// with and without --endpoint-url). Within a run `version` orders
+# manifests (a version number is never reused). Between runs `created_at`, the trainer's clock
+# at publish, does: runs on one bucket follow one another (a run starts only where there is no
+# manifest.json, and the manifest is a compare-and-swap), so every manifest of an earlier run
+# was signed before the first one of a later run.
+
+@dataclass(frozen=True)
+class Seen:
+    """A manifest's place in its bucket's history: all a high-water mark keeps of it."""
+
+    run_id: str
+    version: int
+    created_at: float
+
+    def __str__(self) -> str:
+        return f"v{self.version} of {self.run_id}"
+
+    def to_json(self) -> dict:
+        return {"run_id": self.run_id, "version": self.version, "created_at": self.created_at}
+
+    @staticmethod
+    def from_json(obj, where: str) -> "Seen":
+        """The mark of a decoded JSON entry; KeyFileError naming `where` if it is not one."""
+        ok = (isinstance(obj, dict) and isinstance(obj.get("run_id"), str) and obj["run_id"]
+              and type(obj.get("version")) is int and obj["version"] >= 0
+              and type(obj.get("created_at")) in (int, float) and math.isfinite(obj["created_at"]))
+        if not ok:
+            raise KeyFileError(f"{where}: not a mark of run_id, version (an integer >= 0) and "
+                               "created_at (a finite number); fix or delete it")
+        return Seen(obj["run_id"], obj["version"], float(obj["created_at"]))
+
+
+def behind(m: Seen, mark: Seen) -> bool:
+    """The ordering rule: must a reader whose newest accepted manifest is `mark` refuse `m`?
+
+    The same run: yes if `m` has a lower version (the same version is the manifest it has).
+    Another run: yes unless `m` was signed strictly later than `mark`; a new run on a reset
+    bucket is, a replayed manifest of an older run is not. Times are only ever compared with
+    times the trainer signed, never with the reader's clock, which on a volunteer's laptop may
+    be anything."""
+    if m.run_id == mark.run_id:
+        return m.version < mark.version
+    return not (math.isfinite(m.created_at) and m.created_at > mark.created_at)
+
+
+def _when(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds: say it as it is
+        return repr(t)
+
+
+MARK_FILE = "newest-manifests.json"
+
+
+class HighWater:
+    """The newest manifest a reader has accepted from one bucket, in memory and on disk.
+
+    On disk it is one JSON object {bucket: {run_id, version, created_at}} in
+    <work_dir>/newest-manifests.json, next to the pinned keys and filed under the same bucket
+    names, so a restarted volunteer (or the next `vrl eval`) still refuses what it refused
+    before. It is written (temp file, fsync, rename) each time the mark moves: at most once per
+    new version the reader sees. A write that fails is a warning, once: the mark in memory
+    still holds for this process. Processes sharing a work dir merge their marks (the newer
+    stays); two writing at the same instant may lose the newer one until its next write.
+    """
+
+    def __init__(self, path: str | os.PathLike, bucket: str, log: Callable[[str], None] = print):
+        self.path = Path(path).expanduser()
+        self.bucket = bucket
+        self.log = log
+        self.seen: Seen | None = self._load().get(bucket)
+        self._write_error: str | None = None
+
+    def _load(self) -> dict[str, Seen]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise KeyFileError(f"{self.path}: unreadable mark file ({exc}); fix or delete it") from None
+        if not isinstance(data, dict):
+            raise KeyFileError(f"{self.path}: not a JSON object of bucket: mark; fix or delete it")
+        return {bucket: Seen.from_json(entry, f"{self.path}: {bucket}") for bucket, entry in data.items()}
+
+    def admit(self, m: Seen, where: str, record: bool = True) -> None:
+        """Raise Rollback (one line naming `where` and both manifests) if `m` is behind the
+        mark; else move the mark to `m` if `record`. Only signed manifests are recorded: an
+        unsigned one (passed by --allow-unsigned) proves nothing, and recording its version
+        10**18 would refuse the real run for good."""
+        if self.seen is not None and behind(m, self.seen):
+            raise Rollback(self._refusal(m, where))
+        if not record or not math.isfinite(m.created_at):
+            return
+        if self.seen is None or (m.run_id, m.version) != (self.seen.run_id, self.seen.version):
+            self.seen = m
+            self._save()
+
+    def _refusal(self, m: Seen, where: str) -> str:
+        mark = self.seen
+        if m.run_id == mark.run_id:
+            return (f"{where}: v{m.version} of {m.run_id} is older than v{mark.version}, already "
+                    "accepted from this bucket (an old manifest put back?)")
+        return (f"{where}: {m}, signed {_when(m.created_at)}, is not newer than {mark}, signed "
+                f"{_when(mark.created_at)} and already accepted from this bucket (an older run's "
+                f"manifest put back? if it is a new run whose trainer's clock is behind, delete "
+                f"{self.bucket!r} from {self.path})")
+
+    def _save(self) -> None:
+        tmp = self.path.parent / f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            marks = self._load()
+            theirs = marks.get(self.bucket)
+            if theirs is not None and behind(self.seen, theirs):
+                self.seen = theirs  # another reader sharing this work dir got further
+                return
+            marks[self.bucket] = self.seen
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump({b: s.to_json() for b, s in sorted(marks.items())}, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())  # the rename must never publish an empty file
+            os.replace(tmp, self.path)
+        except (OSError, KeyFileError) as exc:
+            why = str(exc) if isinstance(exc, KeyFileError) else f"{self.path}: {exc.strerror or exc}"
+            if why != self._write_error:
+                self.log(f"warning: cannot record {self.seen} as the newest manifest of "
+                         f"{self.bucket} ({why}); a restart will not remember it")
+            self._write_error = why
+            return
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._write_error = None
+
+
 PIN_FILE = "trusted-keys.json"
 
 
@@ -282,21 +445,23 @@ def reader_trust(uri: str, endpoint_url: str | None, work_dir: str | os.PathLike
                  trust_key: str | None, allow_unsigned: bool, log: Callable[[str], None]) -> Trust:
     """The Trust of a volunteer or `vrl eval` for a bucket: the operator's key if given
     (`--trust-key`, else $VRL_TRUST_KEY), else the key pinned for this bucket in
-    <work_dir>/trusted-keys.json, else trust on first use (pinned and printed once)."""
+    <work_dir>/trusted-keys.json, else trust on first use (pinned and printed once). Whichever,
+    it carries the reader's high-water mark for the bucket (<work_dir>/newest-manifests.json)."""
     given = resolve_trust_key(trust_key or os.environ.get(TRUST_KEY_ENV))
-    if given:
-        return Trust(given, allow_unsigned)
     bucket = bucket_identity(uri, endpoint_url)
+    mark = HighWater(Path(work_dir) / MARK_FILE, bucket, log)
+    if given:
+        return Trust(given, allow_unsigned, mark=mark)
     pins = PinFile(Path(work_dir) / PIN_FILE)
     pinned = pins.get(bucket)
     if pinned:
-        return Trust(pinned, allow_unsigned, origin=_pin_origin(pins), hint=PIN_HINT)
+        return Trust(pinned, allow_unsigned, origin=_pin_origin(pins), hint=PIN_HINT, mark=mark)
 
     def on_pin(key: str) -> None:
         pins.pin(bucket, key)
         log(f"trusting manifest signing key {key} for {bucket} from now on (first use; "
             f"pinned in {pins.path})")
-    return Trust(None, allow_unsigned, on_pin, origin=_pin_origin(pins), hint=PIN_HINT)
+    return Trust(None, allow_unsigned, on_pin, origin=_pin_origin(pins), hint=PIN_HINT, mark=mark)
 
 
 def _pin_origin(pins: PinFile) -> str:

@@ -8,7 +8,11 @@ overwritten every --heartbeat-seconds from a thread of its own (heartbeat.py).
 
 A manifest whose signature it does not accept is fatal before the first one was accepted (a
 volunteer must not work for a foreign trainer) and, later, refused with a warning while it
-keeps polling: it never loads what such a manifest names.
+keeps polling: it never loads what such a manifest names. A validly signed manifest that is
+behind the newest one it accepted from the bucket (a lower version of the run, or an older
+run: signing.behind), remembered across restarts in <work_dir>/newest-manifests.json, is
+refused the same way but is never fatal: the trainer is the right one, someone just put an
+old manifest back, and the volunteer keeps the version it holds.
 """
 
 from __future__ import annotations
@@ -27,20 +31,19 @@ from typing import Callable
 import torch
 
 from . import layout
-from .checkpoint import CheckpointError, fetch_checkpoint, fetch_weights, sha256_bytes
+from .checkpoint import (WEIGHTS_FILE, CheckpointError, CheckpointRefused, fetch_checkpoint,
+                         fetch_weights, sha256_bytes)
 from .config import VolunteerConfig
 from .curriculum import PromptPicker
 from .heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from .manifest import Manifest, ManifestError, poll_manifest
-from .policy import (WEIGHTS_FILE, Policy, encode_prompts, load_policy, load_weights,
-                     pick_device, sample, set_sampling_threads)
+from .policy import (Policy, encode_prompts, load_policy, load_weights, pick_device, sample,
+                     set_sampling_threads)
 from .retention import is_missing
 from .shards import Completion, Group, encode_shard, new_shard_name
-from .signing import SignatureError, reader_trust
+from .signing import Rollback, SignatureError, reader_trust
 from .storage import Storage, StorageError, open_storage
 from .task import DatasetError, Problem, load_csv, reward
-
-WEIGHTS = WEIGHTS_FILE
 
 
 def default_volunteer_id() -> str:
@@ -55,8 +58,9 @@ def swap_weights(storage: Storage, m: Manifest, policy: Policy,
 
     Returns the buffer they were read into; hand it back as `reuse` next time so the next
     version lands in memory that is already mapped (the volunteer keeps one such buffer, the
-    size of the weights file, for as long as it runs)."""
-    buf = fetch_weights(storage, m, WEIGHTS, reuse)
+    size of the weights file, for as long as it runs). fetch_weights checks the checkpoint
+    first (CheckpointRefused: weights of another size than config.json describes)."""
+    buf = fetch_weights(storage, m, WEIGHTS_FILE, reuse)
     load_weights(policy, buf)
     return buf
 
@@ -140,6 +144,14 @@ class Volunteer:
         """The newest manifest (the one already held when unchanged); None if none is readable."""
         try:
             m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
+        except Rollback as exc:
+            # As for an unreadable manifest: keep what we hold (generating for the grace
+            # period), never load what this one names, and read it in full again next time
+            # (an etag kept here would make its 304s look like a fresh manifest).
+            self.manifest_etag = None
+            keeping = f"; keeping v{self.manifest.version}" if self.manifest is not None else ""
+            self._warn("manifest", f"{exc}; refused (nothing it names is loaded){keeping}, still polling")
+            return None
         except SignatureError as exc:
             if self.latest is None:
                 raise  # never accepted one: this bucket's trainer is not the one we trust
@@ -173,19 +185,26 @@ class Volunteer:
         The swap reads the weights into memory, checks their sha256, and only then copies
         them into the model (`swap_weights`); nothing is written to disk. Weights published
         in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
-        computes in fp32 with the bf16-rounded values, as the trainer's audit does."""
+        computes in fp32 with the bf16-rounded values, as the trainer's audit does.
+
+        Either way the checkpoint is checked before any of it is downloaded (its file names,
+        config.json, the weights' size: checkpoint.check_checkpoint) and a full load checks
+        the folder again (load_policy). Nothing changes until the new version has loaded: on
+        any error the volunteer keeps the model, dataset and manifest it holds."""
         old = self.manifest
         same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
-                      and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS))
+                      and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS_FILE))
         folder = self.work / "checkpoint"
         if same_shape:
             self.weights_buffer = swap_weights(self.storage, m, self.policy, self.weights_buffer)
         else:
-            if old is None or old.dataset != m.dataset:
-                self.problems = self._load_dataset(m)
-                self.picker = PromptPicker(self.problems, self.rng, self.cfg.curriculum)
-            fetch_checkpoint(self.storage, m, folder)
+            fetch_checkpoint(self.storage, m, folder, require_model=True)
+            new_data = old is None or old.dataset != m.dataset
+            problems = self._load_dataset(m) if new_data else self.problems
             self.policy = load_policy(folder, self.device)
+            if new_data:
+                self.problems = problems
+                self.picker = PromptPicker(problems, self.rng, self.cfg.curriculum)
             self.policy.model.eval()
             threads = set_sampling_threads(self.policy, self.cfg.threads)
             if threads != self.threads:
@@ -216,11 +235,16 @@ class Volunteer:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
 
         A checkpoint that is gone was removed by retention after we read its manifest (the
-        trainer has moved on): read the manifest again and go where it points now."""
+        trainer has moved on): read the manifest again and go where it points now. A refused
+        one (CheckpointRefused: a file no checkpoint may hold, a config asking for code or
+        out of bounds) is like any bad checkpoint once a model is loaded; before that it is
+        fatal: the bucket names nothing this volunteer will ever load."""
         while True:
             try:
                 self._switch(m)
             except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+                if isinstance(exc, CheckpointRefused) and self.policy is None:
+                    raise
                 now = self._moved_on(m) if is_missing(exc) else None
                 if now is None:
                     self._warn("switch", f"cannot load v{m.version}: {exc}; will retry")
@@ -286,6 +310,9 @@ class Volunteer:
         self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
         if self.trust.key:
             self.log(f"manifests must be signed by {self.trust.key} ({self.trust.origin})")
+        if self.trust.mark is not None and self.trust.mark.seen is not None:
+            self.log(f"refusing manifests behind {self.trust.mark.seen}, the newest seen from this "
+                     f"bucket ({self.trust.mark.path})")
         writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log,
                              on_upload=lambda n: self.tally.uploaded(n, time.time()))
         self.heartbeat.start()
