@@ -124,11 +124,108 @@ def test_templatefile_calls_pass_exactly_the_template_variables(module):
         assert policy_template.template_variables(text) == passed, path
 
 
+# Statements of the AWS templates that MinIO's policy engine cannot express: it knows neither
+# s3:if-none-match nor s3:ObjectCreationOperation (minio/pkg, policy/condition/keyname.go) and
+# refuses a policy that names a condition key it does not know for the action.
+AWS_ONLY_STATEMENTS = {"volunteer.json.tftpl": {"DenyRolloutWritesWithoutIfNoneMatch"}, "trainer.json.tftpl": set()}
+
+
 def test_minio_policies_are_the_tested_aws_policies():
-    for name in ("volunteer.json.tftpl", "trainer.json.tftpl"):
-        aws = (TERRAFORM / "aws" / "policies" / name).read_bytes()
-        minio = (TERRAFORM / "minio" / "policies" / name).read_bytes()
-        assert minio == aws, f"terraform/minio/policies/{name} drifted from the AWS one"
+    """The MinIO templates are the AWS ones, statement for statement in the same order, minus
+    exactly AWS_ONLY_STATEMENTS; a template without any is a byte-for-byte copy."""
+    for name, aws_only in AWS_ONLY_STATEMENTS.items():
+        aws_text = (TERRAFORM / "aws" / "policies" / name).read_text(encoding="utf-8")
+        minio_text = (TERRAFORM / "minio" / "policies" / name).read_text(encoding="utf-8")
+        if not aws_only:
+            assert minio_text == aws_text, f"terraform/minio/policies/{name} drifted from the AWS one"
+            continue
+        aws, minio = json.loads(aws_text), json.loads(minio_text)  # `${...}` sits inside strings
+        assert aws_only <= {s["Sid"] for s in aws["Statement"]}, name
+        expected = {**aws, "Statement": [s for s in aws["Statement"] if s["Sid"] not in aws_only]}
+        assert minio == expected, f"terraform/minio/policies/{name} drifted from the AWS one"
+
+
+# Condition keys each provider evaluates for each action the templates put a Condition on, and
+# the operators used with them. AWS: the Service Authorization Reference for Amazon S3 and the
+# S3 guide's "Enforce conditional writes". MinIO: IAMActionConditionKeyMap in minio/pkg
+# policy/action.go (MinIO refuses a policy with any other key for the action). A condition that
+# a provider ignored would silently grant or deny nothing, so a new key must be added here on
+# evidence, with a test of its effect in tests/test_iam_policy.py.
+CONDITION_KEYS = {
+    "aws": {
+        "s3:PutObject": {
+            "s3:if-none-match",
+            "s3:ObjectCreationOperation",
+            "s3:x-amz-storage-class",
+            "s3:x-amz-server-side-encryption-customer-algorithm",
+        },
+        "s3:ListBucket": {"s3:prefix"},
+        "s3:ListBucketVersions": {"s3:prefix"},
+    },
+    "minio": {
+        "s3:PutObject": {"s3:x-amz-storage-class", "s3:x-amz-server-side-encryption-customer-algorithm"},
+        "s3:ListBucket": {"s3:prefix"},
+        "s3:ListBucketVersions": {"s3:prefix"},
+    },
+}
+CONDITION_OPERATORS = {"Null", "Bool", "StringLike", "StringNotEquals"}
+
+
+@pytest.mark.parametrize("module", ("aws", "minio"))
+def test_conditions_use_only_keys_the_provider_evaluates(module):
+    seen = set()
+    for name in AWS_ONLY_STATEMENTS:
+        policy = json.loads((TERRAFORM / module / "policies" / name).read_text(encoding="utf-8"))
+        for s in policy["Statement"]:
+            for operator, keys in s.get("Condition", {}).items():
+                assert operator in CONDITION_OPERATORS, (name, s["Sid"], operator)
+                for action in s["Action"]:
+                    assert set(keys) <= CONDITION_KEYS[module][action], (name, s["Sid"], action)
+                seen |= set(keys)
+    # Every key listed is in use: the table above is what the templates rely on, not a wish list.
+    assert seen == set().union(*CONDITION_KEYS[module].values())
+
+
+# What IAM lets each kind of policy hold, in characters other than white space, for the sum of
+# a user's (group's, role's) inline policies or for one managed policy (AWS: "IAM and AWS STS
+# quotas"). moto does not check them, so nothing but this test would notice before `apply`.
+IAM_POLICY_QUOTA = {
+    "aws_iam_user_policy": 2048,
+    "aws_iam_group_policy": 5120,
+    "aws_iam_role_policy": 10240,
+    "aws_iam_policy": 6144,
+}
+
+
+def _holder_of(template: str) -> str:
+    """The resource type of terraform/aws that holds the rendered `template`, directly or
+    through a local."""
+    text = (TERRAFORM / "aws" / "main.tf").read_text(encoding="utf-8")
+    call = f'templatefile("${{path.module}}/policies/{template}"'
+    names = [call] + [f"local.{n}" for n in re.findall(rf"^  (\w+) = {re.escape(call)}", text, flags=re.M)]
+    blocks = re.findall(r'^resource "(\w+)" "\w+" \{(.*?)^\}', text, flags=re.M | re.S)
+    holders = {kind for kind, body in blocks if any(n in body for n in names)}
+    assert len(holders) == 1, (template, holders)
+    return holders.pop()
+
+
+def test_aws_policies_fit_the_iam_size_quota():
+    """The longest inputs the module's validations let through: a 63-character bucket name,
+    the longest key prefix and the longest volunteer name."""
+    variables = (TERRAFORM / "aws" / "variables.tf").read_text(encoding="utf-8")
+    prefix_cap = int(re.search(r"length\(var\.key_prefix\) <= (\d+)", variables).group(1))
+    assert "{0,18}" in variables  # volunteer names: 20 characters at most
+    longest = {
+        "bucket_arn": "arn:aws:s3:::" + "b" * 63,
+        "key_prefix": "p" * (prefix_cap - 1) + "/",
+        "volunteer_id": "v" * 20,
+    }
+    for template in ("volunteer.json.tftpl", "trainer.json.tftpl"):
+        text = (TERRAFORM / "aws" / "policies" / template).read_text(encoding="utf-8")
+        wanted = {k: v for k, v in longest.items() if k in policy_template.template_variables(text)}
+        size = len(re.sub(r"\s", "", policy_template.render(text, wanted)))
+        quota = IAM_POLICY_QUOTA[_holder_of(template)]
+        assert size <= quota, f"{template}: {size} characters, {_holder_of(template)} holds {quota}"
 
 
 def test_outputs_named_in_deploy_doc_exist():
@@ -214,23 +311,72 @@ def test_volunteer_policy_renders(module, key_prefix):
         if s["Effect"] == "Allow":
             allowed_actions |= set(s["Action"])
             assert all(r.startswith(objects) for r in s["Resource"])
+            assert "Condition" not in s  # every grant is unconditional; conditions only deny
     # No listing (not even of its own prefix), no delete, no bucket-level rights at all.
     assert allowed_actions == {"s3:GetObject", "s3:GetObjectVersion", "s3:PutObject", "s3:AbortMultipartUpload"}
 
+    # Uploads: the standard storage class only, no customer-provided keys, anywhere.
+    assert statements["DenyStorageClassesOtherThanStandard"] == {
+        "Sid": "DenyStorageClassesOtherThanStandard",
+        "Effect": "Deny",
+        "Action": ["s3:PutObject"],
+        "Resource": [f"{BUCKET_ARN}/*"],
+        "Condition": {
+            "Null": {"s3:x-amz-storage-class": "false"},
+            "StringNotEquals": {"s3:x-amz-storage-class": "STANDARD"},
+        },
+    }
+    assert statements["DenyCustomerProvidedKeys"] == {
+        "Sid": "DenyCustomerProvidedKeys",
+        "Effect": "Deny",
+        "Action": ["s3:PutObject"],
+        "Resource": [f"{BUCKET_ARN}/*"],
+        "Condition": {"Null": {"s3:x-amz-server-side-encryption-customer-algorithm": "false"}},
+    }
+    # Shards create-only where the provider evaluates s3:if-none-match (AWS, not MinIO); the
+    # heartbeat under volunteers/ stays overwritable.
+    create_only = statements.get("DenyRolloutWritesWithoutIfNoneMatch")
+    if module == "minio":
+        assert create_only is None
+    else:
+        assert create_only == {
+            "Sid": "DenyRolloutWritesWithoutIfNoneMatch",
+            "Effect": "Deny",
+            "Action": ["s3:PutObject"],
+            "Resource": [f"{objects}rollouts/*"],
+            "Condition": {
+                "Null": {"s3:if-none-match": "true"},
+                "Bool": {"s3:ObjectCreationOperation": "true"},
+            },
+        }
+
 
 @pytest.mark.parametrize("module", ("aws", "minio"))
-def test_trainer_policy_renders(module):
+@pytest.mark.parametrize("key_prefix", ["", "runs/calc/"])
+def test_trainer_policy_renders(module, key_prefix):
     policy = policy_template.render_policy(
-        TERRAFORM / module / "policies" / "trainer.json.tftpl", bucket_arn=BUCKET_ARN, key_prefix="runs/calc/"
+        TERRAFORM / module / "policies" / "trainer.json.tftpl", bucket_arn=BUCKET_ARN, key_prefix=key_prefix
     )
     statements = _statements(policy)
-    bucket_level = statements["InspectAndListBucket"]
-    assert bucket_level["Resource"] == [BUCKET_ARN]
-    assert "s3:ListBucket" in bucket_level["Action"]
-    objects = statements["ReadWriteRunObjects"]
-    assert objects["Resource"] == [f"{BUCKET_ARN}/runs/calc/*"]
-    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= set(objects["Action"])
     assert all(s["Effect"] == "Allow" for s in statements.values())
+    objects = statements["ReadWriteRunObjects"]
+    assert objects["Resource"] == [f"{BUCKET_ARN}/{key_prefix}*"]
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= set(objects["Action"])
+    assert "Condition" not in objects
+
+    # Listing only under the run's own prefixes: every statement that grants a list action
+    # carries an s3:prefix condition whose patterns all sit under the key prefix.
+    listing = {sid: s for sid, s in statements.items() if any(a.startswith("s3:ListBucket") for a in s["Action"])}
+    assert set(listing) == {"ListRunPrefixes", "NotFoundForMissingRunObjects"}
+    for sid, s in listing.items():
+        assert s["Resource"] == [BUCKET_ARN], sid
+        assert list(s["Condition"]) == ["StringLike"] and list(s["Condition"]["StringLike"]) == ["s3:prefix"], sid
+        patterns = s["Condition"]["StringLike"]["s3:prefix"]
+        # No pattern may start with a wildcard or be the bare prefix: either would list the run
+        # (or, with an empty key prefix, the bucket) whole.
+        assert all(p.startswith(key_prefix) and len(p) > len(key_prefix) and p[len(key_prefix)] != "*" for p in patterns), sid
+    assert set(statements["NotFoundForMissingRunObjects"]["Action"]) == {"s3:ListBucket"}
+    assert set(statements["InspectBucket"]["Action"]) == {"s3:GetBucketLocation", "s3:GetBucketVersioning"}
 
 
 @pytest.mark.skipif(TERRAFORM_BIN is None, reason="terraform is not on PATH")

@@ -185,17 +185,28 @@ resource "aws_iam_user" "volunteer" {
   tags = { "volunteer_id" = each.key }
 }
 
-resource "aws_iam_user_policy" "volunteer" {
-  #checkov:skip=CKV_AWS_40:The policy is different for every volunteer (its own rollouts/ and heartbeat keys), so it cannot be shared through a group.
+# A managed policy per volunteer, not an inline one: IAM caps a user's inline policies at 2,048
+# characters in all, which the volunteer policy outgrows; a managed policy may hold 6,144
+# (tests/test_terraform.py checks the rendered size against the quota of what holds it).
+resource "aws_iam_policy" "volunteer" {
   for_each = var.volunteers
 
-  name = "${var.name_prefix}-volunteer-bucket-access"
-  user = aws_iam_user.volunteer[each.key].name
+  name        = "${var.name_prefix}-volunteer-${each.key}"
+  path        = "/volunteer-rl/volunteers/"
+  description = "volunteer_rl: bucket access of volunteer ${each.key}"
   policy = templatefile("${path.module}/policies/volunteer.json.tftpl", {
     bucket_arn   = local.bucket_arn
     key_prefix   = var.key_prefix
     volunteer_id = each.key
   })
+}
+
+resource "aws_iam_user_policy_attachment" "volunteer" {
+  #checkov:skip=CKV_AWS_40:The policy is different for every volunteer (its own rollouts/ and heartbeat keys), so it cannot be shared through a group.
+  for_each = var.volunteers
+
+  user       = aws_iam_user.volunteer[each.key].name
+  policy_arn = aws_iam_policy.volunteer[each.key].arn
 }
 
 resource "aws_iam_access_key" "volunteer" {

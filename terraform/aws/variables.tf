@@ -23,6 +23,12 @@ variable "key_prefix" {
     condition     = var.key_prefix == "" || can(regex("^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*/$", var.key_prefix))
     error_message = "key_prefix must be empty or look like \"a/b/\": no leading slash, a trailing slash, no wildcards."
   }
+
+  # The policies repeat the prefix (the trainer's some 17 times) and IAM caps a policy's size.
+  validation {
+    condition     = length(var.key_prefix) <= 200
+    error_message = "key_prefix must be at most 200 characters."
+  }
 }
 
 variable "name_prefix" {

@@ -1,7 +1,9 @@
 # The rendezvous bucket of one volunteer_rl run on a self-hosted MinIO, a trainer user and
-# one user per volunteer. MinIO speaks the S3 policy language, so the policies are the same
-# JSON templates as the AWS module's (tests/test_terraform.py checks that they stay equal,
-# tests/test_iam_policy.py checks their effect against an S3 server with IAM enforcement).
+# one user per volunteer. MinIO speaks the S3 policy language, so the policies are the AWS
+# module's JSON templates minus the one statement MinIO cannot express: it has no
+# s3:if-none-match condition key, so shards are not create-only here (docs/DEPLOY.md).
+# tests/test_terraform.py checks that they differ by exactly that, tests/test_iam_policy.py
+# checks their effect against an S3 server with IAM enforcement.
 
 locals {
   bucket_arn = "arn:aws:s3:::${minio_s3_bucket.run.bucket}"
