@@ -7,7 +7,8 @@ Each benchmark runs alone (one after the other, never two at once: they measure 
 the command that reproduces each row go into one Markdown table (and the rows into
 docs/PERFORMANCE.json, so that `--only` reruns some benchmarks and keeps the others' rows). A
 benchmark that fails is named in the file with its exit code, and the others still run. `--quick` checks the code
-with small sizes; its figures mean little and the file says so.
+with small sizes; its figures mean little and the file says so. Sections people wrote below
+the generated part (any `## ` heading after "## Reproduce each row") are kept as they are.
 """
 
 from __future__ import annotations
@@ -48,7 +49,27 @@ def fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
-def render(results: dict[str, tuple[list[Row], str | None, float]], quick: bool) -> str:
+REPRODUCE = "## Reproduce each row"
+
+
+def written_notes(out: Path) -> str:
+    """The hand-written sections of the existing file: from the first `## ` heading after the
+    generated "Reproduce each row" section to the end ('' if none)."""
+    try:
+        lines = out.read_text().splitlines(keepends=True)
+    except OSError:
+        return ""
+    seen = False
+    for i, line in enumerate(lines):
+        if line.rstrip() == REPRODUCE:
+            seen = True
+        elif seen and line.startswith("## "):
+            return "".join(lines[i:])
+    return ""
+
+
+def render(results: dict[str, tuple[list[Row], str | None, float]], quick: bool,
+           dates: dict[str, str] | None = None) -> str:
     facts = machine()
     lines = [
         "# Performance",
@@ -71,9 +92,10 @@ def render(results: dict[str, tuple[list[Row], str | None, float]], quick: bool)
             met = "-" if r.met is None else ("yes" if r.met else "**no**")
             lines.append(f"| {r.benchmark} | {r.measure} | {fmt(r.vrl)} | {fmt(r.baseline)} | "
                          f"{r.ratio:.2f} | {r.goal} | {met} | {r.note} |")
+        when = f", {dates[name]}" if dates and dates.get(name) else ""
         commands.append(f"- `{rows[0].command if rows else 'python -m bench.' + name}` "
-                        f"({name}, {seconds:.0f} s here)")
-    lines += ["", "## Reproduce each row", "", *commands, "",
+                        f"({name}, {seconds:.0f} s here{when})")
+    lines += ["", REPRODUCE, "", *commands, "",
               "Run them on an otherwise idle machine: the figures are wall-clock rates on shared cores.", ""]
     return "\n".join(lines)
 
@@ -83,16 +105,19 @@ def rows_file(out: Path) -> Path:
     return out.with_suffix(".json")
 
 
-def kept(out: Path, redone: list[str], quick: bool) -> dict[str, tuple[list[Row], str | None, float]]:
-    """Results of the benchmarks not being rerun, from the last run of the same size."""
+def kept(out: Path, redone: list[str], quick: bool) -> tuple[dict[str, tuple[list[Row], str | None, float]],
+                                                              dict[str, str]]:
+    """Results of the benchmarks not being rerun, from the last run of the same size, and the
+    dates they were measured on (where the file says)."""
     try:
         old = json.loads(rows_file(out).read_text())
     except (OSError, ValueError):
-        return {}
+        return {}, {}
     if old.get("quick") != quick:
-        return {}
-    return {name: ([Row(**r) for r in b["rows"]], b["error"], b["seconds"])
-            for name, b in old["benchmarks"].items() if name in BENCHMARKS and name not in redone}
+        return {}, {}
+    keep = {name: b for name, b in old["benchmarks"].items() if name in BENCHMARKS and name not in redone}
+    return ({name: ([Row(**r) for r in b["rows"]], b["error"], b["seconds"]) for name, b in keep.items()},
+            {name: b["date"] for name, b in keep.items() if b.get("date")})
 
 
 def main() -> int:
@@ -106,12 +131,15 @@ def main() -> int:
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {', '.join(unknown)}")
     fresh = {name: run_one(name, args.quick) for name in names}
-    results = {**kept(Path(args.out), names, args.quick), **fresh}
+    old, dates = kept(Path(args.out), names, args.quick)
+    dates.update({name: time.strftime("%Y-%m-%d") for name in fresh})
+    results = {**old, **fresh}
     results = {name: results[name] for name in BENCHMARKS if name in results}
-    Path(args.out).write_text(render(results, args.quick))
+    notes = written_notes(Path(args.out))
+    Path(args.out).write_text(render(results, args.quick, dates) + ("\n" + notes if notes else ""))
     rows_file(Path(args.out)).write_text(json.dumps(
         {"quick": args.quick, "benchmarks": {name: {"rows": [asdict(r) for r in rows], "error": err,
-                                                    "seconds": sec}
+                                                    "seconds": sec, "date": dates.get(name)}
                                              for name, (rows, err, sec) in results.items()}}, indent=1))
     print(f"wrote {args.out}")
     return 1 if any(err for _, err, _ in results.values()) else 0

@@ -2,7 +2,7 @@
 
     python -m bench.hostile_flood [--quick] [--json PATH]
 
-Two runs, one after the other, each on a fresh local folder bucket, each with the two cores to
+Three runs, one after the other, each on a fresh local folder bucket, each with the two cores to
 itself for the budget (240 s; 40 s with --quick):
 
 - baseline: `vrl demo`'s processes with one volunteer (`demo.start_processes`: 1 trainer and
@@ -11,7 +11,7 @@ itself for the budget (240 s; 40 s with --quick):
   bench.trl_time_to_accuracy and the trainer's own evaluations off;
 - flooded: the same two processes with the same settings, plus 3 hostile writers that write
   straight into the bucket folder for the whole run (no vrl code: plain Python threads in one
-  process of their own, `flood_child`, at niceness WRITERS_NICE).
+  process of their own, `flood_child`), once at each niceness of WRITERS_NICE: one row each.
 
 The trainer keeps its defaults for everything the flood touches: `--deny-after 5`,
 `--deny-rate 0.5`, audit on (tolerance 0.05), MAX_OBJECTS_PER_VOLUNTEER_VERSION objects per
@@ -24,7 +24,8 @@ written to a hidden temp name and renamed (one atomic PUT); names start with a s
 so the trainer lists each writer's objects in the order written. In every new version each
 writer first writes its heavy shapes once:
 
-- `late_reward`: MAX_GROUPS_PER_SHARD lines, each a well-formed group at the manifest's
+- `late_reward`: SHARD_GROUPS_LIMIT lines (the manifest's `max_shard_groups`: the most a
+  shard may hold), each a well-formed group at the manifest's
   k = 8 x 32 tokens (512 numbers per line), 1,024 distinct groups so the reward cache does
   not absorb the rescoring; the last line's reward is forged. The trainer decompresses,
   parses, checks and rescores every line before `reward_mismatch`;
@@ -50,9 +51,9 @@ divided by the budget. Ratio flooded / baseline, goal >= 0.8. Also printed: the 
 split of its time (`time/ingest`, `time/waiting_for_rollouts`, `train/step_time`,
 `time/last_publish`), the CPU seconds of the trainer, the volunteer and the writers (from
 /proc and the writers' own rusage), objects written per shape, shards rejected by reason,
-volunteers denied, and the skip counts the trainer records (`ingest/over_cap`,
-`ingest/denied_shards`: counted once per poll that skips an object, so one object skipped in
-ten polls counts ten times).
+volunteers denied, and the skip counts the trainer records (`ingest/over_cap`: volunteer
+folders found over the cap, once per version; `ingest/denied_shards`: a denied volunteer's
+folder, never listed, counts once per poll that skips it).
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ COSTLY_VERSIONS = 3
 """Versions (0, 1, 2: the window at the trainer's first polls) the line-budget shapes are
 pre-built for."""
 DISTINCT_GROUPS = 1024
-"""Distinct groups in a line-budget shard (each repeated to fill MAX_GROUPS_PER_SHARD lines):
-enough that rescoring is not all cache hits, few enough to stay near 3 MB compressed."""
-WRITERS_NICE = 0
-"""Niceness of the writers' process: 0, as an attacker's own process would run."""
+"""Distinct groups to draw a line-budget shard's SHARD_GROUPS_LIMIT lines from (repeated when
+there are more lines than these): enough that rescoring is not all cache hits."""
+WRITERS_NICE = (19, 0)
+"""Niceness of the writers' process, one flooded run each. 19: the writers get the CPU the
+trainer and the honest volunteer leave, as if they ran on machines of their own (an attacker's
+CPU is not the trainer's), so the run measures what the flood costs through the bucket. 0: as
+an attacker's process on the trainer's own machine would run, taking a core from the honest
+volunteer (niceness 10, as in `vrl demo`), so that run measures the machine as much as vrl."""
 JANITOR_MARGIN = 1
 """The janitor deletes versions below current - max_staleness - this."""
 
@@ -116,11 +121,11 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
 
 
 def _late_shard(pool: list[dict], volunteer: str, version: int, forge_last: bool) -> bytes:
-    """MAX_GROUPS_PER_SHARD lines of `pool`'s groups, each repeated in a run; with
-    `forge_last`, the last line's first reward flipped."""
-    from volunteer_rl.shards import MAX_GROUPS_PER_SHARD
+    """SHARD_GROUPS_LIMIT lines of `pool`'s groups, spread over the pool; with `forge_last`,
+    the last line's first reward flipped."""
+    from volunteer_rl.shards import SHARD_GROUPS_LIMIT
 
-    n = MAX_GROUPS_PER_SHARD
+    n = SHARD_GROUPS_LIMIT
     lines = []
     for i in range(n):
         g = pool[i * len(pool) // n]
@@ -336,7 +341,8 @@ class CpuMeter:
         return self.seconds
 
 
-def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict | None) -> dict:
+def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict | None,
+                  writers_nice: int = 0) -> dict:
     """One run: the demo's trainer and one volunteer on a fresh folder bucket for the plan's
     budget, with the hostile writers alongside if `payloads`. Returns what the bucket and the
     processes tell about it."""
@@ -363,7 +369,7 @@ def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict
         out.mkdir()
         spec = {"bucket": str(bucket), "ids": list(HOSTILE_IDS), "honest_id": HONEST_ID,
                 "payloads": payloads, "stop_file": str(work / "stop"), "out": str(out),
-                "nice": WRITERS_NICE, "max_staleness": 2}
+                "nice": writers_nice, "max_staleness": 2}
 
         def run_flood():
             try:
@@ -439,8 +445,8 @@ def describe(run: dict, budget: float) -> None:
     log(f"  shards accepted {t.get('ingest/shards', 0):.0f}; rejected by reason {b['rejected']}; "
         f"rejected by id {b['rejected_by_id']}; quarantine records by id {b['quarantined']}; "
         f"denied {b['denied']}")
-    log(f"  skips counted per poll: over the per-version cap {t.get('ingest/over_cap', 0):.0f}, "
-        f"denied volunteer {t.get('ingest/denied_shards', 0):.0f}")
+    log(f"  skips: folders over the per-version cap {t.get('ingest/over_cap', 0):.0f}, "
+        f"denied volunteer {t.get('ingest/denied_shards', 0):.0f} (folders per poll)")
     f = run["flood"]
     if f:
         per_shape = Counter()
@@ -466,9 +472,17 @@ def results(quick: bool) -> list[Row]:
         log(f"baseline: 1 trainer + 1 honest volunteer, {plan.budget:.0f}s")
         base = run_contender("baseline", model_dir, plan, work / "baseline", None)
         describe(base, plan.budget)
-        log(f"flooded: the same + {len(HOSTILE_IDS)} hostile writers, {plan.budget:.0f}s")
-        flooded = run_contender("flooded", model_dir, plan, work / "flooded", payloads)
-        describe(flooded, plan.budget)
+        runs = []
+        for nice in WRITERS_NICE:
+            log(f"flooded: the same + {len(HOSTILE_IDS)} hostile writers at niceness {nice}, {plan.budget:.0f}s")
+            flooded = run_contender(f"flooded-nice{nice}", model_dir, plan, work / f"flooded-nice{nice}",
+                                    payloads, nice)
+            describe(flooded, plan.budget)
+            runs.append((nice, flooded))
+    return [_row(base, flooded, nice, plan, quick) for nice, flooded in runs]
+
+
+def _row(base: dict, flooded: dict, nice: int, plan: Plan, quick: bool) -> Row:
     rate_b = base["bucket"]["steps"] / plan.budget
     rate_f = flooded["bucket"]["steps"] / plan.budget
     ratio = rate_f / rate_b if rate_b else 0.0
@@ -481,23 +495,28 @@ def results(quick: bool) -> list[Row]:
     from volunteer_rl.ingest import MAX_OBJECTS_PER_VOLUNTEER_VERSION
 
     d = TrainerConfig(bucket="")
+    where = ("niceness 19: the CPU the trainer and volunteer leave, as on machines of their own" if nice > 0
+             else "niceness 0 on the trainer's machine: a core taken from the volunteer at niceness 10")
     note = (f"baseline `vrl demo`'s trainer + 1 honest volunteer (1 thread each, 32 groups/step); flooded: "
-            f"the same + 3 hostile writer threads (one process) writing pre-built objects into the folder "
-            f"bucket as fast as they can, {written:,} objects = {written / max(f['writing'], 1e-9):,.0f}/s, "
-            f"{cores:.2f} cores of their own; trainer defaults (deny after {d.deny_after} at "
+            f"the same + 3 hostile writer threads (one process, {where}) writing pre-built objects into the "
+            f"folder bucket as fast as they can, {written:,} objects = {written / max(f['writing'], 1e-9):,.0f}/s, "
+            f"{cores:.2f} cores; trainer CPU {flooded['cpu'].get('trainer', 0):.0f} s (baseline "
+            f"{base['cpu'].get('trainer', 0):.0f} s), volunteer CPU {flooded['cpu'].get('volunteer', 0):.0f} s "
+            f"(baseline {base['cpu'].get('volunteer', 0):.0f} s); trainer defaults (deny after {d.deny_after} at "
             f"{d.deny_rate:.0%}, audit on, {MAX_OBJECTS_PER_VOLUNTEER_VERSION} objects/volunteer/version): "
             f"{hostile_rejected} rejected ("
             + ", ".join(f"{k} {v}" for k, v in sorted(fb["rejected"].items()))
-            + f"), {len([x for x in fb['denied'] if x in HOSTILE_IDS])}/3 denied, skips counted per poll "
-            f"{ft.get('ingest/denied_shards', 0):,.0f} denied + {ft.get('ingest/over_cap', 0):,.0f} over cap; "
+            + f"), {len([x for x in fb['denied'] if x in HOSTILE_IDS])}/3 denied, skipped unlisted "
+            f"{ft.get('ingest/denied_shards', 0):,.0f} denied folders (per poll), "
+            f"{ft.get('ingest/over_cap', 0):,.0f} folders over the cap (per version); "
             f"first step {fb['first_step'] or 0:.0f} s after v0 (baseline {base['bucket']['first_step'] or 0:.0f} s); "
             f"trainer in ingest {ft.get('time/ingest', 0):.0f} s (baseline {bt.get('time/ingest', 0):.0f} s), "
             f"waiting for rollouts {ft.get('time/waiting_for_rollouts', 0):.0f} s "
             f"({bt.get('time/waiting_for_rollouts', 0):.0f} s); {plan.budget:.0f} s each")
-    return [Row(benchmark="trainer under a flood of 3 hostile writers",
-                measure="optimizer steps/s (1 honest volunteer)", vrl=rate_f, baseline=rate_b,
-                ratio=ratio, goal=">= 0.8", met=ratio >= 0.8,
-                command=COMMAND + (" --quick" if quick else ""), note=note)]
+    return Row(benchmark=f"trainer under a flood of 3 hostile writers (niceness {nice})",
+               measure="optimizer steps/s (1 honest volunteer)", vrl=rate_f, baseline=rate_b,
+               ratio=ratio, goal=">= 0.8", met=ratio >= 0.8,
+               command=COMMAND + (" --quick" if quick else ""), note=note)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from volunteer_rl import layout
 from volunteer_rl.fleet import Fleet, read_denylist
 from volunteer_rl.ingest import Ingest, IngestStats, Rules, Window, window
 from volunteer_rl.ledger import Ledger, rebuild
-from volunteer_rl.shards import Completion, Group, encode_shard
+from volunteer_rl.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
 from volunteer_rl.task import Problem
 
@@ -68,8 +68,8 @@ def test_only_the_window_is_listed_and_shards_are_taken_once():
     put(s, 4, "v1", [g(1, 4, "v1", [[8], [1]])])
     ing = make(s)
     listed = []
-    real_list = s.list
-    s.list = lambda prefix: listed.append(prefix) or real_list(prefix)
+    real_list_level = s.list_level
+    s.list_level = lambda prefix: listed.append(prefix) or real_list_level(prefix)
     out = ing.poll(win(5), IngestStats())
     assert [x.policy_version for x in out] == [4]
     assert listed == ["rollouts/v000003", "rollouts/v000004", "rollouts/v000005"]
@@ -85,6 +85,8 @@ def test_only_the_window_is_listed_and_shards_are_taken_once():
     ([g(0, 3, "v1", [[1], [200]])], "v1", "bad_token"),
     ([g(0, 3, "v1", [[1] * 9, [2]])], "v1", "too_many_tokens"),
     ([Group(0, 3, "v1", [Completion([1], [-0.1], "", 0.0)])], "v1", "bad_group_size"),
+    # with the good group first, one more line than the manifest's max_shard_groups
+    ([g(i % 2, 3, "v1", [[8], [i % 90]]) for i in range(SHARD_GROUPS_LIMIT)], "v1", "too_many_groups"),
 ])
 def test_bad_groups_reject_the_whole_shard(groups, vol_in_key, reason):
     s = fresh_storage(f"bad-{reason}")
@@ -235,11 +237,12 @@ def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
     top = history - 1
     out = ing.poll(win(top), IngestStats())
     assert len(out) == 6  # two volunteers x the window's three versions
-    assert counting.calls == {"read_if_changed": 1, "list": 3, "read": 6}
+    # one LIST of folder names per version, one bounded LIST per volunteer folder
+    assert counting.calls == {"read_if_changed": 1, "list_level": 3, "list": 6, "read": 6}
     put(s, top, "c", [g(0, top, "c", [[12], [1]])])
     counting.calls.clear()
     assert len(ing.poll(win(top), IngestStats())) == 1
-    assert counting.calls == {"read_if_changed": 1, "list": 3, "read": 1}
+    assert counting.calls == {"read_if_changed": 1, "list_level": 3, "list": 7, "read": 1}
     # moving on forgets the keys that left the window
     put(s, top + 1, "a", [g(1, top + 1, "a", [[8], [3]])], name="late")
     ing.poll(win(top + 1), IngestStats())
@@ -312,11 +315,14 @@ def test_objects_past_the_per_volunteer_cap_are_skipped_unread(monkeypatch):
         put(s, 3, "busy", [g(0, 3, "busy", [[12], [i]])], name=f"s{i}")
     put(s, 3, "calm", [g(1, 3, "calm", [[8], [1]])])
     stats = IngestStats()
-    out = make(s).poll(win(3), stats)
+    ing = make(s)
+    out = ing.poll(win(3), stats)
     assert sorted((x.volunteer_id, x.key.rsplit("/", 1)[1]) for x in out) == [
         ("busy", "s0.jsonl.gz"), ("busy", "s1.jsonl.gz"), ("busy", "s2.jsonl.gz"),
         ("calm", "s1.jsonl.gz")]
-    assert stats.over_cap == 3 and not stats.rejected
+    assert stats.over_cap == 1 and not stats.rejected  # one folder over the cap
+    stats = IngestStats()
+    assert ing.poll(win(3), stats) == [] and stats.over_cap == 0  # counted once per version
 
 
 def test_the_audited_group_is_not_predictable_from_the_seed():
@@ -334,3 +340,86 @@ def test_the_audited_group_is_not_predictable_from_the_seed():
         ing.poll(win(3), IngestStats())
         picks.append(chosen)
     assert len(picks[0]) == 40 and picks[0] != picks[1]  # same by chance: 4**-40
+
+
+class ListingStorage:
+    """A real storage that records its listings: each call's prefix and how many keys came back."""
+
+    def __init__(self, inner):
+        self.inner, self.uri, self.lists = inner, inner.uri, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, prefix, limit=None):
+        keys = self.inner.list(prefix, limit)
+        self.lists.append(("list", prefix, limit, len(keys)))
+        return keys
+
+    def list_level(self, prefix):
+        entries = self.inner.list_level(prefix)
+        self.lists.append(("list_level", prefix, None, len(entries)))
+        return entries
+
+
+def flood(tmp_path, version, vol, n):
+    """`n` junk objects in a volunteer folder, written straight to the folder bucket."""
+    folder = tmp_path / layout.rollout_volunteer_prefix(version, vol)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"junk-{i:05d}.txt").write_bytes(b"x")
+
+
+def test_a_polls_listing_is_bounded_by_the_cap_not_by_what_a_volunteer_wrote(tmp_path, monkeypatch):
+    import volunteer_rl.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 4)
+    s = ListingStorage(open_storage(str(tmp_path)))
+    flood(tmp_path, 3, "flooder", 500)
+    honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    stats = IngestStats()
+    ing = make(s, fleet=Fleet(deny_after=100))
+    assert [x.key for x in ing.poll(win(3, staleness=0), stats)] == [honest]
+    assert s.lists == [("list_level", "rollouts/v000003", None, 2),
+                       ("list", "rollouts/v000003/flooder/", 5, 5),
+                       ("list", "rollouts/v000003/honest/", 5, 1)]
+    assert stats.over_cap == 1 and stats.rejected == {"bad_key": 4}
+    # the folder found over the cap is not listed again in this version, nor counted again
+    flood(tmp_path, 3, "flooder", 1000)
+    s.lists.clear()
+    stats = IngestStats()
+    assert ing.poll(win(3, staleness=0), stats) == []
+    assert s.lists == [("list_level", "rollouts/v000003", None, 2),
+                       ("list", "rollouts/v000003/honest/", 5, 1)]
+    assert stats.over_cap == 0 and not stats.rejected
+
+
+def test_a_denied_volunteers_folder_is_not_listed(tmp_path):
+    s = ListingStorage(open_storage(str(tmp_path)))
+    flood(tmp_path, 3, "evil", 50)
+    honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    fleet = Fleet()
+    fleet.deny(s, "evil", "test")
+    stats = IngestStats()
+    assert [x.key for x in make(s, fleet=fleet).poll(win(3, staleness=0), stats)] == [honest]
+    assert [p for op, p, _, _ in s.lists if op == "list"] == ["rollouts/v000003/honest/"]
+    assert stats.denied == 1 and not stats.rejected  # one skipped folder, not 50 objects
+
+
+def test_keys_outside_volunteer_folders_are_rejected_and_capped(tmp_path, monkeypatch):
+    """Objects directly in a version folder are no volunteer's: up to the cap of them are taken
+    (and rejected `bad_key`, charged to nobody), in one sorted order with the shards."""
+    import volunteer_rl.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
+    s = open_storage(str(tmp_path))
+    for name in ("a.txt", "b.txt", "zz.txt", "zzz.txt"):
+        s.write(f"rollouts/v000003/{name}", b"x")
+    shard = put(s, 3, "m-vol", [g(0, 3, "m-vol", [[12], [1]])])
+    order = []
+    stats = IngestStats()
+    ing = make(s, log=order.append)
+    assert [x.key for x in ing.poll(win(3, staleness=0), stats)] == [shard]
+    assert stats.rejected == {"bad_key": 3} and not stats.by_volunteer["m-vol"][1]
+    assert [m.split()[1].rstrip(":") for m in order] == [
+        "rollouts/v000003/a.txt", "rollouts/v000003/b.txt", "rollouts/v000003/zz.txt"]

@@ -63,6 +63,20 @@ def test_manifest_must_point_at_its_own_version(tmp_path):
         read_manifest(s, trust=TRUST)
 
 
+def test_max_shard_groups_is_bounded_and_defaults_for_older_trainers(tmp_path):
+    from volunteer_rl.shards import MAX_GROUPS_PER_SHARD
+    data = json.loads(make_manifest().to_json())
+    assert data["max_shard_groups"] == MAX_GROUPS_PER_SHARD  # signed with the rest
+    del data["max_shard_groups"]                             # an older trainer's manifest
+    assert Manifest.from_raw(data).max_shard_groups == MAX_GROUPS_PER_SHARD
+    data["max_shard_groups"] = 64
+    assert Manifest.from_raw(data).max_shard_groups == 64
+    for bad in (0, -1, MAX_GROUPS_PER_SHARD + 1, 10 ** 30, "64", True, 64.0, None):
+        data["max_shard_groups"] = bad
+        with pytest.raises(ManifestError, match="max_shard_groups"):
+            Manifest.from_raw(data)
+
+
 def test_unsafe_file_names_in_manifest_refused(tmp_path):
     s = open_storage(str(tmp_path))
     data = json.loads(make_manifest().to_json())

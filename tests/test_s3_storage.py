@@ -27,6 +27,7 @@ from volunteer_rl import s3  # noqa: E402
 from volunteer_rl.s3 import S3Storage, expected_etag  # noqa: E402
 from volunteer_rl.storage import (AlreadyExists, FsspecStorage, NotFound,  # noqa: E402
                                   PreconditionFailed, ShortObject, StorageError, TooLarge)
+from storage_contract import check_bounded_listing_and_one_level  # noqa: E402
 from vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +158,25 @@ def test_list_pages_past_a_thousand_keys(store, admin):
         admin.put_object(Bucket=BUCKET, Key=f"some/prefix/many/{i:05d}", Body=b"")
     keys = store.list("many")
     assert len(keys) == 1005 and keys[0] == "many/00000" and keys[-1] == "many/01004"
+
+
+def test_bounded_listing_and_one_level(any_store):
+    check_bounded_listing_and_one_level(any_store)
+
+
+def test_a_bounded_listing_stops_paging(store, admin):
+    for i in range(1100):
+        admin.put_object(Bucket=BUCKET, Key=f"some/prefix/many/{i:05d}", Body=b"")
+    pages = []
+    store.client.meta.events.register(
+        "provide-client-params.s3.ListObjectsV2", lambda params, **kw: pages.append(params.get("MaxKeys")))
+    assert store.list("many", limit=5) == [f"many/{i:05d}" for i in range(5)]
+    assert pages == [5]
+    pages.clear()
+    assert store.list("many", limit=1025) == [f"many/{i:05d}" for i in range(1025)]
+    assert pages == [513, 513]  # not 1,100 keys, nor two pages of 1,000
+    pages.clear()
+    assert store.list_level("") == ["many/"] and len(pages) == 1  # one entry for 1,100 keys
 
 
 def test_read_cap(any_store):

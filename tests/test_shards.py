@@ -104,6 +104,17 @@ def test_line_budget_follows_the_manifest():
     assert len(decode_shard(raw(honest), budget)) == 1
 
 
+def test_groups_per_shard_follow_the_manifest():
+    """max_shard_groups bounds the lines before any is parsed; without it, MAX_GROUPS_PER_SHARD."""
+    lines = [group(prompt_id=i) for i in range(9)]
+    assert len(decode_shard(raw(*lines[:8]), Budget(k=1, max_new_tokens=8, groups=8))) == 8
+    with pytest.raises(ShardError) as e:
+        decode_shard(raw(*lines), Budget(k=1, max_new_tokens=8, groups=8))
+    assert e.value.reason == "too_many_groups"
+    assert len(decode_shard(raw(*lines), Budget(k=1, max_new_tokens=8))) == 9
+    assert Budget(k=1, max_new_tokens=8, groups=8).decompressed_bytes == 8 * (Budget(k=1, max_new_tokens=8).line_bytes + 1)
+
+
 def test_gzip_bomb_stops_at_the_cap():
     bomb = gzip.compress(b"0" * (MAX_DECOMPRESSED_BYTES + 1024), compresslevel=9)
     assert len(bomb) < 200_000

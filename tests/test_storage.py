@@ -1,6 +1,9 @@
 
+import os
+
 import pytest
 
+from storage_contract import check_bounded_listing_and_one_level
 from volunteer_rl.storage import (LocalStorage, NotFound, Retrying, StorageError, TooLarge,
                                   open_storage)
 
@@ -159,3 +162,43 @@ def test_a_failed_local_streamed_create_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         s.create_from("w.bin", write)
     assert not s.exists("w.bin") and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_bounded_listing_and_one_level(tmp_path, kind):
+    check_bounded_listing_and_one_level(
+        open_storage(str(tmp_path / "b") if kind == "local" else f"memory://lvl-{tmp_path.name}"))
+
+
+def test_local_bounded_listing_stops_walking(tmp_path, monkeypatch):
+    s = LocalStorage(tmp_path)
+    for i in range(20):
+        s.write(f"f/{i:02d}/k", b"1")
+    (tmp_path / "f" / "00" / ".k.tmp-1").write_bytes(b"half")  # hidden: neither listed nor counted
+    (tmp_path / "f" / ".hidden").mkdir()
+    (tmp_path / "f" / ".hidden" / "k").write_bytes(b"1")
+    read = []
+    real = LocalStorage._entries
+    monkeypatch.setattr(LocalStorage, "_entries",
+                        staticmethod(lambda folder, rel: read.append(rel) or real(folder, rel)))
+    assert s.list("f", limit=3) == ["f/00/k", "f/01/k", "f/02/k"]
+    assert read == ["f/", "f/00/", "f/01/", "f/02/"]  # the 17 other folders are never opened
+    assert s.list_level("f") == [f"f/{i:02d}/" for i in range(20)]
+
+
+def test_local_listing_of_a_deep_folder_does_not_recurse(tmp_path):
+    deep = "/".join(["d"] * 1200)  # deeper than Python's recursion limit
+    path = str(tmp_path)
+    for _ in range(1200):  # one level at a time: os.makedirs recurses too
+        path += "/d"
+        os.mkdir(path)
+    with open(f"{path}/k", "wb") as f:
+        f.write(b"1")
+    try:
+        s = LocalStorage(tmp_path)
+        assert s.list("d") == [f"{deep}/k"] and s.list("d", limit=1) == [f"{deep}/k"]
+    finally:  # pytest's own clean-up of old temp folders recurses: it died on this tree once
+        os.remove(f"{path}/k")
+        for _ in range(1200):
+            os.rmdir(path)
+            path = os.path.dirname(path)

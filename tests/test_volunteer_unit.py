@@ -25,6 +25,17 @@ def test_writer_flushes_by_count_and_on_version_change():
     assert w.uploaded_groups == 14
 
 
+def test_no_shard_holds_more_than_the_manifest_allows():
+    s = open_storage("memory://writer-limit")
+    w = ShardWriter(s, "me", max_groups=1000, max_seconds=1e9, log=lambda m: None)
+    w.limit = 4                                          # the manifest's max_shard_groups
+    w.add(groups(3, 1), 1)
+    assert s.list("rollouts") == []                      # under both: buffered
+    w.add(groups(7, 1), 1)                               # 10 >= 4: three shards, 4 + 4 + 2
+    sizes = [len(decode_shard(s.read(k))) for k in s.list("rollouts")]
+    assert sorted(sizes) == [2, 4, 4] and w.uploaded_groups == 10 and w.groups == []
+
+
 def test_groups_per_version_are_counted():
     class M:
         version = 2

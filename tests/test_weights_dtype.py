@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from volunteer_rl.shards import SHARD_GROUPS_LIMIT
 from volunteer_rl import layout
 from volunteer_rl.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
@@ -38,6 +39,7 @@ def test_bf16_checkpoint_round_trip(bf16_trainer, tmp_path):
     m = trainer.manifest
     assert m.weights_dtype == "bfloat16"
     assert json.loads(m.to_json())["weights_dtype"] == "bfloat16"  # signed with the rest
+    assert m.max_shard_groups == SHARD_GROUPS_LIMIT == trainer.ingest.rules.max_groups
     folder = fetch_checkpoint(trainer.storage, m, tmp_path / "ckpt")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}

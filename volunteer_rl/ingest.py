@@ -21,7 +21,7 @@ from . import layout
 from .faults import crash_point
 from .fleet import Fleet
 from .ledger import Ledger, group_digest
-from .shards import MAX_SHARD_BYTES, Budget, Group, ShardError, iter_groups
+from .shards import MAX_SHARD_BYTES, SHARD_GROUPS_LIMIT, Budget, Group, ShardError, iter_groups
 from .printable import printable
 from .storage import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from .task import Problem, reward
@@ -41,10 +41,11 @@ PREFETCH = 16
 REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
 MAX_OBJECTS_PER_VOLUNTEER_VERSION = 1024
 """Objects of one volunteer under one version folder the trainer considers (in key order,
-which is upload order for shard names); the rest are skipped unread and unrecorded, counted
-as `ingest/over_cap`. Bounds the GETs, ledger records and quarantine writes any one id can
-cause per version, junk or not. An honest volunteer that outruns it (a trainer stuck on one
-version for hours) loses only the excess."""
+which is upload order for shard names); the rest are never listed, read or recorded. Bounds
+the LIST pages, GETs, ledger records and quarantine writes any one id can cause per version,
+junk or not. A folder found over it is counted once in `ingest/over_cap`, and its first
+objects are remembered, so it is not listed again in that version. An honest volunteer that
+outruns it (a trainer stuck on one version for hours) loses only the excess."""
 
 
 @dataclass
@@ -73,7 +74,9 @@ class IngestStats:
     zero_variance: int = 0
     duplicates: int = 0
     denied: int = 0
+    """Shards of denied volunteers skipped: a whole folder, never listed, counts one per poll."""
     over_cap: int = 0
+    """Volunteer folders found over MAX_OBJECTS_PER_VOLUNTEER_VERSION (once per version)."""
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
 
@@ -107,6 +110,8 @@ class Rules:
     cache: dict = field(default_factory=dict)
     """(prompt id, token ids) -> reward. A policy that has learned a prompt answers it the
     same way again and again, so most rescoring is a lookup."""
+    max_groups: int = SHARD_GROUPS_LIMIT
+    """Groups per shard: the manifest's `max_shard_groups`."""
 
     def reward(self, prompt_id: int, token_ids: list[int]) -> float:
         key = (prompt_id, tuple(token_ids))
@@ -196,7 +201,7 @@ def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[Scored
         raise ShardError("bad_key", "not a shard key")
     version, volunteer, _ = parsed
     groups = []
-    for g in iter_groups(data, Budget(rules.k, rules.max_new_tokens)):
+    for g in iter_groups(data, Budget(rules.k, rules.max_new_tokens, rules.max_groups)):
         check_group(g, version, volunteer, rules, win)  # stop paying at the first bad line
         groups.append(g)
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
@@ -239,24 +244,25 @@ class Ingest:
         self.failures: Counter = Counter()
         self.fetch_workers = max(1, fetch_workers)
         self._low = 0  # window's lowest version at the last poll (see _forget_below)
+        self.capped: dict[str, list[str]] = {}
+        """Folder -> its first MAX_OBJECTS_PER_VOLUNTEER_VERSION keys, for the folders found
+        over the cap: those keys are all the trainer will ever take from them."""
 
     def poll(self, win: Window, stats: IngestStats) -> list[ScoredGroup]:
         """New usable groups from shards of the window. Only the window's prefixes are
-        listed and only keys not yet taken are read, so a poll costs one denylist GET, the
-        LIST pages of the window and one GET per new shard, however long the run's history.
+        listed and only keys not yet taken are read, so a poll costs one denylist GET, one
+        LIST of each window version's folder names, a LIST of at most
+        MAX_OBJECTS_PER_VOLUNTEER_VERSION + 1 keys per volunteer folder (none for a denied
+        one or one already found over the cap), and one GET per new shard: bounded by the
+        volunteers and the cap, however long the run's history and whatever a volunteer wrote.
 
-        New shards are fetched FETCH_WORKERS at a time, and checked on this thread in list
+        New shards are fetched FETCH_WORKERS at a time, and checked on this thread in key
         order, so the outcome is the same as reading them one by one."""
         self._refresh_denylist()
         self._forget_below(win.low)
         keys: list[str] = []
         for v in win.versions():
-            try:
-                listed = self.storage.list(layout.rollout_version_prefix(v))
-            except StorageError as exc:
-                self.log(f"warning: {exc}")
-                continue
-            keys += [key for key in self._within_caps(listed, stats) if self._wanted(key, stats)]
+            keys += [key for key in self._list_version(v, stats) if self._wanted(key)]
         out: list[ScoredGroup] = []
         for key, fetched in self._prefetch(keys):
             if self._denied(key, stats):  # denied by an earlier shard of this very poll
@@ -264,28 +270,41 @@ class Ingest:
             out.extend(self._take(key, fetched, win, stats))
         return out
 
-    @staticmethod
-    def _within_caps(listed: list[str], stats: IngestStats) -> list[str]:
-        """The keys of one version's listing, past each volunteer's first
-        MAX_OBJECTS_PER_VOLUNTEER_VERSION dropped (keys outside any volunteer's prefix are
-        kept: they are charged to nobody, and only the trainer's credentials can write there)."""
-        seen: Counter = Counter()
-        kept = []
-        for key in listed:
-            author = layout.rollout_author(key)
-            if author is not None:
-                seen[author] += 1
-                if seen[author] > MAX_OBJECTS_PER_VOLUNTEER_VERSION:
-                    stats.over_cap += 1
-                    continue
-            kept.append(key)
-        return kept
+    def _list_version(self, version: int, stats: IngestStats) -> list[str]:
+        """The keys of one version folder the trainer considers, sorted: up to
+        MAX_OBJECTS_PER_VOLUNTEER_VERSION of each volunteer folder that is not denied, the
+        first ones in key order. Objects directly in the version folder are no volunteer's
+        (only the trainer's credentials can write there): up to the cap of them are kept, to
+        be rejected as `bad_key` like any other object that is no shard."""
+        cap = MAX_OBJECTS_PER_VOLUNTEER_VERSION
+        try:
+            entries = self.storage.list_level(layout.rollout_version_prefix(version))
+        except StorageError as exc:
+            self.log(f"warning: {exc}")
+            return []
+        keys = [e for e in entries if not e.endswith("/")][:cap]
+        for folder in (e for e in entries if e.endswith("/")):
+            volunteer = folder.rstrip("/").rsplit("/", 1)[-1]
+            if layout.is_safe_name(volunteer) and self.fleet.is_denied(volunteer):
+                stats.denied += 1
+                continue
+            if folder in self.capped:
+                keys += self.capped[folder]
+                continue
+            try:
+                listed = self.storage.list(folder, limit=cap + 1)
+            except StorageError as exc:
+                self.log(f"warning: {exc}")
+                continue
+            if len(listed) > cap:
+                stats.over_cap += 1
+                listed = self.capped[folder] = listed[:cap]
+            keys += listed
+        return sorted(keys)
 
-    def _wanted(self, key: str, stats: IngestStats) -> bool:
-        """True if `key` still has something to take and its author is not denied."""
-        if key in self.taken or self.ledger.finished(key):
-            return False
-        return not self._denied(key, stats)
+    def _wanted(self, key: str) -> bool:
+        """True if `key` still has something to take."""
+        return key not in self.taken and not self.ledger.finished(key)
 
     def _denied(self, key: str, stats: IngestStats) -> bool:
         parsed = layout.rollout_author(key)
@@ -319,6 +338,7 @@ class Ingest:
             return
         self._low = low
         self.taken = {k for k in self.taken if _key_version(k) >= low}
+        self.capped = {k: v for k, v in self.capped.items() if _key_version(k) >= low}
         self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
 
     def _refresh_denylist(self) -> None:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from . import layout
+from .shards import MAX_GROUPS_PER_SHARD
 from .signing import Seen, Trust, sign
 from .storage import NotFound, Storage, StorageError
 
@@ -74,6 +75,9 @@ class Manifest:
     weights_dtype: str = "float32"
     """dtype of the checkpoint's floating-point weights ("float32" or "bfloat16"). Absent in
     manifests of older trainers, which always published float32."""
+    max_shard_groups: int = MAX_GROUPS_PER_SHARD
+    """Most groups one shard may hold (1..MAX_GROUPS_PER_SHARD). Absent in manifests of
+    older trainers, which took up to MAX_GROUPS_PER_SHARD."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
     """The trainer's clock when it published this version. Signed like every field; readers
@@ -110,6 +114,7 @@ class Manifest:
                 max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
                 prompt_format=str(raw["prompt_format"]),
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
+                max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
             raise
@@ -117,6 +122,9 @@ class Manifest:
             raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
         if m.version < 0 or m.checkpoint != layout.checkpoint_prefix(m.version):
             raise ManifestError(f"{layout.MANIFEST}: checkpoint {m.checkpoint!r} does not match version {m.version}")
+        if type(m.max_shard_groups) is not int or not 1 <= m.max_shard_groups <= MAX_GROUPS_PER_SHARD:
+            raise ManifestError(f"{layout.MANIFEST}: max_shard_groups {m.max_shard_groups!r} is not "
+                                f"an integer in 1..{MAX_GROUPS_PER_SHARD}")
         if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
             raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
         return m

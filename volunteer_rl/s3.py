@@ -483,18 +483,46 @@ class S3Storage:
             response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         return int(response["ContentLength"])
 
-    def list(self, prefix: str) -> list[str]:
-        """All keys under `prefix/` (recursive), relative to the URI prefix, sorted."""
+    def _prefix(self, prefix: str) -> str:
+        """The full key prefix of a relative prefix, with the '/' that keeps "r" from
+        listing "rr/..."; '' for the URI's root in a bucket without prefix."""
         full = "/".join(part for part in (self.root, prefix.strip("/")) if part)
-        full = f"{full}/" if full else ""  # "r" must not list "rr/..."
+        return f"{full}/" if full else ""
+
+    def list(self, prefix: str, limit: int | None = None) -> list[str]:
+        """All keys under `prefix/` (recursive), relative to the URI prefix, sorted.
+
+        With `limit`, the first `limit` keys: S3 lists in key order, so paging stops there,
+        in pages sized to need no more than one extra key (1,025 keys: two pages of 513)."""
         cut = len(self.root) + 1 if self.root else 0
+        config: dict = {}
+        if limit is not None:
+            if limit <= 0:
+                return []
+            pages_needed = -(-limit // 1000)
+            config = {"PaginationConfig": {"PageSize": -(-limit // pages_needed)}}
         keys: list[str] = []
         with self._errors(prefix, "list"):
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full)
+                Bucket=self.bucket, Prefix=self._prefix(prefix), **config)
             for page in pages:
                 keys += [obj["Key"][cut:] for obj in page.get("Contents", [])]
-        return sorted(keys)
+                if limit is not None and len(keys) >= limit:
+                    break
+        return sorted(keys)[:limit]
+
+    def list_level(self, prefix: str) -> list[str]:
+        """The objects directly under `prefix/` and its folders (keys ending in '/'),
+        sorted: LIST with Delimiter='/', so a folder costs one entry whatever it holds."""
+        cut = len(self.root) + 1 if self.root else 0
+        out: list[str] = []
+        with self._errors(prefix, "list"):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._prefix(prefix), Delimiter="/")
+            for page in pages:
+                out += [obj["Key"][cut:] for obj in page.get("Contents", [])]
+                out += [p["Prefix"][cut:] for p in page.get("CommonPrefixes", [])]
+        return sorted(out)
 
     # --- writes ------------------------------------------------------------------------
 

@@ -29,6 +29,12 @@ MAX_SHARD_BYTES = 8 << 20          # compressed object size
 MAX_DECOMPRESSED_BYTES = 64 << 20  # after gunzip
 MAX_LINE_BYTES = 1 << 20
 MAX_GROUPS_PER_SHARD = 4096
+"""The most groups a shard may ever hold: what a manifest without `max_shard_groups` allows."""
+SHARD_GROUPS_LIMIT = 256
+"""Groups per shard a trainer of this build accepts, published as the manifest's
+`max_shard_groups`; volunteers upload at most that many per shard (`--shard-groups` defaults
+to 32). A forged shard costs the trainer a parse and a rescore of every line before its one
+bad line is found: 256 lines cost a sixteenth of 4,096."""
 MAX_COMPLETIONS_PER_GROUP = 64
 MAX_TOKENS_PER_COMPLETION = 2048
 MAX_INT_DIGITS = 18
@@ -102,10 +108,12 @@ def _gunzip_capped(data: bytes, cap: int) -> bytes:
 
 @dataclass(frozen=True)
 class Budget:
-    """The sizes a shard may have under one manifest: its k and max_new_tokens."""
+    """The sizes a shard may have under one manifest: its k, max_new_tokens and
+    max_shard_groups."""
 
     k: int = MAX_COMPLETIONS_PER_GROUP
     max_new_tokens: int = MAX_TOKENS_PER_COMPLETION
+    groups: int = MAX_GROUPS_PER_SHARD
 
     @property
     def line_bytes(self) -> int:
@@ -114,7 +122,7 @@ class Budget:
 
     @property
     def decompressed_bytes(self) -> int:
-        return min(MAX_DECOMPRESSED_BYTES, MAX_GROUPS_PER_SHARD * (self.line_bytes + 1))
+        return min(MAX_DECOMPRESSED_BYTES, min(self.groups, MAX_GROUPS_PER_SHARD) * (self.line_bytes + 1))
 
 
 def _bounded_int(text: str) -> int:
@@ -206,16 +214,16 @@ _NOT_BLANK = re.compile(rb"[^ \t\n\r\x0b\x0c]")
 """A byte bytes.strip() keeps: a line with one is a line, not a blank."""
 
 
-def _line_spans(text: bytes) -> list[tuple[int, int]]:
-    """Start and end offsets of the lines of `text` that are not blank, at most
-    MAX_GROUPS_PER_SHARD of them (too_many_groups beyond). Offsets rather than a split: a
+def _line_spans(text: bytes, max_lines: int = MAX_GROUPS_PER_SHARD) -> list[tuple[int, int]]:
+    """Start and end offsets of the lines of `text` that are not blank, at most `max_lines`
+    of them (too_many_groups beyond). Offsets rather than a split: a
     shard of millions of tiny or empty lines costs a scan of its bytes, not a Python object
     per line (64 MiB of "12\n" made 22 million of them, over a gigabyte)."""
     spans = []
     pos = 0
     while (m := _NOT_BLANK.search(text, pos)) is not None:
-        if len(spans) == MAX_GROUPS_PER_SHARD:
-            raise ShardError("too_many_groups", f"more than {MAX_GROUPS_PER_SHARD} lines")
+        if len(spans) == max_lines:
+            raise ShardError("too_many_groups", f"more than {max_lines} lines")
         start = text.rfind(b"\n", pos, m.start()) + 1
         end = text.find(b"\n", m.start())
         end = len(text) if end < 0 else end
@@ -231,7 +239,7 @@ def iter_groups(data: bytes, budget: Budget = Budget()):
     if len(data) > MAX_SHARD_BYTES:
         raise ShardError("too_large", f"{len(data)} compressed bytes")
     text = _gunzip_capped(data, budget.decompressed_bytes)
-    lines = _line_spans(text)
+    lines = _line_spans(text, min(budget.groups, MAX_GROUPS_PER_SHARD))
     if not lines:
         raise ShardError("empty", "no groups")
     for start, end in lines:

@@ -11,6 +11,10 @@ Guarantees every backend gives the rest of the code:
 - `read` takes a byte cap and never returns more than it: a hostile object cannot make us
   allocate its full size.
 - `list` never shows temp files of an interrupted local write.
+- Listings cost what the caller asks for, not what the bucket holds: `list(prefix, limit)`
+  stops after the first `limit` keys in sorted order, and `list_level(prefix)` names the
+  folders one level down without reading what is in them. The trainer lists what volunteers
+  wrote, and a volunteer can write without end.
 
 Big objects (checkpoints) have two streaming forms, so a 2.4 GB file is never held twice:
 `create_from(key, write)` calls `write(f)` with a file-like sink that goes straight to the
@@ -22,12 +26,13 @@ hashing while the rest arrives; a retried read starts again at offset 0).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import time
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol, TypeVar
+from typing import BinaryIO, Callable, Iterator, Protocol, TypeVar
 
 from .faults import crash_point
 
@@ -66,7 +71,10 @@ class Storage(Protocol):
     def write(self, key: str, data: bytes) -> None: ...
     def exists(self, key: str) -> bool: ...
     def size(self, key: str) -> int: ...
-    def list(self, prefix: str) -> list[str]: ...
+    # Sorted keys under `prefix`, recursive; with `limit`, only the first `limit` of them.
+    def list(self, prefix: str, limit: int | None = None) -> list[str]: ...
+    # One level under `prefix`, sorted: its objects, and its folders as keys ending in '/'.
+    def list_level(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     # Conditional operations. `etag` is an opaque version token of one object.
     def create(self, key: str, data: bytes) -> None: ...
@@ -229,18 +237,65 @@ class LocalStorage:
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
 
-    def list(self, prefix: str) -> list[str]:
-        """All keys under `prefix` (recursive), sorted; temp and hidden files excluded."""
+    def list(self, prefix: str, limit: int | None = None) -> list[str]:
+        """All keys under `prefix` (recursive), sorted; temp and hidden files excluded.
+
+        With `limit`, the first `limit` of them, and the walk stops there: a folder of a
+        million objects past them is never entered. A folder that is entered has its names
+        read whole (one `scandir`, sorted), but no key is built past the limit."""
         base = self._path(prefix)
         if not base.is_dir():
             return []
-        keys = []
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            for name in filenames:
-                if not name.startswith("."):
-                    keys.append(Path(dirpath, name).relative_to(self.root).as_posix())
-        return sorted(keys)
+        return list(itertools.islice(self._walk(base), limit))
+
+    def list_level(self, prefix: str) -> list[str]:
+        """The objects directly in `prefix` and its sub-folders (as keys ending in '/'),
+        sorted; one `scandir`, whatever the sub-folders hold. A folder left holding only a
+        hidden temp file is named too, and lists empty."""
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        return [key for key, _ in self._entries(str(base), self._folder_key(base))]
+
+    def _folder_key(self, folder: Path) -> str:
+        """The key prefix of a folder of the bucket: '' for the root, else `a/b/`."""
+        return "" if folder == self.root else folder.relative_to(self.root).as_posix() + "/"
+
+    @staticmethod
+    def _entries(folder: str, rel: str) -> list[tuple[str, str | None]]:
+        """(key, path if a sub-folder else None) of a folder's visible entries, sorted by key,
+        sub-folders as `rel/name/`: all of their keys sort exactly there among the folder's
+        other entries, so walking them in this order yields every key in sorted order. As
+        with os.walk, symlinked folders are not entered, and a folder that cannot be read
+        (a concurrent delete prunes empty ones) is empty."""
+        entries: list[tuple[str, str | None]] = []
+        try:
+            with os.scandir(folder) as it:
+                for e in it:
+                    if e.name.startswith("."):
+                        continue
+                    if not e.is_dir():
+                        entries.append((rel + e.name, None))
+                    elif not e.is_symlink():
+                        entries.append((rel + e.name + "/", e.path))
+        except OSError:
+            return []
+        entries.sort()
+        return entries
+
+    def _walk(self, base: Path) -> Iterator[str]:
+        """Every key under `base`, lazily, in sorted order; depth-first with a stack, so a
+        deeply nested folder cannot exhaust Python's recursion limit."""
+        stack = [iter(self._entries(str(base), self._folder_key(base)))]
+        while stack:
+            for key, path in stack[-1]:
+                if path is None:
+                    yield key
+                else:
+                    stack.append(iter(self._entries(path, key)))
+                    break
+            else:
+                stack.pop()
 
     def delete(self, key: str) -> None:
         """Remove the object, then the folders that leaves empty, so retention does not
@@ -345,13 +400,32 @@ class FsspecStorage:
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
 
-    def list(self, prefix: str) -> list[str]:
+    def _relative(self, path: str) -> str:
+        cut = len(self.root) + 1 if self.root else 0
+        return path.lstrip("/")[cut:]
+
+    def list(self, prefix: str, limit: int | None = None) -> list[str]:
+        """fsspec has no portable paged listing: here `limit` bounds what is returned, not
+        what is read (s3:// buckets use S3Storage, which stops paging)."""
         try:
             paths = self.fs.find(self._path(prefix))
         except FileNotFoundError:
             return []
-        cut = len(self.root) + 1 if self.root else 0
-        return sorted(p.lstrip("/")[cut:] if self.root else p.lstrip("/") for p in paths)
+        return sorted(self._relative(p) for p in paths)[:limit]
+
+    def list_level(self, prefix: str) -> list[str]:
+        """One `ls`: the objects directly in `prefix` and its folders, as keys ending in '/'."""
+        base = self._path(prefix).strip("/")
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            name = e["name"].strip("/")
+            if name.startswith(base + "/"):  # `ls` of an object's key answers the object
+                out.append(self._relative(name) + ("/" if e["type"] == "directory" else ""))
+        return sorted(out)
 
     def delete(self, key: str) -> None:
         if not self.fs.isfile(self._path(key)):  # s3fs's rm_file is silent about missing keys
@@ -406,8 +480,11 @@ class Retrying:
     def size(self, key: str) -> int:
         return self._call("size", key, lambda: self.inner.size(key))
 
-    def list(self, prefix: str) -> list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
+    def list(self, prefix: str, limit: int | None = None) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list(prefix, limit))
+
+    def list_level(self, prefix: str) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list_level(prefix))
 
     def delete(self, key: str) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key))

@@ -40,6 +40,7 @@ from .policy import WEIGHTS_DTYPES, WEIGHTS_FILE, Policy, build_tiny_model, buil
     encode_prompts, load_policy, load_weights, pick_device, save_policy, token_logprobs, \
     weights_writer
 from .retention import TrainerRetention
+from .shards import SHARD_GROUPS_LIMIT
 from .signing import Trust, key_path, load_or_create_key, public_key_text
 from .state import load_state, master_weights, prune_states, save_state
 from .stopping import StopSignal, Stopped
@@ -127,7 +128,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
-        weights_dtype=str(dtype).removeprefix("torch."))
+        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT)
     before_commit()
     crash_point("before_manifest")
     try:

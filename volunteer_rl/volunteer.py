@@ -40,7 +40,7 @@ from .manifest import Manifest, ManifestError, poll_manifest
 from .policy import (Policy, encode_prompts, load_policy, load_weights, pick_device, sample,
                      set_sampling_threads)
 from .retention import is_missing
-from .shards import Completion, Group, encode_shard, new_shard_name
+from .shards import MAX_GROUPS_PER_SHARD, Completion, Group, encode_shard, new_shard_name
 from .signing import Rollback, SignatureError, reader_trust
 from .storage import Storage, StorageError, open_storage
 from .task import DatasetError, Problem, load_csv, reward
@@ -66,13 +66,15 @@ def swap_weights(storage: Storage, m: Manifest, policy: Policy,
 
 
 class ShardWriter:
-    """Buffers groups of one policy version; uploads a shard every N groups or T seconds."""
+    """Buffers groups of one policy version; uploads a shard every N groups or T seconds.
+    `limit` is the manifest's max_shard_groups: no shard holds more, whatever N is."""
 
     def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
                  log: Callable[[str], None], on_upload: Callable[[int], None] | None = None):
         self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
         self.on_upload = on_upload  # told the group count of each uploaded shard
         self.max_groups, self.max_seconds = max_groups, max_seconds
+        self.limit = MAX_GROUPS_PER_SHARD
         self.groups: list[Group] = []
         self.version: int | None = None
         self.opened = 0.0
@@ -88,7 +90,7 @@ class ShardWriter:
         self.version = version
         self.groups.extend(groups)
         self.per_version[version] = self.per_version.get(version, 0) + len(groups)
-        if len(self.groups) >= self.max_groups or time.time() - self.opened >= self.max_seconds:
+        if len(self.groups) >= min(self.max_groups, self.limit) or time.time() - self.opened >= self.max_seconds:
             self.flush()
 
     def version_groups(self, manifest: Manifest | None) -> int:
@@ -96,17 +98,17 @@ class ShardWriter:
         return self.per_version.get(manifest.version, 0) if manifest is not None else 0
 
     def flush(self) -> None:
-        if not self.groups:
-            return
-        key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
-        self.storage.create(key, encode_shard(self.groups))
-        rewards = [c.reward for g in self.groups for c in g.completions]
-        self.log(f"uploaded {key}: {len(self.groups)} groups, reward {sum(rewards) / len(rewards):.3f}")
-        self.uploaded_groups += len(self.groups)
-        if self.on_upload is not None:
-            self.on_upload(len(self.groups))
-        self.seq += 1
-        self.groups = []
+        """Upload what is buffered, as several shards if it is more than `limit` groups."""
+        while self.groups:
+            shard, self.groups = self.groups[:self.limit], self.groups[self.limit:]
+            key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
+            self.storage.create(key, encode_shard(shard))
+            rewards = [c.reward for g in shard for c in g.completions]
+            self.log(f"uploaded {key}: {len(shard)} groups, reward {sum(rewards) / len(rewards):.3f}")
+            self.uploaded_groups += len(shard)
+            if self.on_upload is not None:
+                self.on_upload(len(shard))
+            self.seq += 1
 
 
 class Volunteer:
@@ -333,6 +335,7 @@ class Volunteer:
                     continue
                 groups = self._generate()
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
+                writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
         finally:
             try:
