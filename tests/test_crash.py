@@ -15,12 +15,9 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import TEMPLATE_VERSION
-from test_hostile import FolderBucket, as_dicts, gz_lines, key
+from bucket_objects import FolderBucket, as_dicts, assert_manifest_complete, gz_lines, key
 from vrlproc import Proc, wait_for
 from volunteer_rl import layout
-from volunteer_rl.checkpoint import fetch_checkpoint
-from volunteer_rl.manifest import read_manifest
-from volunteer_rl.signing import Trust
 from volunteer_rl.storage import open_storage
 
 CRASHES = [("ingest", 1), ("optimizer_step", 2), ("checkpoint_upload", 3),
@@ -53,13 +50,6 @@ def trained_lines(bucket: Path) -> Counter:
                 assert rec["outcome"] == "trained", rec
                 seen.update((rec["key"], line) for line in rec["lines"])
     return seen
-
-
-def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
-    storage = open_storage(str(bucket))
-    m = read_manifest(storage, trust=Trust(allow_unsigned=False))
-    fetch_checkpoint(storage, m, tmp / f"check-v{m.version}")  # raises on any missing/bad file
-    return m.version
 
 
 def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path):

@@ -10,7 +10,7 @@ from volunteer_rl import dashboard, layout  # noqa: E402
 from volunteer_rl.dashboard import (History, TrainerDashboard, read_history,  # noqa: E402
                                     staleness_counts, throughput_series, write_dashboard)
 from volunteer_rl.storage import open_storage  # noqa: E402
-from test_status import NOW, beat, manifest  # noqa: E402
+from status_fixtures import NOW, beat, manifest  # noqa: E402
 
 
 def metrics_lines(version: int) -> list[dict]:

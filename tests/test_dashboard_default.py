@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_hostile import FolderBucket, as_dicts, gz_lines, key
+from bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from vrlproc import Proc
 from volunteer_rl import layout
 

@@ -15,13 +15,13 @@ import copy
 import gzip
 import json
 import re
-from dataclasses import asdict
 from pathlib import Path
 
 import boto3
 import pytest
 from botocore.config import Config
 
+from bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from conftest import TEMPLATE_VERSION
 from vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
 from volunteer_rl import layout
@@ -30,22 +30,6 @@ from volunteer_rl.printable import printable
 V = TEMPLATE_VERSION
 VOCAB = 640
 S3_BUCKET = "vrl-hostile"
-
-
-class FolderBucket:
-    def __init__(self, path: Path):
-        self.path, self.args = path, ["--bucket", str(path)]
-
-    def put(self, key: str, data: bytes) -> str:
-        path = self.path / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(".tmp-" + path.name[:200])
-        tmp.write_bytes(data)
-        tmp.replace(path)  # the trainer must never see half a test object either
-        return key
-
-    def read(self, key: str) -> bytes:
-        return (self.path / key).read_bytes()
 
 
 class S3Bucket:
@@ -95,23 +79,6 @@ def trainer(bucket, root: Path, name: str, eval_csv: Path, key: Path) -> Proc:
                  "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
                  "--work-dir", str(root / f"{name}-work"),
                  "--signing-key", str(key)], root / f"{name}.log", root)
-
-
-def as_dicts(groups, volunteer: str) -> list[dict]:
-    out = []
-    for g in groups:
-        d = asdict(g)
-        d["volunteer_id"] = volunteer
-        out.append(d)
-    return out
-
-
-def gz_lines(rows: list) -> bytes:
-    return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
-
-
-def key(volunteer: str, name: str, version: int = V) -> str:
-    return f"rollouts/{layout.version_dir(version)}/{volunteer}/{name}.jsonl.gz"
 
 
 def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, bytes]]:

@@ -185,8 +185,11 @@ def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
     from volunteer_rl.shards import decode_shard
 
     bucket = copy_bucket(run, "ctrl-c")
+    # Nothing may go up before the signal: no count or age reached, and fewer groups than the
+    # manifest's max_shard_groups (256) buffered, which the per-version cap (160, then one
+    # batch of 16 per 2 s of patience) keeps it under.
     v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
-              "--shard-groups", "100000", "--shard-seconds", "100000",
+              "--shard-groups", "100000", "--shard-seconds", "100000", "--max-groups-per-version", "160",
               "--work-dir", str(run["root"] / "vw3")], run["root"] / "ctrlc.log", run["root"])
     try:
         wait_for(lambda: "now on v" in v.text(), 60, "the volunteer to load the checkpoint")

@@ -7,7 +7,7 @@ from rich.console import Console
 from volunteer_rl.printable import markup_safe, printable
 from volunteer_rl.status import build_status, render
 
-from test_status import NOW, beat, manifest
+from status_fixtures import NOW, beat, manifest
 
 NASTY = [
     "\x1b]52;c;ZWNobyBvd25lZA==\x07",          # OSC 52: write the operator's clipboard

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from conftest import TEMPLATE_VERSION
-from test_hostile import FolderBucket, as_dicts, gz_lines, key
+from bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from vrlproc import Proc
 from volunteer_rl import layout
 

@@ -6,30 +6,15 @@ import math
 
 import pytest
 
+from status_fixtures import NOW, beat, manifest
 from volunteer_rl import layout
 from volunteer_rl.fleet import Counts, Fleet
 from volunteer_rl.fleet_summary import (TIMELINE_POINTS, TIMELINE_SECONDS, FleetSummary,
                                         absorb_steps, add_point)
 from volunteer_rl.heartbeat import Heartbeat, Tally, heartbeat_payload
-from volunteer_rl.manifest import Dataset, Manifest, Sampling
 from volunteer_rl.status import (build_status, classify, heartbeat_lag, read_status, render,
                                  timeline_points, version_at)
 from volunteer_rl.storage import StorageError, open_storage
-
-NOW = 1_800_000_000.0
-
-
-def beat(**over) -> dict:
-    hb = {"state": "running", "updated_at": NOW - 1, "heartbeat_seconds": 10.0, "run_id": "r1",
-          "version": 40, "completions_per_minute": 120.0}
-    return {**hb, **over}
-
-
-def manifest(version: int = 42, run_id: str = "r1") -> Manifest:
-    return Manifest(run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
-                    files={}, dataset=Dataset("train", "datasets/train-0.csv", "0" * 64, 1, 1),
-                    sampling=Sampling(8, 1.0, 32), max_staleness=2, created_at=NOW - 3)
-
 
 # --- classification -------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TEMPLATE_VERSION
-from test_crash import assert_manifest_complete
+from bucket_objects import assert_manifest_complete
 from vrlproc import Proc, wait_for
 from volunteer_rl import layout
 from volunteer_rl.stopping import StopSignal, Stopped
