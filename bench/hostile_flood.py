@@ -26,8 +26,8 @@ writer first writes its heavy shapes once:
 
 - `late_reward`: SHARD_GROUPS_LIMIT lines (the manifest's `max_shard_groups`: the most a
   shard may hold), each a well-formed group at the manifest's
-  k = 8 x 32 tokens (512 numbers per line), 1,024 distinct groups so the reward cache does
-  not absorb the rescoring; the last line's reward is forged. The trainer decompresses,
+  k = 8 x 32 tokens (512 numbers per line), every line a different group (drawn from
+  DISTINCT_GROUPS) so the reward cache does not absorb the rescoring; the last line's reward is forged. The trainer decompresses,
   parses, checks and rescores every line before `reward_mismatch`;
 - `late_audit`: the same with honest rewards and made-up behavior logprobs: everything passes
   until the audit forward pass (`logprob_mismatch`);
@@ -495,7 +495,7 @@ def _row(base: dict, flooded: dict, nice: int, plan: Plan, quick: bool) -> Row:
     from volunteer_rl.ingest import MAX_OBJECTS_PER_VOLUNTEER_VERSION
 
     d = TrainerConfig(bucket="")
-    where = ("niceness 19: the CPU the trainer and volunteer leave, as on machines of their own" if nice > 0
+    where = (f"niceness {nice}: the CPU the trainer and volunteer leave, as on machines of their own" if nice > 0
              else "niceness 0 on the trainer's machine: a core taken from the volunteer at niceness 10")
     note = (f"baseline `vrl demo`'s trainer + 1 honest volunteer (1 thread each, 32 groups/step); flooded: "
             f"the same + 3 hostile writer threads (one process, {where}) writing pre-built objects into the "

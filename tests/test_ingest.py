@@ -1,6 +1,7 @@
 """The trainer's intake on an in-memory bucket: pure logic, a stand-in decoder."""
 import pytest
 
+from recording_storage import RecordingStorage
 from volunteer_rl import layout
 from volunteer_rl.fleet import Fleet, read_denylist
 from volunteer_rl.ingest import Ingest, IngestStats, Rules, Window, window
@@ -210,29 +211,13 @@ def test_a_volunteer_denied_mid_poll_has_its_prefetched_shards_skipped():
     assert stats.rejected == {"unknown_prompt": 2} and stats.denied == 2
 
 
-class CountingStorage:
-    """Counts the calls the ingest makes, by method."""
-
-    def __init__(self, inner):
-        from collections import Counter
-        self.inner, self.uri, self.calls = inner, inner.uri, Counter()
-
-    def __getattr__(self, name):
-        fn = getattr(self.inner, name)
-
-        def counted(*args, **kwargs):
-            self.calls[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-
 @pytest.mark.parametrize("history", [5, 40])
 def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
     s = fresh_storage(f"history-{history}")
     for v in range(history):
         for vol, wrong in (("a", 1), ("b", 2)):
             put(s, v, vol, [g(1, v, vol, [[8], [wrong]])])
-    counting = CountingStorage(s)
+    counting = RecordingStorage(s)
     ing = make(counting)
     top = history - 1
     out = ing.poll(win(top), IngestStats())
@@ -342,26 +327,6 @@ def test_the_audited_group_is_not_predictable_from_the_seed():
     assert len(picks[0]) == 40 and picks[0] != picks[1]  # same by chance: 4**-40
 
 
-class ListingStorage:
-    """A real storage that records its listings: each call's prefix and how many keys came back."""
-
-    def __init__(self, inner):
-        self.inner, self.uri, self.lists = inner, inner.uri, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def list(self, prefix, limit=None):
-        keys = self.inner.list(prefix, limit)
-        self.lists.append(("list", prefix, limit, len(keys)))
-        return keys
-
-    def list_level(self, prefix):
-        entries = self.inner.list_level(prefix)
-        self.lists.append(("list_level", prefix, None, len(entries)))
-        return entries
-
-
 def flood(tmp_path, version, vol, n):
     """`n` junk objects in a volunteer folder, written straight to the folder bucket."""
     folder = tmp_path / layout.rollout_volunteer_prefix(version, vol)
@@ -374,7 +339,7 @@ def test_a_polls_listing_is_bounded_by_the_cap_not_by_what_a_volunteer_wrote(tmp
     import volunteer_rl.ingest as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 4)
-    s = ListingStorage(open_storage(str(tmp_path)))
+    s = RecordingStorage(open_storage(str(tmp_path)))
     flood(tmp_path, 3, "flooder", 500)
     honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
     stats = IngestStats()
@@ -395,7 +360,7 @@ def test_a_polls_listing_is_bounded_by_the_cap_not_by_what_a_volunteer_wrote(tmp
 
 
 def test_a_denied_volunteers_folder_is_not_listed(tmp_path):
-    s = ListingStorage(open_storage(str(tmp_path)))
+    s = RecordingStorage(open_storage(str(tmp_path)))
     flood(tmp_path, 3, "evil", 50)
     honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
     fleet = Fleet()

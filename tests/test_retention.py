@@ -1,6 +1,7 @@
 """Retention planning (pure), deleting through Storage, and the trainer's incremental passes."""
 import pytest
 
+from recording_storage import RecordingStorage
 from volunteer_rl import layout
 from volunteer_rl.manifest import Dataset, Manifest, Sampling
 from volunteer_rl.signing import Trust
@@ -225,32 +226,24 @@ def test_is_missing():
 
 # --- the trainer's passes ---------------------------------------------------------------------
 
-class CountingStorage:
-    def __init__(self, inner):
-        self.inner, self.uri, self.listed = inner, inner.uri, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def list(self, prefix):
-        self.listed.append(prefix)
-        return self.inner.list(prefix)
+def listed(s: RecordingStorage) -> list[str]:
+    return [prefix for _, prefix, _, _ in s.lists]
 
 
 def test_trainer_passes_list_only_the_versions_that_fell_out(tmp_path):
-    s = CountingStorage(open_storage(str(tmp_path)))
+    s = RecordingStorage(open_storage(str(tmp_path)))
     logs = []
     r = TrainerRetention(s, keep_versions=3, every=2, log=logs.append)
     fill(s, range(11), committed=set(range(11)) - {2})
-    assert r.after_publish(manifest(9)) is None and s.listed == []  # 1st publish: no pass
+    assert r.after_publish(manifest(9)) is None and listed(s) == []  # 1st publish: no pass
     out = r.after_publish(manifest(10))                               # 2nd: full pass
-    assert set(s.listed) == {"checkpoints", "rollouts", "manifests"} and out.objects == 8 * 4
+    assert set(listed(s)) == {"checkpoints", "rollouts", "manifests"} and out.objects == 8 * 4
     assert r.floor == 8 and logs == ["retention: removed 32 objects, 160 B; kept v8-v10"]
-    s.listed.clear()
+    s.lists.clear()
     fill(s, range(11, 13))
     r.after_publish(manifest(11))
     out = r.after_publish(manifest(12))
-    assert sorted(s.listed) == ["checkpoints/v000008", "checkpoints/v000009",
+    assert sorted(listed(s)) == ["checkpoints/v000008", "checkpoints/v000009",
                                 "rollouts/v000008", "rollouts/v000009"]
     assert out.objects == 8 and r.floor == 10
     assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {10, 11, 12}

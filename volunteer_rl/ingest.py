@@ -284,9 +284,7 @@ class Ingest:
             return []
         keys = [e for e in entries if not e.endswith("/")][:cap]
         for folder in (e for e in entries if e.endswith("/")):
-            volunteer = folder.rstrip("/").rsplit("/", 1)[-1]
-            if layout.is_safe_name(volunteer) and self.fleet.is_denied(volunteer):
-                stats.denied += 1
+            if self._denied(folder, stats):
                 continue
             if folder in self.capped:
                 keys += self.capped[folder]

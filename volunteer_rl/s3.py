@@ -489,12 +489,15 @@ class S3Storage:
         full = "/".join(part for part in (self.root, prefix.strip("/")) if part)
         return f"{full}/" if full else ""
 
+    def _relative(self, full: str) -> str:
+        """A listed key relative to the URI prefix."""
+        return full[len(self.root) + 1:] if self.root else full
+
     def list(self, prefix: str, limit: int | None = None) -> list[str]:
         """All keys under `prefix/` (recursive), relative to the URI prefix, sorted.
 
         With `limit`, the first `limit` keys: S3 lists in key order, so paging stops there,
         in pages sized to need no more than one extra key (1,025 keys: two pages of 513)."""
-        cut = len(self.root) + 1 if self.root else 0
         config: dict = {}
         if limit is not None:
             if limit <= 0:
@@ -506,7 +509,7 @@ class S3Storage:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._prefix(prefix), **config)
             for page in pages:
-                keys += [obj["Key"][cut:] for obj in page.get("Contents", [])]
+                keys += [self._relative(obj["Key"]) for obj in page.get("Contents", [])]
                 if limit is not None and len(keys) >= limit:
                     break
         return sorted(keys)[:limit]
@@ -514,14 +517,13 @@ class S3Storage:
     def list_level(self, prefix: str) -> list[str]:
         """The objects directly under `prefix/` and its folders (keys ending in '/'),
         sorted: LIST with Delimiter='/', so a folder costs one entry whatever it holds."""
-        cut = len(self.root) + 1 if self.root else 0
         out: list[str] = []
         with self._errors(prefix, "list"):
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._prefix(prefix), Delimiter="/")
             for page in pages:
-                out += [obj["Key"][cut:] for obj in page.get("Contents", [])]
-                out += [p["Prefix"][cut:] for p in page.get("CommonPrefixes", [])]
+                out += [self._relative(obj["Key"]) for obj in page.get("Contents", [])]
+                out += [self._relative(p["Prefix"]) for p in page.get("CommonPrefixes", [])]
         return sorted(out)
 
     # --- writes ------------------------------------------------------------------------

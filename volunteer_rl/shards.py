@@ -121,8 +121,13 @@ class Budget:
         return min(MAX_LINE_BYTES, BYTES_PER_LINE + self.k * per_completion)
 
     @property
+    def lines(self) -> int:
+        """Lines (groups) a shard may hold: the manifest's, never above MAX_GROUPS_PER_SHARD."""
+        return min(self.groups, MAX_GROUPS_PER_SHARD)
+
+    @property
     def decompressed_bytes(self) -> int:
-        return min(MAX_DECOMPRESSED_BYTES, min(self.groups, MAX_GROUPS_PER_SHARD) * (self.line_bytes + 1))
+        return min(MAX_DECOMPRESSED_BYTES, self.lines * (self.line_bytes + 1))
 
 
 def _bounded_int(text: str) -> int:
@@ -239,7 +244,7 @@ def iter_groups(data: bytes, budget: Budget = Budget()):
     if len(data) > MAX_SHARD_BYTES:
         raise ShardError("too_large", f"{len(data)} compressed bytes")
     text = _gunzip_capped(data, budget.decompressed_bytes)
-    lines = _line_spans(text, min(budget.groups, MAX_GROUPS_PER_SHARD))
+    lines = _line_spans(text, budget.lines)
     if not lines:
         raise ShardError("empty", "no groups")
     for start, end in lines:
