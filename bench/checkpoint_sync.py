@@ -94,8 +94,8 @@ def qwen3(quick: bool):
 
 
 def policy_for(model):
-    from volunteer_rl.policy import Policy, build_tokenizer
-    from volunteer_rl.task import load_csv
+    from volunteer_rl.model.policy import Policy, build_tokenizer
+    from volunteer_rl.task.calculator import load_csv
     from volunteer_rl.config import PACKAGE_DATA
 
     problems = load_csv(PACKAGE_DATA / "train.csv")[:2000]
@@ -119,8 +119,8 @@ class Publisher:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-        from volunteer_rl.storage import open_storage
-        from volunteer_rl.trainer import upload_dataset
+        from volunteer_rl.storage.base import open_storage
+        from volunteer_rl.trainer.loop import upload_dataset
 
         self.cfg = TrainerConfig(bucket=uri, endpoint_url=endpoint, work_dir=str(work),
                                  weights_dtype=dtype)
@@ -130,7 +130,7 @@ class Publisher:
         self.manifest = None
 
     def publish(self) -> None:
-        from volunteer_rl.trainer import publish
+        from volunteer_rl.trainer.loop import publish
 
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
@@ -168,7 +168,7 @@ def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
     """Folder bucket: publish and fetch, vrl and raw; returns rows, bytes per version, the
     published weights file (the raw S3 transfers send the same bytes) and the volunteer's
     read buffer (the S3 fetch reuses it, as a volunteer would)."""
-    from volunteer_rl.volunteer import swap_weights
+    from volunteer_rl.volunteer.loop import swap_weights
 
     bucket = tmp / f"bucket-{dtype}"
     pub = Publisher(str(bucket), None, policy, dtype, tmp / f"work-{dtype}")
@@ -206,8 +206,8 @@ def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
              quick: bool) -> list[Row]:
     """S3 (moto over HTTP): one round of each transfer on an emptied bucket."""
     from bench.s3_checkpoint import reset_bucket
-    from volunteer_rl.s3 import S3Storage
-    from volunteer_rl.volunteer import swap_weights
+    from volunteer_rl.storage.s3 import S3Storage
+    from volunteer_rl.volunteer.loop import swap_weights
 
     plain = S3Storage(f"s3://{BUCKET}/raw", endpoint_url=endpoint)
     reset_bucket(plain, endpoint)

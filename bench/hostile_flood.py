@@ -101,8 +101,8 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
     """`n` well-formed groups of `k` completions of `tokens` random token ids each, rewards
     computed as the trainer computes them (the task is public), logprobs made up."""
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.policy import load_policy
-    from volunteer_rl.task import load_csv, reward
+    from volunteer_rl.model.policy import load_policy
+    from volunteer_rl.task.calculator import load_csv, reward
 
     tok = load_policy(model_dir, "cpu").tokenizer
     problems = load_csv(PACKAGE_DATA / "train.csv")
@@ -123,7 +123,7 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
 def _late_shard(pool: list[dict], volunteer: str, version: int, forge_last: bool) -> bytes:
     """SHARD_GROUPS_LIMIT lines of `pool`'s groups, spread over the pool; with `forge_last`,
     the last line's first reward flipped."""
-    from volunteer_rl.shards import SHARD_GROUPS_LIMIT
+    from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
 
     n = SHARD_GROUPS_LIMIT
     lines = []
@@ -139,7 +139,7 @@ def _late_shard(pool: list[dict], volunteer: str, version: int, forge_last: bool
 
 def build_payloads(model_dir: Path, out: Path, k: int, max_new_tokens: int) -> dict:
     """Every writer's pre-built bytes as files under `out`; returns their index for the spec."""
-    from volunteer_rl.shards import MAX_DECOMPRESSED_BYTES, Budget
+    from volunteer_rl.protocol.shards import MAX_DECOMPRESSED_BYTES, Budget
 
     out.mkdir(parents=True)
     pool = _groups(model_dir, DISTINCT_GROUPS, k, max_new_tokens, seed=13)
@@ -492,7 +492,7 @@ def _row(base: dict, flooded: dict, nice: int, plan: Plan, quick: bool) -> Row:
     cores = (f["cpu_user"] + f["cpu_system"]) / max(f["wall"], 1e-9)
     ft, bt = fb["totals"], base["bucket"]["totals"]
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.ingest import MAX_OBJECTS_PER_VOLUNTEER_VERSION
+    from volunteer_rl.trainer.ingest import MAX_OBJECTS_PER_VOLUNTEER_VERSION
 
     d = TrainerConfig(bucket="")
     where = (f"niceness {nice}: the CPU the trainer and volunteer leave, as on machines of their own" if nice > 0

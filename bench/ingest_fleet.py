@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Row, cli
-from volunteer_rl import layout
-from volunteer_rl.shards import Completion, Group, encode_shard, new_shard_name
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m bench.ingest_fleet"
@@ -89,10 +89,10 @@ def make_policy_and_pool(sizes: Sizes):
     import torch
 
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.ingest import Rules
-    from volunteer_rl.policy import encode_prompts, sample
-    from volunteer_rl.task import load_csv, reward
-    from volunteer_rl.trainer import dataset_paths, initial_policy
+    from volunteer_rl.trainer.ingest import Rules
+    from volunteer_rl.model.policy import encode_prompts, sample
+    from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.trainer.loop import dataset_paths, initial_policy
 
     cfg = TrainerConfig(bucket="unused", warm_start_steps=sizes.warm_start_steps, seed=0)
     problems = load_csv(dataset_paths(cfg)[0])
@@ -174,7 +174,7 @@ class RequestCounter:
 
 def counted_storage(bucket: str, endpoint: str):
     """The trainer's storage (`open_storage`, Retrying over S3Storage) and its counter."""
-    from volunteer_rl.storage import open_storage
+    from volunteer_rl.storage.base import open_storage
 
     storage = open_storage(f"s3://{bucket}", endpoint)
     return storage, RequestCounter(storage.inner.client)
@@ -184,23 +184,23 @@ def counted_storage(bucket: str, endpoint: str):
 # The two ways to ingest.
 
 def window_of(history: int):
-    from volunteer_rl.ingest import Window
+    from volunteer_rl.trainer.ingest import Window
 
     top = history - 1
     return Window(top, STALENESS, set(range(top - STALENESS, top + 1)))
 
 
 def new_ingest(storage, rules):
-    from volunteer_rl.fleet import Fleet
-    from volunteer_rl.ingest import Ingest
-    from volunteer_rl.ledger import Ledger
+    from volunteer_rl.trainer.fleet import Fleet
+    from volunteer_rl.trainer.ingest import Ingest
+    from volunteer_rl.protocol.ledger import Ledger
 
     return Ingest(storage, rules, Ledger(), Fleet(), audit=None, log=lambda m: None)
 
 
 def vrl_poll(ingest, win) -> tuple[int, int, int]:
     """(shards, groups, usable groups) of one Ingest.poll."""
-    from volunteer_rl.ingest import IngestStats
+    from volunteer_rl.trainer.ingest import IngestStats
 
     stats = IngestStats()
     usable = ingest.poll(win, stats)
@@ -216,7 +216,7 @@ class Naive:
         self.storage, self.rules, self.seen = storage, rules, set()
 
     def poll(self, win) -> tuple[int, int, int]:
-        from volunteer_rl.ingest import read_shard
+        from volunteer_rl.trainer.ingest import read_shard
 
         shards = groups = 0
         for key in self.storage.list(layout.ROLLOUTS):
@@ -260,7 +260,7 @@ def requests_per_step(endpoint: str, bucket: str, history: int, rules, pool,
 
     Both pollers run side by side on the same arrivals; uploads go through a storage of
     their own, so only the pollers' requests are counted."""
-    from volunteer_rl.storage import open_storage
+    from volunteer_rl.storage.base import open_storage
 
     win = window_of(history)
     writer = open_storage(f"s3://{bucket}", endpoint)
@@ -312,7 +312,7 @@ def results(quick: bool = False) -> list[Row]:
           f"({usable_share:.0%} with reward variance)", flush=True)
     server, endpoint = start([str(ROOT / "infra" / "s3_server.py")], "the moto server")
     try:
-        from volunteer_rl.storage import open_storage
+        from volunteer_rl.storage.base import open_storage
 
         buckets = {"short": ("vrl-ingest-short", sizes.short_history),
                    "long": ("vrl-ingest-long", sizes.long_history)}

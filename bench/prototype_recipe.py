@@ -106,9 +106,9 @@ def recipe_child(spec: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.losses import reinforce_advantages, reinforce_loss
-    from volunteer_rl.policy import encode_prompts, load_policy, sample, token_logprobs
-    from volunteer_rl.task import load_csv, reward
+    from volunteer_rl.trainer.losses import reinforce_advantages, reinforce_loss
+    from volunteer_rl.model.policy import encode_prompts, load_policy, sample, token_logprobs
+    from volunteer_rl.task.calculator import load_csv, reward
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ builds them (`initial_policy`, the same warm-start steps and seed), once, and sa
 `save_policy` to a folder (cached under runs/bench/ by steps, seed, data and source hashes).
 Both contenders start from that folder: `vrl trainer --model FOLDER` and GRPOTrainer on the
 model and tokenizer `load_policy(FOLDER)` returns. Same train prompts (data/train.csv in the
-plain "Q: ...\\nA: " template vrl.json names), same reward (`volunteer_rl.task.reward`), K = 8,
+plain "Q: ...\\nA: " template vrl.json names), same reward (`volunteer_rl.task.calculator.reward`), K = 8,
 temperature 1.0 with no top-k / top-p, 32 new tokens at most, AdamW at lr 3e-4 with constant
 schedule, no weight decay, gradient clipping at 1.0, clip range 0.2 / 0.28, no KL term,
 token-level ("dapo") loss normalisation and group-std-scaled advantages on both sides.
@@ -45,7 +45,7 @@ evaluation of TRL can mirror. Instead both runs keep their weights on one time g
 time (every version stays in the folder bucket: ~2.4 MB each, in a temporary folder), TRL's
 weights after the last optimizer step that ended at or before it (copied and saved in a
 callback, which takes its own time off TRL's clock). After both runs every kept snapshot is
-scored by the evaluator vrl's trainer uses, `volunteer_rl.evaluate.greedy_and_sampled`, on the
+scored by the evaluator vrl's trainer uses, `volunteer_rl.trainer.evaluate.greedy_and_sampled`, on the
 same held-out prompts (all 500 of data/eval.csv, 100 with --quick; 4 samples each at T = 1),
 with the same seed before each call, so all snapshots see the same random numbers.
 
@@ -137,9 +137,9 @@ def shared_start(steps: int = WARM_START_STEPS, seed: int = SEED) -> Path:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-    from volunteer_rl.policy import save_policy
-    from volunteer_rl.task import load_csv
-    from volunteer_rl.trainer import initial_policy
+    from volunteer_rl.model.policy import save_policy
+    from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.trainer.loop import initial_policy
 
     train = PACKAGE_DATA / "train.csv"
     sources = [train] + [ROOT / "volunteer_rl" / f for f in ("policy.py", "warmstart.py", "trainer.py")]
@@ -310,8 +310,8 @@ def trl_child(spec: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.policy import encode_prompts, format_prompt, load_policy
-    from volunteer_rl.task import load_csv, reward
+    from volunteer_rl.model.policy import encode_prompts, format_prompt, load_policy
+    from volunteer_rl.task.calculator import load_csv, reward
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, from TRL
     torch.set_num_threads(THREADS)
@@ -411,9 +411,9 @@ def score(run: Run, model_dir: Path, plan: Plan, cache: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.evaluate import greedy_and_sampled
-    from volunteer_rl.policy import load_policy, load_weights
-    from volunteer_rl.task import load_csv
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled
+    from volunteer_rl.model.policy import load_policy, load_weights
+    from volunteer_rl.task.calculator import load_csv
 
     torch.set_num_threads(THREADS)
     problems = load_csv(PACKAGE_DATA / "eval.csv")[: plan.eval_prompts]

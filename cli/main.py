@@ -35,12 +35,12 @@ def _log(msg: str) -> None:
 @contextmanager
 def _clean_errors():
     """Map the library's known errors to one line naming the object or flag."""
-    from volunteer_rl.checkpoint import CheckpointError
-    from volunteer_rl.fleet import DenylistError
-    from volunteer_rl.manifest import ManifestError
-    from volunteer_rl.signing import SignatureError
-    from volunteer_rl.storage import StorageError
-    from volunteer_rl.task import DatasetError
+    from volunteer_rl.model.checkpoint import CheckpointError
+    from volunteer_rl.protocol.fleet import DenylistError
+    from volunteer_rl.protocol.manifest import ManifestError
+    from volunteer_rl.protocol.signing import SignatureError
+    from volunteer_rl.storage.base import StorageError
+    from volunteer_rl.task.calculator import DatasetError
 
     known = (CheckpointError, DenylistError, ManifestError, SignatureError, StorageError,
              DatasetError, ValueError)
@@ -49,7 +49,7 @@ def _clean_errors():
     except Exception as exc:
         # TrainerError only if the trainer was imported: importing it means importing torch,
         # seconds that commands like `vrl status` have no use for.
-        trainer = sys.modules.get("volunteer_rl.trainer")
+        trainer = sys.modules.get("volunteer_rl.trainer.loop")
         if not isinstance(exc, known + ((trainer.TrainerError,) if trainer else ())):
             raise
         print(f"error: {exc}", file=sys.stderr)
@@ -104,7 +104,7 @@ def trainer(
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.stopping import StopSignal, Stopped
+    from volunteer_rl.trainer.stopping import StopSignal, Stopped
 
     cfg = TrainerConfig(**{k_: v for k_, v in locals().items() if k_ in TrainerConfig.__dataclass_fields__})
     if algo not in ("reinforce", "grpo"):
@@ -118,7 +118,7 @@ def trainer(
     with _clean_errors():
         try:
             with stop.abortable():
-                from volunteer_rl.trainer import Trainer
+                from volunteer_rl.trainer.loop import Trainer
 
                 trainer_ = Trainer(cfg, log=_log, stop=stop)
             trainer_.start()
@@ -167,7 +167,7 @@ def volunteer(
                           trust_key=trust_key, allow_unsigned=allow_unsigned,
                           heartbeat_seconds=heartbeat_seconds)
     with _clean_errors():
-        from volunteer_rl.volunteer import Volunteer
+        from volunteer_rl.volunteer.loop import Volunteer
 
         v = Volunteer(cfg, log=_log)
         v.install_signal_handlers()
@@ -187,8 +187,8 @@ def volunteers_list(bucket: Bucket, endpoint_url: Endpoint = None):
     Example: vrl volunteers list --bucket s3://my-bucket/run1
     """
     with _clean_errors():
-        from volunteer_rl.fleet import read_denylist
-        from volunteer_rl.storage import open_storage
+        from volunteer_rl.protocol.fleet import read_denylist
+        from volunteer_rl.storage.base import open_storage
 
         entries, _ = read_denylist(open_storage(bucket, endpoint_url))
         if not entries:
@@ -201,9 +201,9 @@ def volunteers_list(bucket: Bucket, endpoint_url: Endpoint = None):
 def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, deny: bool,
                    reason: str = "") -> bool:
     """Add or remove one id with a compare-and-swap; True if the list changed."""
-    from volunteer_rl.fleet import update_denylist
-    from volunteer_rl.layout import is_safe_name
-    from volunteer_rl.storage import open_storage
+    from volunteer_rl.protocol.fleet import update_denylist
+    from volunteer_rl.protocol.layout import is_safe_name
+    from volunteer_rl.storage.base import open_storage
 
     if not is_safe_name(volunteer_id):
         raise typer.BadParameter(f"{volunteer_id!r} is not a volunteer id", param_hint="ID")
@@ -266,11 +266,11 @@ def eval_(
     """
     with _clean_errors():
         from volunteer_rl.config import PACKAGE_DATA
-        from volunteer_rl.evaluate import greedy_and_sampled, load_version
-        from volunteer_rl.policy import pick_device
-        from volunteer_rl.signing import reader_trust
-        from volunteer_rl.storage import open_storage
-        from volunteer_rl.task import load_csv
+        from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
+        from volunteer_rl.model.policy import pick_device
+        from volunteer_rl.protocol.signing import reader_trust
+        from volunteer_rl.storage.base import open_storage
+        from volunteer_rl.task.calculator import load_csv
 
         problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
         storage = open_storage(bucket, endpoint_url)
@@ -297,9 +297,9 @@ def status(
     Example: vrl status --bucket s3://my-bucket/run1 --watch
     """
     with _clean_errors():
-        from volunteer_rl.status import read_status, render
-        from volunteer_rl.status import watch as watch_status
-        from volunteer_rl.storage import open_storage
+        from volunteer_rl.observe.status import read_status, render
+        from volunteer_rl.observe.status import watch as watch_status
+        from volunteer_rl.storage.base import open_storage
 
         storage = open_storage(bucket, endpoint_url)
         if json_:
@@ -325,8 +325,8 @@ def dashboard(bucket: Bucket, endpoint_url: Endpoint = None):
     Example: vrl dashboard --bucket ./bucket
     """
     with _clean_errors():
-        from volunteer_rl.dashboard import read_history, write_dashboard
-        from volunteer_rl.storage import open_storage
+        from volunteer_rl.observe.dashboard import read_history, write_dashboard
+        from volunteer_rl.storage.base import open_storage
 
         storage = open_storage(bucket, endpoint_url)
         keys = write_dashboard(storage, read_history(storage))
@@ -353,9 +353,9 @@ def gc(
     Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
     """
     with _clean_errors():
-        from volunteer_rl.retention import collect, summary_lines
-        from volunteer_rl.signing import Trust, resolve_trust_key
-        from volunteer_rl.storage import open_storage
+        from volunteer_rl.trainer.retention import collect, summary_lines
+        from volunteer_rl.protocol.signing import Trust, resolve_trust_key
+        from volunteer_rl.storage.base import open_storage
 
         # Without --trust-key any validly signed manifest will do: gc runs with the
         # trainer's credentials, and whoever can replace the manifest can delete anyway.
@@ -385,7 +385,7 @@ def public_key(
     Example: vrl public-key --work-dir .vrl/trainer
     """
     with _clean_errors():
-        from volunteer_rl.signing import key_path, load_or_create_key, public_key_text
+        from volunteer_rl.protocol.signing import key_path, load_or_create_key, public_key_text
 
         key, _ = load_or_create_key(key_path(signing_key, work_dir))
         print(public_key_text(key))

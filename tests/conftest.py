@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from volunteer_rl import layout
+from volunteer_rl.protocol import layout
 
 TEMPLATE_VERSION = 2
 
@@ -36,10 +36,10 @@ def template(tmp_path_factory) -> Template:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-    from volunteer_rl.policy import encode_prompts, sample
-    from volunteer_rl.shards import Completion, Group
-    from volunteer_rl.task import reward
-    from volunteer_rl.trainer import Trainer
+    from volunteer_rl.model.policy import encode_prompts, sample
+    from volunteer_rl.protocol.shards import Completion, Group
+    from volunteer_rl.task.calculator import reward
+    from volunteer_rl.trainer.loop import Trainer
 
     root = tmp_path_factory.mktemp("template")
     eval_csv = root / "eval10.csv"

@@ -1,0 +1,1 @@
+"""Shared test helpers: real processes, bucket objects, fixtures, the storage contract."""

@@ -1,0 +1,60 @@
+"""Writing test objects into a bucket folder and checking what a trainer left there: shared by
+the live tests (hostile, crash, signals, stale liar, default dashboard)."""
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from conftest import TEMPLATE_VERSION
+from volunteer_rl.protocol import layout
+from volunteer_rl.model.checkpoint import fetch_checkpoint
+from volunteer_rl.protocol.manifest import read_manifest
+from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.storage.base import open_storage
+
+
+class FolderBucket:
+    """A folder bucket written with plain file calls (not the code under test)."""
+
+    def __init__(self, path: Path):
+        self.path, self.args = path, ["--bucket", str(path)]
+
+    def put(self, key: str, data: bytes) -> str:
+        path = self.path / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".tmp-" + path.name[:200])
+        tmp.write_bytes(data)
+        tmp.replace(path)  # the trainer must never see half a test object either
+        return key
+
+    def read(self, key: str) -> bytes:
+        return (self.path / key).read_bytes()
+
+
+def as_dicts(groups, volunteer: str) -> list[dict]:
+    """Groups as shard lines, relabelled as made by `volunteer`."""
+    out = []
+    for g in groups:
+        d = asdict(g)
+        d["volunteer_id"] = volunteer
+        out.append(d)
+    return out
+
+
+def gz_lines(rows: list) -> bytes:
+    return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def key(volunteer: str, name: str, version: int = TEMPLATE_VERSION) -> str:
+    return f"rollouts/{layout.version_dir(version)}/{volunteer}/{name}.jsonl.gz"
+
+
+def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
+    """The version the bucket's manifest names, after checking its signature and fetching
+    every file of its checkpoint (which raises on any missing or altered file)."""
+    storage = open_storage(str(bucket))
+    m = read_manifest(storage, trust=Trust(allow_unsigned=False))
+    fetch_checkpoint(storage, m, tmp / f"check-v{m.version}")
+    return m.version

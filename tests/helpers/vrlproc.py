@@ -1,0 +1,91 @@
+"""Run real `vrl` processes from tests: each writes its output to a log file we can read."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def as_background_job() -> None:
+    """What bash does to `cmd &` in a script (no job control) before it execs cmd: SIGINT and
+    SIGQUIT ignored. Python then installs no KeyboardInterrupt handler of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None,
+                 background_job: bool = False):
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self._f = open(log, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd,
+                                  stdout=self._f, stderr=subprocess.STDOUT, env=env,
+                                  preexec_fn=as_background_job if background_job else None)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"{self.log.name} did not finish in {timeout}s:\n{self.text()[-3000:]}")
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """The single `error: ...` line a failed `vrl` command must print (exit 1, no traceback)."""
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    return lines[0]
+
+
+FAKE_AWS_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def load_infra(name: str):
+    """Import infra/<name>.py by path: infra/ is not a package of the project."""
+    import importlib.util
+
+    module_name = f"_vrl_infra_{name}"
+    if module_name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "infra" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]

@@ -1,0 +1,191 @@
+"""Retention for real: a short `vrl trainer` run with `--gc-every`, then `vrl gc`, `vrl eval`
+and a volunteer whose next version is deleted under it, all on one folder bucket.
+
+The trainer is fed by a scripted volunteer in this process (one right and one wrong answer
+per group, so every group has reward variance), which keeps the run at a few seconds."""
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.vrlproc import Proc, run_vrl
+from volunteer_rl.protocol import layout
+from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.protocol.manifest import read_manifest
+from volunteer_rl.protocol.signing import Trust
+
+ANY_SIGNER = Trust()  # the test reads the run it started: any valid signature will do
+from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
+from volunteer_rl.storage.base import open_storage
+from volunteer_rl.task.calculator import load_csv
+
+STEPS = 8          # one version per step: v0..v8
+KEEP, EVERY, STALENESS = 3, 2, 1
+
+
+def head(src: Path, dst: Path, rows: int) -> Path:
+    dst.write_text("".join(src.read_text().splitlines(keepends=True)[: rows + 1]))
+    return dst
+
+
+def versions(bucket: Path, top: str) -> set[int]:
+    return {layout.split_versioned_key(k)[1] for k in open_storage(str(bucket)).list(top)}
+
+
+def scripted_shard(storage, version: int, problems, tokenizer, seq: int) -> None:
+    """Two groups of two completions: the right expression and a wrong one."""
+    eos = tokenizer.token_to_id("<eos>")
+    groups = []
+    for i in range(2):
+        p = problems[(2 * version + i) % len(problems)]
+        answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode("0").ids + [eos]]
+        groups.append(Group(p.id, version, "scripted",
+                            [Completion(ids, [-1.0] * len(ids), "", float(j == 0))
+                             for j, ids in enumerate(answers)]))
+    storage.create(layout.shard_key(version, "scripted", new_shard_name(seq)), encode_shard(groups))
+
+
+def feed(storage, trainer: Proc, problems) -> None:
+    """Write one shard for each version the trainer publishes, until it stops."""
+    from tokenizers import Tokenizer
+
+    tokenizer, written = None, set()
+    deadline = time.time() + 180
+    while trainer.p.poll() is None and time.time() < deadline:
+        m = read_manifest(storage, trust=ANY_SIGNER)
+        if m is not None and m.version not in written:
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_file(str(Path(storage.uri) / m.checkpoint / "tokenizer.json"))
+            scripted_shard(storage, m.version, problems, tokenizer, len(written))
+            written.add(m.version)
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retention")
+    bucket = root / "bucket"
+    train = head(PACKAGE_DATA / "train.csv", root / "train.csv", 200)
+    held_out = head(PACKAGE_DATA / "eval.csv", root / "eval.csv", 10)
+    problems = [p for p in load_csv(train) if len(p.expression) <= 24]
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--dataset", str(train),
+                    "--eval-dataset", str(held_out), "--warm-start-steps", "0", "-k", "2",
+                    "--groups-per-step", "2", "--max-steps", str(STEPS), "--eval-every", "0",
+                    "--max-staleness", str(STALENESS), "--keep-versions", str(KEEP),
+                    "--gc-every", str(EVERY), "--poll-seconds", "0.05", "--threads", "1",
+                    "--audit-tolerance", "0",  # the scripted logprobs are made up
+                    "--work-dir", str(root / "tw")], root / "trainer.log", root)
+    try:
+        feed(open_storage(str(bucket)), trainer, problems)
+        assert trainer.wait(60) == 0, trainer.text()[-3000:]
+    finally:
+        trainer.kill()
+    return {"root": root, "bucket": bucket, "eval": held_out, "trainer": trainer.text()}
+
+
+def test_trainer_gc_every_keeps_the_newest_versions(run):
+    bucket = run["bucket"]
+    assert read_manifest(open_storage(str(bucket)), trust=ANY_SIGNER).version == STEPS
+    # Passes after v2, v4, v6 and v8 (every 2nd publish); the last keeps v6-v8, the 3 newest.
+    assert versions(bucket, layout.CHECKPOINTS) == {6, 7, 8}
+    assert {6, 7} <= versions(bucket, layout.ROLLOUTS) <= {6, 7, 8}
+    assert versions(bucket, layout.MANIFESTS) == set(range(STEPS + 1))  # history stays
+    assert versions(bucket, layout.METRICS) == set(range(STEPS + 1))
+    # The pass after v2 finds nothing old enough; each later one removes two versions.
+    kept = re.findall(r"^retention: removed \d+ objects, [\d.]+ MB; kept (v\d+-v\d+)$",
+                      run["trainer"], re.M)
+    assert kept == ["v2-v4", "v4-v6", "v6-v8"], run["trainer"]
+    assert "warning" not in run["trainer"]
+
+
+@pytest.fixture(scope="module")
+def collected(run):
+    """A copy of the run's bucket with other parts' prefixes added, then `vrl gc` on it."""
+    bucket = run["root"] / "gc-bucket"
+    shutil.copytree(run["bucket"], bucket)
+    s = open_storage(str(bucket))
+    s.write("ledger/v000001.jsonl", b"{}\n")
+    s.write("quarantine/v000006/scripted/x.json", b"{}")
+    before = sorted(p for p in bucket.rglob("*") if p.is_file())
+    dry = run_vrl(["gc", "--bucket", str(bucket), "--keep-versions", "2", "--dry-run"], run["root"])
+    assert sorted(p for p in bucket.rglob("*") if p.is_file()) == before
+    real = run_vrl(["gc", "--bucket", str(bucket), "--keep-versions", "2"], run["root"])
+    return {"bucket": bucket, "dry": dry, "real": real, "root": run["root"], "eval": run["eval"]}
+
+
+def test_gc_removes_beyond_the_window_and_reports_each_prefix(collected):
+    dry, real = collected["dry"], collected["real"]
+    for r in (dry, real):
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        assert r.stdout.splitlines()[0].startswith("kept: v7-v8 and anything newer (manifest v8")
+    files = len(list((collected["bucket"] / layout.checkpoint_prefix(7)).iterdir()))
+    assert re.search(rf"^checkpoints/: would remove {files} objects, [\d.]+ [kM]B "
+                     r"\(\d+ below the kept range: v6\)$", dry.stdout, re.M), dry.stdout
+    assert re.search(r"^rollouts/: would remove 1 object, \d+ B \(1 below the kept range: v6\)$",
+                     dry.stdout, re.M), dry.stdout
+    assert dry.stdout.replace("would remove", "removed") == real.stdout
+    bucket = collected["bucket"]
+    assert versions(bucket, layout.CHECKPOINTS) == {7, 8}
+    assert not (bucket / layout.checkpoint_prefix(6)).exists()  # no empty folders left
+    s = open_storage(str(bucket))
+    assert s.exists("ledger/v000001.jsonl") and s.exists("quarantine/v000006/scripted/x.json")
+    assert s.exists(layout.manifest_history_key(0)) and s.exists(layout.MANIFEST)
+
+
+def test_eval_of_the_current_version_works_and_a_removed_one_says_so(collected):
+    from volunteer_rl.model.checkpoint import CheckpointError
+    from volunteer_rl.trainer.evaluate import load_version
+
+    r = run_vrl(["eval", "--bucket", str(collected["bucket"]), "--dataset", str(collected["eval"]),
+                 "--samples", "1", "--work-dir", str(collected["root"] / "ew")], collected["root"])
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^v8: greedy \d+\.\d%, sampled \(T=1.0\) \d+\.\d% on 10 prompts$", r.stdout, re.M)
+    # `vrl eval --version 6` prints this one line (CheckpointError) and exits 1.
+    with pytest.raises(CheckpointError) as e:
+        load_version(open_storage(str(collected["bucket"])), 6, collected["root"] / "ew",
+                     trust=ANY_SIGNER)
+    assert str(e.value) == (
+        "checkpoints/v000006: removed by retention (`vrl gc` or `vrl trainer --gc-every`); "
+        "manifests/v000006.json is kept as history, the weights are not")
+
+
+def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collected, tmp_path):
+    """The volunteer reads the manifest naming v8; before it fetches v8's weights the trainer
+    publishes v9 and retention deletes v8. It must re-read the manifest and load v9."""
+    from volunteer_rl.config import TrainerConfig, VolunteerConfig
+    from volunteer_rl.protocol.signing import load_or_create_key
+    from volunteer_rl.trainer.loop import publish
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    bucket = tmp_path / "bucket"
+    shutil.copytree(collected["bucket"], bucket)
+    s = open_storage(str(bucket))
+    m7, m8 = read_manifest(s, 7, trust=ANY_SIGNER), read_manifest(s, 8, trust=ANY_SIGNER)
+    logs: list[str] = []
+    v = Volunteer(VolunteerConfig(bucket=str(bucket), volunteer_id="v", work_dir=str(tmp_path / "vw")),
+                  log=logs.append)
+    s.write(layout.MANIFEST, s.read(layout.manifest_history_key(7)))  # v7 is current (signed bytes)
+    assert v._try_switch(v._poll_manifest()) and v.manifest.version == 7
+    s.write(layout.MANIFEST, s.read(layout.manifest_history_key(8)))  # v8 is published and seen...
+    seen = v._poll_manifest()
+    assert seen.version == 8 and v.manifest.version == 7
+    etag = s.read_if_changed(layout.MANIFEST, None)[1]
+    cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"))
+    key, _ = load_or_create_key(collected["root"] / "tw" / "signing-key.pem")
+    publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key)   # ...then v9 comes
+    for key in s.list(layout.checkpoint_prefix(8)):             # and v8 goes
+        s.delete(key)
+    assert v._try_switch(seen)
+    assert v.manifest.version == 9
+    assert logs.count("v8 was removed from the bucket; the manifest now names v9") == 1
+    assert logs[-1].startswith("now on v9 ") and not any("warning" in line for line in logs)
+    # The manifest's own version missing is a broken bucket, not retention: said once, no move.
+    for key in s.list(layout.checkpoint_prefix(9)):
+        s.delete(key)
+    v.manifest = m7
+    assert not v._try_switch(v.latest) and not v._try_switch(v.latest)
+    assert sum("cannot load v9" in line for line in logs) == 1 and v.manifest is m7

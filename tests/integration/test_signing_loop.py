@@ -1,0 +1,155 @@
+"""Signed manifests with real `vrl` processes on a folder bucket.
+
+The trainer publishes v0 and three more versions (trained on a hand-made shard whose groups
+have reward variance, so no warm start is needed); a volunteer given the wrong key refuses to
+run, one given the right key follows the manifest and uploads shards. ~40 s on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
+from volunteer_rl.protocol import layout
+from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.protocol.manifest import read_manifest
+from volunteer_rl.protocol.shards import Completion, Group, encode_shard
+from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
+from volunteer_rl.storage.base import open_storage
+from volunteer_rl.task.calculator import load_csv
+
+STEPS = 3
+K = 4
+FOREIGN = public_key_text(Ed25519PrivateKey.generate())
+
+
+def useful_shard(bucket: Path, groups: int) -> None:
+    """Groups of v0 with two right and two wrong answers each, tokenized with v0's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bucket / layout.checkpoint_key(0, "tokenizer.json")))
+    eos = tok.token_to_id("<eos>")
+    problems = [p for p in load_csv(PACKAGE_DATA / "train.csv")[:50] if len(p.expression) < 40]
+
+    def completion(text: str, right: bool) -> Completion:
+        ids = tok.encode(text, add_special_tokens=False).ids + [eos]
+        return Completion(ids, [-1.0] * len(ids), text, float(right))
+    out = [Group(p.id, 0, "handmade",
+                 [completion(p.expression if i % 2 == 0 else f"{p.expression} + 1", i % 2 == 0)
+                  for i in range(K)])
+           for p in problems[:groups]]
+    key = layout.shard_key(0, "handmade", "0000000000001-000000-00000000")
+    open_storage(str(bucket)).create(key, encode_shard(out))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("signed")
+    bucket = root / "bucket"
+    eval_csv = root / "eval.csv"
+    eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:9]))
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "0", "--k", str(K),
+                    "--groups-per-step", "1", "--max-steps", str(STEPS), "--eval-every", "0",
+                    "--eval-dataset", str(eval_csv), "--threads", "1", "--poll-seconds", "0.1",
+                    "--audit-tolerance", "0",  # the handmade shards carry made-up logprobs
+                    "--work-dir", str(root / "tw")], root / "trainer.log", root)
+    # Volunteers start with the trainer (their imports overlap its set-up) and wait for v0.
+    # The right key is only known once the trainer made it: that volunteer reads it from the
+    # trainer's .pub file, as an operator would copy it.
+    pub_file = root / "tw" / "signing-key.pem.pub"
+    wait_for(pub_file.exists, 60, "the trainer's key")
+    volunteer = ["volunteer", "--bucket", str(bucket), "--threads", "1", "--poll-seconds", "0.2",
+                 "--prompts-per-batch", "4", "--shard-groups", "4", "--work-dir", str(root / "vw")]
+    right = Proc([*volunteer, "--id", "trusting", "--trust-key", str(pub_file)],
+                 root / "right.log", root)
+    wrong = subprocess.Popen(  # stdout and stderr apart: the refusal must be one stderr line
+        [sys.executable, "-m", "volunteer_rl_cli", *volunteer, "--id", "foreign",
+         "--trust-key", FOREIGN, "--max-seconds", "60"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: (bucket / layout.MANIFEST).exists(), 120, "v0")
+        useful_shard(bucket, STEPS)
+        wrong_out, wrong_err = wrong.communicate(timeout=90)
+        assert trainer.wait(120) == 0, trainer.text()[-3000:]
+        wait_for(lambda: f"now on v{STEPS} " in right.text() and "uploaded" in right.text(), 90,
+                 "the trusting volunteer to upload with the last version")
+        right_code = right.terminate()
+    finally:
+        for p in (trainer, right):
+            p.kill()
+        if wrong.poll() is None:
+            wrong.kill()
+            wrong.wait()
+    return {"root": root, "bucket": bucket, "key": pub_file.read_text().strip(),
+            "trainer": trainer.text(), "right": right.text(), "right_code": right_code,
+            "wrong": subprocess.CompletedProcess(wrong.args, wrong.returncode, wrong_out, wrong_err)}
+
+
+def shards_of(bucket: Path, volunteer_id: str) -> list[Path]:
+    return sorted((bucket / layout.ROLLOUTS).glob(f"v*/{volunteer_id}/*{layout.SHARD_SUFFIX}"))
+
+
+def test_a_volunteer_given_the_wrong_key_refuses_to_run(run):
+    err = one_line_error(run["wrong"])
+    assert err == (f"error: manifest.json: signed by {run['key']}, not by the trusted key "
+                   f"{FOREIGN} (--trust-key)")
+    assert shards_of(run["bucket"], "foreign") == []
+    assert "now on" not in run["wrong"].stdout and "uploaded" not in run["wrong"].stdout
+
+
+def test_a_volunteer_given_the_right_key_runs(run):
+    assert f"manifests must be signed by {run['key']} (--trust-key)" in run["right"]
+    assert run["right_code"] == 0 and "warning" not in run["right"]
+    assert len(shards_of(run["bucket"], "trusting")) >= 1
+
+
+def test_every_version_is_signed_by_the_key_the_trainer_printed(run):
+    assert f"public key {run['key']}" in run["trainer"]
+    storage, trust = open_storage(str(run["bucket"])), Trust(run["key"])
+    assert [read_manifest(storage, v, trust=trust).version for v in range(STEPS + 1)] == [0, 1, 2, 3]
+    current = (run["bucket"] / layout.MANIFEST).read_bytes()
+    assert current == (run["bucket"] / layout.manifest_history_key(STEPS)).read_bytes()
+    assert json.loads(current)["signature"]["public_key"] == run["key"]
+
+
+def test_the_private_key_stays_on_the_trainer_host(run):
+    key_file = run["root"] / "tw" / "signing-key.pem"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    secret = b"".join(key_file.read_bytes().splitlines()[1:-1])  # the base64 body of the PEM
+    files = [p for p in run["bucket"].rglob("*") if p.is_file()]
+    assert len(files) > 10
+    for p in files:
+        data = p.read_bytes()
+        assert not p.name.endswith(".pem") and b"PRIVATE KEY" not in data and secret not in data, p
+
+
+def test_a_trainer_with_another_key_does_not_resume_the_run(run):
+    bucket = run["root"] / "resume-copy"
+    shutil.copytree(run["bucket"], bucket)
+    err = one_line_error(run_vrl(["trainer", "--bucket", str(bucket), "--max-seconds", "1",
+                                  "--work-dir", str(run["root"] / "tw-other")], cwd=run["root"]))
+    assert err.startswith(f"error: manifest.json: signed by {run['key']}, not by the trusted key ")
+    assert err.endswith("(this trainer's --signing-key)")
+    assert sorted(p.name for p in (bucket / layout.MANIFESTS).iterdir()) == \
+        sorted(p.name for p in (run["bucket"] / layout.MANIFESTS).iterdir())
+
+
+def test_a_manifest_changed_in_the_bucket_is_refused_before_any_download(run):
+    bucket = run["root"] / "tampered-copy"
+    shutil.copytree(run["bucket"], bucket)
+    path = bucket / layout.MANIFEST
+    m = json.loads(path.read_text())
+    path.write_text(path.read_text().replace(m["files"]["model.safetensors"]["sha256"], "0" * 64))
+    work = run["root"] / "ew"
+    err = one_line_error(run_vrl(["eval", "--bucket", str(bucket), "--trust-key", run["key"],
+                                  "--work-dir", str(work)], cwd=run["root"]))
+    assert err.startswith("error: manifest.json: signature does not verify")
+    assert not list(work.rglob("*.safetensors"))

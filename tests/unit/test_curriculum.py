@@ -1,0 +1,57 @@
+"""The volunteer's prompt picker: pure logic, no model."""
+import random
+
+from volunteer_rl.volunteer.curriculum import FLOOR, PromptPicker, stratum
+from volunteer_rl.task.calculator import Problem
+
+
+def problems(per_stratum: int = 50) -> list[Problem]:
+    exprs = ["1 + 2", "(1 + 2) * 3", "(1 + 2) * 3 - 4", "((1 + 2) * 3 - 4) // 5"]
+    return [Problem(i, f"q{i}", exprs[i % 4]) for i in range(4 * per_stratum)]
+
+
+def test_stratum_counts_operators():
+    assert [stratum(Problem(0, "q", e)) for e in ["7", "1 + 2", "2 ** 3 - 1", "-(4 // 2) % 3"]] == [0, 1, 2, 3]
+
+
+def test_shares_follow_the_useful_rate_with_a_floor():
+    pk = PromptPicker(problems(), random.Random(0))
+    assert all(abs(v - 0.25) < 1e-9 for v in pk.shares().values())  # nothing learnt yet
+    for p in pk.problems:
+        useful = stratum(p) == 2  # only the two-operator prompts have reward variance
+        for _ in range(3):
+            pk.observe(p, [1.0, 0.0] if useful else [0.0, 0.0])
+    shares = pk.shares()
+    assert abs(sum(shares.values()) - 1.0) < 1e-9
+    assert shares[2] > 0.8
+    assert min(shares.values()) >= FLOOR / (1 + len(shares) * FLOOR)  # floored, then renormalised
+
+
+def test_prompts_last_seen_uniform_are_mostly_skipped():
+    pk = PromptPicker(problems(), random.Random(0))
+    solved = {p.id for p in pk.problems[:100]}
+    for p in pk.problems[:100]:
+        pk.observe(p, [1.0, 1.0])
+    drawn = [p.id for _ in range(200) for p in pk.pick(8)]
+    share_solved = sum(i in solved for i in drawn) / len(drawn)
+    assert share_solved < 0.35  # half the prompts, drawn about a quarter as often
+
+
+def test_pick_gives_distinct_prompts_even_when_all_are_uniform():
+    pk = PromptPicker(problems(per_stratum=2), random.Random(0))
+    for p in pk.problems:
+        pk.observe(p, [0.0, 0.0])
+    picked = pk.pick(8)
+    assert len({p.id for p in picked}) == 8
+    assert len(pk.pick(100)) == 8  # never more than the dataset holds
+
+
+def test_non_adaptive_draws_uniformly_and_learns_nothing():
+    pk = PromptPicker(problems(), random.Random(0), adaptive=False)
+    for p in pk.problems:
+        pk.observe(p, [0.0, 0.0] if stratum(p) != 1 else [1.0, 0.0])
+    counts = {s: 0 for s in range(1, 5)}
+    for _ in range(500):
+        for p in pk.pick(4):
+            counts[stratum(p)] += 1
+    assert all(400 < c < 600 for c in counts.values())

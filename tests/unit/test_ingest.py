@@ -1,0 +1,391 @@
+"""The trainer's intake on an in-memory bucket: pure logic, a stand-in decoder."""
+import pytest
+
+from helpers.recording_storage import RecordingStorage
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.fleet import read_denylist
+from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window, window
+from volunteer_rl.protocol.ledger import Ledger, rebuild
+from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
+from volunteer_rl.storage.base import open_storage
+from volunteer_rl.task.calculator import Problem
+
+# token id t decodes to str(t): "12" is a completion whose text is 12
+PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
+
+
+def rules():
+    return Rules(PROBLEMS, vocab_size=100, k=2, max_new_tokens=8,
+                 decode=lambda ids: "".join(str(t) for t in ids))
+
+
+def put(storage, version, vol, groups, name="s1"):
+    key = layout.shard_key(version, vol, name)
+    storage.write(key, encode_shard(groups))
+    return key
+
+
+def g(prompt_id, version, vol, tokens, claimed=None):
+    """A group whose claimed rewards are the true ones unless `claimed` says otherwise."""
+    if claimed is None:
+        claimed = [rules().reward(prompt_id, t) if prompt_id < len(PROBLEMS) else 0.0
+                   for t in tokens]
+    return Group(prompt_id, version, vol, [Completion(t, [-0.5] * len(t), "", r)
+                                           for t, r in zip(tokens, claimed)])
+
+
+def fresh_storage(name):
+    return open_storage(f"memory://ingest-{name}")
+
+
+def make(s, log=lambda m: None, audit=None, fleet=None):
+    return Ingest(s, rules(), Ledger(), fleet or Fleet(), audit, log)
+
+
+def win(version, staleness=2, published=None):
+    low = max(0, version - staleness)
+    return Window(version, staleness, set(range(low, version + 1)) if published is None else published)
+
+
+def test_window():
+    assert list(window(5, 2)) == [3, 4, 5]
+    assert list(window(1, 3)) == [0, 1]
+
+
+def test_rewards_are_recomputed_and_a_forged_claim_rejects_the_shard():
+    s = fresh_storage("rewards")
+    # completion [12] decodes to "12" (= 5 + 7, right); [99] is wrong
+    put(s, 3, "v1", [g(0, 3, "v1", [[12], [99]], claimed=(1.0, 0.0))], name="honest")
+    put(s, 3, "v2", [g(0, 3, "v2", [[12], [98]], claimed=(1.0, 1.0))], name="forged")
+    stats = IngestStats()
+    out = make(s).poll(win(3), stats)
+    assert [x.rewards for x in out] == [[1.0, 0.0]] and out[0].volunteer_id == "v1"
+    assert stats.rejected == {"reward_mismatch": 1}
+
+
+def test_only_the_window_is_listed_and_shards_are_taken_once():
+    s = fresh_storage("window")
+    put(s, 0, "v1", [g(0, 0, "v1", [[12], [1]])])
+    put(s, 4, "v1", [g(1, 4, "v1", [[8], [1]])])
+    ing = make(s)
+    listed = []
+    real_list_level = s.list_level
+    s.list_level = lambda prefix: listed.append(prefix) or real_list_level(prefix)
+    out = ing.poll(win(5), IngestStats())
+    assert [x.policy_version for x in out] == [4]
+    assert listed == ["rollouts/v000003", "rollouts/v000004", "rollouts/v000005"]
+    assert ing.poll(win(5), IngestStats()) == []
+
+
+@pytest.mark.parametrize("groups, vol_in_key, reason", [
+    ([g(7, 3, "v1", [[1], [2]])], "v1", "unknown_prompt"),
+    ([g(0, 2, "v1", [[1], [2]])], "v1", "version_mismatch"),
+    ([g(0, 4, "v1", [[1], [2]])], "v1", "unpublished_version"),
+    ([g(0, 0, "v1", [[1], [2]])], "v1", "stale_version"),
+    ([g(0, 3, "other", [[1], [2]])], "v1", "volunteer_mismatch"),
+    ([g(0, 3, "v1", [[1], [200]])], "v1", "bad_token"),
+    ([g(0, 3, "v1", [[1] * 9, [2]])], "v1", "too_many_tokens"),
+    ([Group(0, 3, "v1", [Completion([1], [-0.1], "", 0.0)])], "v1", "bad_group_size"),
+    # with the good group first, one more line than the manifest's max_shard_groups
+    ([g(i % 2, 3, "v1", [[8], [i % 90]]) for i in range(SHARD_GROUPS_LIMIT)], "v1", "too_many_groups"),
+])
+def test_bad_groups_reject_the_whole_shard(groups, vol_in_key, reason):
+    s = fresh_storage(f"bad-{reason}")
+    good = g(1, 3, vol_in_key, [[8], [1]])
+    put(s, 3, vol_in_key, [good] + groups)
+    stats = IngestStats()
+    logs = []
+    out = make(s, logs.append).poll(win(3), stats)
+    assert out == [] and stats.rejected == {reason: 1}
+    assert logs and "rollouts/v000003/" in logs[0]
+    record = s.read(f"quarantine/v000003/{vol_in_key}/s1.json")
+    assert f'"reason": "{reason}"' in record.decode()
+
+
+def test_unreadable_shard_is_reported_and_skipped():
+    s = fresh_storage("garbage")
+    s.write("rollouts/v000001/v1/x.jsonl.gz", b"\x1f\x8b garbage")
+    s.write("rollouts/v000001/v1/notes.txt", b"not a shard key")
+    stats = IngestStats()
+    logs = []
+    assert make(s, logs.append).poll(win(1), stats) == []
+    assert stats.rejected == {"bad_gzip": 1, "bad_key": 1}
+    assert len(logs) == 2
+
+
+def scored(version, prompt_id=0):
+    from volunteer_rl.trainer.ingest import ScoredGroup
+    return ScoredGroup(prompt_id, version, "v1", [[1], [2]], [[-1.0], [-1.0]], [1.0, 0.0], "k")
+
+
+def test_staleness_filter():
+    from volunteer_rl.trainer.ingest import split_fresh
+    groups = [scored(v) for v in (3, 7, 5, 6, 4, 8)]
+    fresh, stale = split_fresh(groups, version=7, max_staleness=2)
+    assert [g.policy_version for g in fresh] == [7, 6, 5]        # newest first, window 5..7
+    assert sorted(g.policy_version for g in stale) == [3, 4, 8]  # too old, or from the future
+    fresh, stale = split_fresh(groups, version=7, max_staleness=0)
+    assert [g.policy_version for g in fresh] == [7]
+
+
+def test_a_version_whose_publish_crashed_is_not_accepted():
+    s = fresh_storage("gap")
+    put(s, 2, "v1", [g(1, 2, "v1", [[8], [1]])])
+    stats = IngestStats()
+    assert make(s).poll(win(3, published={1, 3}), stats) == []
+    assert stats.rejected == {"unpublished_version": 1}
+
+
+def test_duplicates_count_once_across_keys_and_volunteers():
+    s = fresh_storage("dups")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s2")          # replayed under a new key
+    put(s, 3, "b", [g(1, 3, "b", [[8], [1]]), g(0, 3, "b", [[12], [3]])], name="s3")
+    stats = IngestStats()
+    ing = make(s)
+    out = ing.poll(win(3), stats)
+    assert [(x.volunteer_id, x.prompt_id) for x in out] == [("a", 1), ("b", 0)]
+    # s2 brings nothing new: rejected (a repeat must not count as accepted); s3 brings one
+    # new group, so it is accepted and its repeat is recorded as a duplicate.
+    assert stats.duplicates == 1 and stats.rejected == {"duplicate_only": 1}
+    assert ing.fleet.counts["a"].rejected == 1 and ing.fleet.counts["b"].rejected == 0
+    outcomes = {(r["key"].split("/")[-1], r["outcome"]) for r in ing.ledger.pending}
+    assert outcomes == {("s2.jsonl.gz", "rejected"), ("s3.jsonl.gz", "duplicate")}
+    assert s.exists("quarantine/v000003/a/s2.json")
+
+
+def test_the_ledger_survives_a_restart_through_the_bucket():
+    s = fresh_storage("ledger")
+    key = put(s, 3, "a", [g(1, 3, "a", [[8], [1]]), g(1, 3, "a", [[8], [2]])])
+    ing = make(s)
+    first, second = ing.poll(win(3), IngestStats())
+    ing.ledger.record(key, "trained", [first.line], 2, [first.digest], step=1)
+    ing.ledger.flush(s, 4)
+    # a new trainer process: rebuilt from ledger/v000004.jsonl, it takes only the other group
+    again = Ingest(s, rules(), rebuild(s, [4]), Fleet(), None, lambda m: None)
+    assert [x.line for x in again.poll(win(3), IngestStats())] == [second.line]
+    again.ledger.record(key, "trained", [second.line], 2, [second.digest], step=2)
+    assert again.ledger.finished(key)
+    assert again.poll(win(3), IngestStats()) == []
+
+
+def test_audit_mismatch_rejects_the_shard():
+    s = fresh_storage("audit")
+    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])])
+    stats = IngestStats()
+    ing = make(s, audit=lambda groups: "logprobs differ by 0.7")
+    ing.audit_version = 3
+    assert ing.poll(win(3), stats) == [] and stats.rejected == {"logprob_mismatch": 1}
+    put(s, 2, "a", [g(1, 2, "a", [[8], [1]])])       # other weights than those in memory:
+    assert len(ing.poll(win(3), IngestStats())) == 1  # not audited
+
+
+def test_a_volunteer_that_keeps_failing_is_denied_until_allowed():
+    s = fresh_storage("deny")
+    for i in range(3):
+        put(s, 3, "evil", [g(7, 3, "evil", [[1], [2]])], name=f"bad{i}")
+    fleet = Fleet(deny_after=3, deny_rate=0.5)
+    ing = make(s, fleet=fleet)
+    stats = IngestStats()
+    ing.poll(win(3), stats)
+    assert stats.rejected == {"unknown_prompt": 3}
+    entries, _ = read_denylist(s)
+    assert set(entries) == {"evil"} and entries["evil"]["rejected"] == 3
+    put(s, 3, "evil", [g(1, 3, "evil", [[8], [1]])], name="good")
+    stats = IngestStats()
+    assert ing.poll(win(3), stats) == [] and stats.denied == 1
+    from volunteer_rl.protocol.fleet import update_denylist
+    update_denylist(s, lambda e: bool(e.pop("evil", None)))           # what `allow` does
+    assert len(ing.poll(win(3), IngestStats())) == 1
+    assert fleet.counts["evil"].rejected == 0 and fleet.counts["evil"].accepted == 1
+
+
+def test_a_volunteer_denied_mid_poll_has_its_prefetched_shards_skipped():
+    s = fresh_storage("deny-mid-poll")
+    for i in range(4):
+        put(s, 3, "evil", [g(7, 3, "evil", [[1], [2]])], name=f"bad{i}")
+    stats = IngestStats()
+    ing = make(s, fleet=Fleet(deny_after=2, deny_rate=0.5))
+    assert ing.poll(win(3), stats) == []
+    # fetched ahead in parallel, but checked in order: denied after the second rejection
+    assert stats.rejected == {"unknown_prompt": 2} and stats.denied == 2
+
+
+@pytest.mark.parametrize("history", [5, 40])
+def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
+    s = fresh_storage(f"history-{history}")
+    for v in range(history):
+        for vol, wrong in (("a", 1), ("b", 2)):
+            put(s, v, vol, [g(1, v, vol, [[8], [wrong]])])
+    counting = RecordingStorage(s)
+    ing = make(counting)
+    top = history - 1
+    out = ing.poll(win(top), IngestStats())
+    assert len(out) == 6  # two volunteers x the window's three versions
+    # one LIST of folder names per version, one bounded LIST per volunteer folder
+    assert counting.calls == {"read_if_changed": 1, "list_level": 3, "list": 6, "read": 6}
+    put(s, top, "c", [g(0, top, "c", [[12], [1]])])
+    counting.calls.clear()
+    assert len(ing.poll(win(top), IngestStats())) == 1
+    assert counting.calls == {"read_if_changed": 1, "list_level": 3, "list": 7, "read": 1}
+    # moving on forgets the keys that left the window
+    put(s, top + 1, "a", [g(1, top + 1, "a", [[8], [3]])], name="late")
+    ing.poll(win(top + 1), IngestStats())
+    assert {layout.parse_shard_key(k)[0] for k in ing.taken} == {top - 1, top, top + 1}
+
+
+def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
+    """Reading one object ends in "accepted" or a reason code: an exception nobody planned for
+    (here from the audit) is logged with its traceback, quarantined and put in the ledger, so
+    a restarted trainer does not read the shard again, and later shards are still taken."""
+    s = fresh_storage("unforeseen")
+    bad = put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
+    good = put(s, 3, "b", [g(0, 3, "b", [[12], [1]])], name="s2")
+
+    def audit(groups):
+        if groups[0].volunteer_id == "a":
+            raise OverflowError("int too large to convert to float")
+        return None
+
+    logs = []
+    ing = make(s, log=logs.append, audit=audit)
+    ing.audit_version = 3
+    stats = IngestStats()
+    out = ing.poll(win(3), stats)
+    assert [x.key for x in out] == [good]
+    assert stats.rejected == {"internal_error": 1}
+    assert any("Traceback" in m and "OverflowError" in m for m in logs)
+    assert s.exists(layout.quarantine_key(bad))
+    ing.ledger.flush(s, 4)
+    assert rebuild(s, [4]).finished(bad)
+
+
+def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded_small():
+    """Objects that are no shard used to be free: never counted, never denied, and each left a
+    ledger record holding its whole key. Now each is a rejection of the id in its path, with a
+    quarantine record, a ledger record of bounded size, and denial like any other reject."""
+    s = fresh_storage("junk")
+    long_name = "x" * 900
+    junk = [f"rollouts/v000003/spammer/notes-{i}.txt" for i in range(5)]
+    junk.append(f"rollouts/v000003/spammer/zz/{long_name}")  # listed last
+    for k in junk:
+        s.write(k, b"hi")
+    good = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    fleet = Fleet(deny_after=5, deny_rate=0.5)
+    ing, logs = make(s, fleet=fleet), []
+    ing.log = logs.append
+    stats = IngestStats()
+    assert [x.key for x in ing.poll(win(3), stats)] == [good]
+    assert stats.rejected == {"bad_key": 5}  # the sixth was skipped: denied after five
+    assert fleet.is_denied("spammer") and "spammer" in read_denylist(s)[0]
+    assert all(s.exists(layout.quarantine_key(k)) for k in junk[:5])
+    assert all(len(r["key"]) <= 160 for r in ing.ledger.pending)
+    ing.ledger.flush(s, 4)
+    rebuilt = rebuild(s, [4])
+    assert all(rebuilt.finished(k) for k in junk[:5])
+    # a long key is recorded shortened, and looked up the same way
+    s.delete(layout.DENYLIST)  # lifted: its objects are read again by a new trainer
+    ing2 = make(s, fleet=Fleet(deny_after=0))
+    ing2.poll(win(3), IngestStats())
+    assert ing2.ledger.finished(junk[-1])
+    assert max(len(r["key"]) for r in ing2.ledger.pending) <= 160
+
+
+def test_objects_past_the_per_volunteer_cap_are_skipped_unread(monkeypatch):
+    import volunteer_rl.trainer.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
+    s = fresh_storage("cap")
+    for i in range(6):
+        put(s, 3, "busy", [g(0, 3, "busy", [[12], [i]])], name=f"s{i}")
+    put(s, 3, "calm", [g(1, 3, "calm", [[8], [1]])])
+    stats = IngestStats()
+    ing = make(s)
+    out = ing.poll(win(3), stats)
+    assert sorted((x.volunteer_id, x.key.rsplit("/", 1)[1]) for x in out) == [
+        ("busy", "s0.jsonl.gz"), ("busy", "s1.jsonl.gz"), ("busy", "s2.jsonl.gz"),
+        ("calm", "s1.jsonl.gz")]
+    assert stats.over_cap == 1 and not stats.rejected  # one folder over the cap
+    stats = IngestStats()
+    assert ing.poll(win(3), stats) == [] and stats.over_cap == 0  # counted once per version
+
+
+def test_the_audited_group_is_not_predictable_from_the_seed():
+    """Two trainers with the same seed must not audit the same groups: a liar that could
+    predict the choice would lie only in the others."""
+    s = fresh_storage("unpredictable")
+    for i in range(40):
+        put(s, 3, "a", [g(0, 3, "a", [[12], [j // 10, j % 10]]) for j in range(4 * i, 4 * i + 4)],
+            name=f"s{i}")
+    picks = []
+    for _ in range(2):
+        chosen = []
+        ing = make(s, audit=lambda groups: chosen.append(groups[0].line))
+        ing.audit_version = 3
+        ing.poll(win(3), IngestStats())
+        picks.append(chosen)
+    assert len(picks[0]) == 40 and picks[0] != picks[1]  # same by chance: 4**-40
+
+
+def flood(tmp_path, version, vol, n):
+    """`n` junk objects in a volunteer folder, written straight to the folder bucket."""
+    folder = tmp_path / layout.rollout_volunteer_prefix(version, vol)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"junk-{i:05d}.txt").write_bytes(b"x")
+
+
+def test_a_polls_listing_is_bounded_by_the_cap_not_by_what_a_volunteer_wrote(tmp_path, monkeypatch):
+    import volunteer_rl.trainer.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 4)
+    s = RecordingStorage(open_storage(str(tmp_path)))
+    flood(tmp_path, 3, "flooder", 500)
+    honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    stats = IngestStats()
+    ing = make(s, fleet=Fleet(deny_after=100))
+    assert [x.key for x in ing.poll(win(3, staleness=0), stats)] == [honest]
+    assert s.lists == [("list_level", "rollouts/v000003", None, 2),
+                       ("list", "rollouts/v000003/flooder/", 5, 5),
+                       ("list", "rollouts/v000003/honest/", 5, 1)]
+    assert stats.over_cap == 1 and stats.rejected == {"bad_key": 4}
+    # the folder found over the cap is not listed again in this version, nor counted again
+    flood(tmp_path, 3, "flooder", 1000)
+    s.lists.clear()
+    stats = IngestStats()
+    assert ing.poll(win(3, staleness=0), stats) == []
+    assert s.lists == [("list_level", "rollouts/v000003", None, 2),
+                       ("list", "rollouts/v000003/honest/", 5, 1)]
+    assert stats.over_cap == 0 and not stats.rejected
+
+
+def test_a_denied_volunteers_folder_is_not_listed(tmp_path):
+    s = RecordingStorage(open_storage(str(tmp_path)))
+    flood(tmp_path, 3, "evil", 50)
+    honest = put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])])
+    fleet = Fleet()
+    fleet.deny(s, "evil", "test")
+    stats = IngestStats()
+    assert [x.key for x in make(s, fleet=fleet).poll(win(3, staleness=0), stats)] == [honest]
+    assert [p for op, p, _, _ in s.lists if op == "list"] == ["rollouts/v000003/honest/"]
+    assert stats.denied == 1 and not stats.rejected  # one skipped folder, not 50 objects
+
+
+def test_keys_outside_volunteer_folders_are_rejected_and_capped(tmp_path, monkeypatch):
+    """Objects directly in a version folder are no volunteer's: up to the cap of them are taken
+    (and rejected `bad_key`, charged to nobody), in one sorted order with the shards."""
+    import volunteer_rl.trainer.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
+    s = open_storage(str(tmp_path))
+    for name in ("a.txt", "b.txt", "zz.txt", "zzz.txt"):
+        s.write(f"rollouts/v000003/{name}", b"x")
+    shard = put(s, 3, "m-vol", [g(0, 3, "m-vol", [[12], [1]])])
+    order = []
+    stats = IngestStats()
+    ing = make(s, log=order.append)
+    assert [x.key for x in ing.poll(win(3, staleness=0), stats)] == [shard]
+    assert stats.rejected == {"bad_key": 3} and not stats.by_volunteer["m-vol"][1]
+    assert [m.split()[1].rstrip(":") for m in order] == [
+        "rollouts/v000003/a.txt", "rollouts/v000003/b.txt", "rollouts/v000003/zz.txt"]

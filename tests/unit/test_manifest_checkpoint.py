@@ -1,0 +1,107 @@
+import json
+
+import pytest
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, publish_checkpoint
+from volunteer_rl.protocol.manifest import (Dataset, Manifest, ManifestError, Sampling, read_manifest,
+                                   write_manifest)
+from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
+from volunteer_rl.storage.base import open_storage
+
+KEY = Ed25519PrivateKey.generate()
+TRUST = Trust(public_key_text(KEY))
+
+
+def make_manifest(version=3, files=None):
+    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+                    files=files or {}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
+                    sampling=Sampling(8, 1.0, 32), max_staleness=2)
+
+
+def test_round_trip_and_history(tmp_path):
+    s = open_storage(str(tmp_path))
+    assert read_manifest(s, trust=TRUST) is None
+    m = make_manifest()
+    etag = write_manifest(s, m, None, KEY)
+    assert read_manifest(s, trust=TRUST) == m
+    assert read_manifest(s, version=3, trust=TRUST) == m
+    assert read_manifest(s, version=2, trust=TRUST) is None
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    assert raw["schema_version"] == layout.SCHEMA_VERSION
+    # A second trainer that never saw this manifest cannot advance the bucket.
+    from volunteer_rl.storage.base import PreconditionFailed
+    m4 = make_manifest(4)
+    with pytest.raises(PreconditionFailed):
+        write_manifest(s, m4, None, KEY)
+    write_manifest(s, m4, etag, KEY)
+    assert read_manifest(s, trust=TRUST).version == 4
+    assert raw["sampling"] == {"k": 8, "temperature": 1.0, "max_new_tokens": 32}
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", "malformed"),
+    (b"[]", "malformed"),
+    (b'{"schema_version": 99}', "schema_version 99"),
+    (b'{"schema_version": 1, "run_id": "x"}', "malformed"),
+])
+def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle):
+    s = open_storage(str(tmp_path))
+    s.write("manifest.json", body)
+    with pytest.raises(ManifestError) as e:
+        read_manifest(s, trust=Trust(allow_unsigned=True))  # the field checks, not the signature
+    msg = str(e.value)
+    assert msg.startswith("manifest.json") and needle in msg and "\n" not in msg
+
+
+def test_manifest_must_point_at_its_own_version(tmp_path):
+    s = open_storage(str(tmp_path))
+    data = json.loads(make_manifest().to_json())
+    data["checkpoint"] = "checkpoints/v000001"
+    s.write("manifest.json", json.dumps(sign(data, KEY)).encode())  # signed, still refused
+    with pytest.raises(ManifestError, match="does not match version"):
+        read_manifest(s, trust=TRUST)
+
+
+def test_max_shard_groups_is_bounded_and_defaults_for_older_trainers(tmp_path):
+    from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
+    data = json.loads(make_manifest().to_json())
+    assert data["max_shard_groups"] == MAX_GROUPS_PER_SHARD  # signed with the rest
+    del data["max_shard_groups"]                             # an older trainer's manifest
+    assert Manifest.from_raw(data).max_shard_groups == MAX_GROUPS_PER_SHARD
+    data["max_shard_groups"] = 64
+    assert Manifest.from_raw(data).max_shard_groups == 64
+    for bad in (0, -1, MAX_GROUPS_PER_SHARD + 1, 10 ** 30, "64", True, 64.0, None):
+        data["max_shard_groups"] = bad
+        with pytest.raises(ManifestError, match="max_shard_groups"):
+            Manifest.from_raw(data)
+
+
+def test_unsafe_file_names_in_manifest_refused(tmp_path):
+    s = open_storage(str(tmp_path))
+    data = json.loads(make_manifest().to_json())
+    data["files"] = {"../../etc/passwd": {"sha256": "0" * 64, "size": 1}}
+    s.write("manifest.json", json.dumps(sign(data, KEY)).encode())
+    with pytest.raises(ManifestError, match="unsafe"):
+        read_manifest(s, trust=TRUST)
+
+
+def test_publish_then_fetch_verifies_sha(tmp_path):
+    s = open_storage(str(tmp_path / "bucket"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w" * 1000)
+    (src / "config.json").write_text("{}")
+    files = publish_checkpoint(s, 3, src)
+    assert set(files) == {"model.safetensors", "config.json"} and files["config.json"].size == 2
+    m = make_manifest(3, files)
+    out = fetch_checkpoint(s, m, tmp_path / "dest")
+    assert (out / "model.safetensors").read_bytes() == b"w" * 1000
+    from volunteer_rl.storage.base import AlreadyExists
+    with pytest.raises(AlreadyExists):  # written once: a version folder is never refilled
+        publish_checkpoint(s, 3, src)
+    # Someone swaps the bytes behind the manifest's back: fetch refuses, naming the object.
+    (tmp_path / "bucket/checkpoints/v000003/model.safetensors").write_bytes(b"x" * 1000)
+    with pytest.raises(CheckpointError, match="checkpoints/v000003/model.safetensors"):
+        fetch_checkpoint(s, m, tmp_path / "dest2")
+    assert not (tmp_path / "dest2" / "model.safetensors").exists()

@@ -1,0 +1,284 @@
+"""Retention planning (pure), deleting through Storage, and the trainer's incremental passes."""
+import pytest
+
+from helpers.recording_storage import RecordingStorage
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
+from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.storage.base import (LocalStorage, NotFound, Retrying, StorageError, is_missing,
+                                       open_storage)
+from volunteer_rl.trainer.retention import (BELOW_RANGE, UNCOMMITTED, TrainerRetention, collect,
+                                            execute, kept_from, plan, summary_lines, version_ranges)
+
+
+def ckpt(v, name="model.safetensors"):
+    return layout.checkpoint_key(v, name)
+
+
+def shard(v, vid="vol-1", n=0):
+    return layout.shard_key(v, vid, f"0000000000001-{n:06d}-00000000")
+
+
+def bucket_keys(versions, committed=None):
+    """Checkpoint files, shards, manifest copies and metrics of `versions`."""
+    committed = set(versions) if committed is None else committed
+    keys = [layout.MANIFEST]
+    for v in versions:
+        keys += [ckpt(v), ckpt(v, "config.json"), shard(v), shard(v, "vol-2"),
+                 layout.metrics_key(v)]
+        if v in committed:
+            keys.append(layout.manifest_history_key(v))
+    return keys
+
+
+def deleted_versions(p, prefix):
+    return {layout.split_versioned_key(k)[1] for k in p.keys if k.startswith(prefix + "/")}
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+def test_keeps_the_newest_n_and_removes_older_checkpoints_and_rollouts():
+    p = plan(bucket_keys(range(21)), current=20, max_staleness=2, keep_versions=10,
+             committed=set(range(21)))
+    assert p.kept_from == 11
+    assert deleted_versions(p, layout.CHECKPOINTS) == set(range(11))
+    assert deleted_versions(p, layout.ROLLOUTS) == set(range(11))
+    assert {r.reason for r in p.removals} == {BELOW_RANGE}
+    assert len(p.keys) == 11 * 4  # two checkpoint files and two shards per old version
+
+
+def test_never_deletes_the_manifest_version_nor_the_staleness_window():
+    for current in range(30):
+        for staleness in range(6):
+            for keep in (1, 2, 5):
+                p = plan(bucket_keys(range(current + 3)), current, staleness, keep,
+                         committed=set(range(current + 1)))
+                gone = deleted_versions(p, layout.CHECKPOINTS) | deleted_versions(p, layout.ROLLOUTS)
+                assert not gone & set(range(max(0, current - staleness), current + 3)), (current, staleness, keep)
+                assert current not in gone
+
+
+def test_staleness_window_wider_than_keep_versions_wins():
+    assert kept_from(20, max_staleness=8, keep_versions=3) == 12
+    assert kept_from(20, max_staleness=1, keep_versions=3) == 18
+    assert kept_from(2, max_staleness=1, keep_versions=10) == 0
+
+
+def test_keeps_versions_above_the_manifest_a_publish_may_be_in_flight():
+    keys = bucket_keys(range(10), committed=set(range(8)))  # v8, v9: uploaded, not committed
+    p = plan(keys, current=7, max_staleness=1, keep_versions=2, committed=set(range(8)))
+    assert deleted_versions(p, layout.CHECKPOINTS) == set(range(6))
+
+
+def test_manifest_history_metrics_and_unknown_prefixes_stay():
+    keys = bucket_keys(range(12)) + [
+        "ledger/v000001.jsonl", "quarantine/v000001/vol-1/x.json", "denylist.json",
+        "datasets/train-abc.csv", "volunteers/alice.json", "checkpoints/README",
+        "rollouts/notaversion/x.jsonl.gz"]
+    p = plan(keys, current=11, max_staleness=2, keep_versions=3, committed=set(range(12)))
+    assert all(k.startswith((layout.CHECKPOINTS + "/v", layout.ROLLOUTS + "/v")) for k in p.keys)
+    assert len(p.keys) == 9 * 4
+    # A new prefix is removed only once it is named.
+    p = plan(keys, current=11, max_staleness=2, keep_versions=3,
+             prefixes=(layout.CHECKPOINTS, layout.ROLLOUTS, "ledger"))
+    assert "ledger/v000001.jsonl" in p.keys and "quarantine/v000001/vol-1/x.json" not in p.keys
+
+
+def test_manifest_and_history_cannot_be_named_for_deletion():
+    for prefixes in ((layout.MANIFESTS,), (layout.CHECKPOINTS, layout.MANIFEST)):
+        with pytest.raises(ValueError, match="never deletes"):
+            plan([], 5, 1, 2, prefixes=prefixes)
+    with pytest.raises(ValueError, match="--keep-versions"):
+        plan([], 5, 1, 0)
+
+
+def test_crash_debris_of_uncommitted_versions_is_removed_below_the_window_only():
+    committed = set(range(20)) - {14, 16, 19}
+    keys = bucket_keys(range(21), committed=committed)
+    p = plan(keys, current=20, max_staleness=3, keep_versions=10, committed=committed)
+    debris = [r for r in p.removals if r.reason == UNCOMMITTED]
+    # v14 and v16: never committed, inside the kept range, below the window: checkpoint only.
+    # v19: uncommitted but inside the window (manifest.json may name it while its copy is missing).
+    assert [(r.prefix, r.versions) for r in debris] == [(layout.CHECKPOINTS, (14, 16))]
+    assert shard(14) not in p.keys
+    # Without the list of committed versions nothing is taken for debris.
+    p = plan(keys, current=20, max_staleness=3, keep_versions=10, committed=None)
+    assert {r.reason for r in p.removals} == {BELOW_RANGE}
+
+
+def test_version_parsing_of_keys():
+    assert layout.split_versioned_key("checkpoints/v000042/model.safetensors") == ("checkpoints", 42)
+    assert layout.split_versioned_key("manifests/v000042.json") == ("manifests", 42)
+    assert layout.split_versioned_key("ledger/v1234567.jsonl") == ("ledger", 1234567)
+    for other in ["manifest.json", "checkpoints/v42/x", "checkpoints/v000042.json/x",
+                  "rollouts/latest/x", "datasets/train-abc.csv", "v000001"]:
+        assert layout.split_versioned_key(other) is None, other
+
+
+def test_summary_names_the_kept_range_and_each_prefix():
+    keys = bucket_keys(range(12), committed=set(range(12)) - {5})
+    p = plan(keys, current=11, max_staleness=1, keep_versions=8, committed=set(range(12)) - {5})
+    storage = open_storage("memory://retention-summary")
+    for k in p.keys:
+        storage.write(k, b"x" * 100)
+    lines = summary_lines(p, execute(storage, p, dry_run=True), dry_run=True)
+    assert lines[0].startswith("kept: v4-v11 ")
+    assert lines[1] == ("checkpoints/: would remove 10 objects, 1.0 kB "
+                        "(8 below the kept range: v0-v3; 2 never committed: v5)")
+    assert lines[2] == "rollouts/: would remove 8 objects, 800 B (8 below the kept range: v0-v3)"
+    assert version_ranges([0, 1, 2, 5, 7, 8]) == "v0-v2, v5, v7-v8"
+
+
+# --- deleting --------------------------------------------------------------------------------
+
+def manifest(version, max_staleness=1):
+    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+                    files={}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
+                    sampling=Sampling(2, 1.0, 8), max_staleness=max_staleness)
+
+
+UNSIGNED = Trust(allow_unsigned=True)  # these manifests are written by hand, not signed
+
+
+def set_current(storage, version):
+    """manifest.json as the trainer leaves it (its manifests/ copy is written by `fill`)."""
+    storage.write(layout.MANIFEST, manifest(version).to_json())
+
+
+def fill(storage, versions, committed=None):
+    for key in bucket_keys(versions, committed):
+        if key != layout.MANIFEST:
+            storage.write(key, b"12345")
+
+
+def test_collect_deletes_and_dry_run_does_not(tmp_path):
+    s = open_storage(str(tmp_path))
+    fill(s, range(8))
+    s.write("ledger/v000001.jsonl", b"{}")
+    set_current(s, 7)
+    before = s.list("")
+    _, out = collect(s, keep_versions=3, dry_run=True, trust=UNSIGNED)
+    assert s.list("") == before and out.objects == 5 * 4 and out.bytes == 5 * 4 * 5
+    _, out = collect(s, keep_versions=3, trust=UNSIGNED)
+    assert out.objects == 20 and not out.failed
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints") + s.list("rollouts")} == {5, 6, 7}
+    assert s.exists("ledger/v000001.jsonl") and s.exists(layout.manifest_history_key(0))
+    assert s.exists(layout.metrics_key(0)) and s.exists(layout.MANIFEST)
+    # No empty version folders are left behind on a folder bucket.
+    assert not (tmp_path / "checkpoints" / "v000000").exists()
+    assert not (tmp_path / "rollouts" / "v000000").exists()
+    # A second pass finds nothing left to do.
+    assert collect(s, keep_versions=3, trust=UNSIGNED)[1].objects == 0
+
+
+def test_collect_refuses_a_bucket_without_manifest(tmp_path):
+    from volunteer_rl.protocol.manifest import ManifestError
+
+    s = open_storage(str(tmp_path))
+    fill(s, range(3))
+    with pytest.raises(ManifestError, match="manifest.json: not found"):
+        collect(s, keep_versions=1, trust=UNSIGNED)
+    assert len(s.list("checkpoints")) == 6
+
+
+class DenyDelete:
+    """A folder bucket whose delete fails for some keys, as a bucket policy would."""
+
+    def __init__(self, root, deny):
+        self.inner, self.deny, self.uri = LocalStorage(root), deny, str(root)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, key):
+        if any(d in key for d in self.deny):
+            raise PermissionError(f"{key}: access denied (delete)")
+        self.inner.delete(key)
+
+
+def test_failed_deletes_are_reported_and_the_rest_goes_on(tmp_path):
+    s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
+    fill(s, range(6))
+    set_current(s, 5)
+    _, out = collect(s, keep_versions=2, trust=UNSIGNED)
+    assert len(out.failed) == 4 and all("vol-2" in k for k, _ in out.failed)
+    assert all(m.startswith(k) and "\n" not in m for k, m in out.failed)
+    assert out.objects == 4 * 3  # both checkpoint files and vol-1's shard of v0-v3
+    assert sorted(k for k in s.list("rollouts") if "vol-1" in k) == [shard(4), shard(5)]
+
+
+def test_objects_already_gone_are_not_failures(tmp_path):
+    s = open_storage(str(tmp_path))
+    fill(s, range(4))
+    p = plan(s.list("checkpoints"), 3, 0, 1)
+    s.delete(ckpt(0))  # lifecycle expiry or another gc got there first
+    out = execute(s, p)
+    assert not out.failed and out.objects == 5
+
+
+def test_is_missing():
+    assert is_missing(NotFound("k: not found"))
+    wrapped = StorageError("k: read failed")
+    wrapped.__cause__ = PermissionError("access denied")  # S3 403 through Retrying
+    assert is_missing(wrapped)
+    assert not is_missing(StorageError("k: read failed: timeout"))
+
+
+# --- the trainer's passes ---------------------------------------------------------------------
+
+def listed(s: RecordingStorage) -> list[str]:
+    return [prefix for _, prefix, _, _ in s.lists]
+
+
+def test_trainer_passes_list_only_the_versions_that_fell_out(tmp_path):
+    s = RecordingStorage(open_storage(str(tmp_path)))
+    logs = []
+    r = TrainerRetention(s, keep_versions=3, every=2, log=logs.append)
+    fill(s, range(11), committed=set(range(11)) - {2})
+    assert r.after_publish(manifest(9)) is None and listed(s) == []  # 1st publish: no pass
+    out = r.after_publish(manifest(10))                               # 2nd: full pass
+    assert set(listed(s)) == {"checkpoints", "rollouts", "manifests"} and out.objects == 8 * 4
+    assert r.floor == 8 and logs == ["retention: removed 32 objects, 160 B; kept v8-v10"]
+    s.lists.clear()
+    fill(s, range(11, 13))
+    r.after_publish(manifest(11))
+    out = r.after_publish(manifest(12))
+    assert sorted(listed(s)) == ["checkpoints/v000008", "checkpoints/v000009",
+                                "rollouts/v000008", "rollouts/v000009"]
+    assert out.objects == 8 and r.floor == 10
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {10, 11, 12}
+
+
+def test_trainer_pass_failures_never_stop_the_trainer(tmp_path):
+    logs = []
+    s = Retrying(DenyDelete(tmp_path, deny=["checkpoints"]), sleep=lambda s: None)
+    fill(s, range(8))
+    r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
+    out = r.after_publish(manifest(7))
+    assert len(out.failed) == 12 and r.floor is None  # the next pass looks at everything again
+    assert sum("could not delete" in line for line in logs) == TrainerRetention.MAX_REPORTED + 1
+    assert TrainerRetention(s, keep_versions=2, every=0).after_publish(manifest(7)) is None
+    with pytest.raises(ValueError):
+        TrainerRetention(s, keep_versions=0, every=1)
+
+
+def test_gc_command_names_each_failed_object_and_exits_1(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import volunteer_rl.storage.base
+    from volunteer_rl_cli.main import app
+
+    s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
+    fill(s, range(6))
+    set_current(s, 5)
+    monkeypatch.setattr(volunteer_rl.storage.base, "open_storage", lambda uri, endpoint=None: s)
+    r = CliRunner().invoke(app, ["gc", "--bucket", str(tmp_path), "--keep-versions", "2",
+                                 "--allow-unsigned"])
+    assert r.exit_code == 1, r.output
+    out, err = r.stdout.splitlines(), r.stderr.splitlines()
+    assert out[0].startswith("kept: v4-v5 ")
+    assert out[1:] == ["checkpoints/: removed 8 objects, 40 B (8 below the kept range: v0-v3)",
+                       "rollouts/: removed 4 objects, 20 B (4 below the kept range: v0-v3)"]
+    assert [line.split(":")[0] for line in err[:4]] == ["error"] * 4
+    assert [line.split()[4].rstrip(":") for line in err[:4]] == [shard(v, "vol-2") for v in range(4)]
+    assert err[4] == "error: 4 objects could not be deleted; run vrl gc again to retry"

@@ -1,0 +1,263 @@
+"""Heartbeats, the trainer's fleet summary and `vrl status`, without a model or processes."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers.status_fixtures import NOW, beat, manifest
+from volunteer_rl.protocol import layout
+from volunteer_rl.trainer.fleet import Counts, Fleet
+from volunteer_rl.trainer.fleet_summary import (TIMELINE_POINTS, TIMELINE_SECONDS, FleetSummary,
+                                        absorb_steps, add_point)
+from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload
+from volunteer_rl.observe.status import (build_status, classify, heartbeat_lag, read_status, render,
+                                 timeline_points, version_at)
+from volunteer_rl.storage.base import StorageError, open_storage
+
+# --- classification -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hb, state", [
+    (beat(), "producing"),
+    (beat(completions_per_minute=0), "idle"),
+    (beat(version=None, completions_per_minute=0), "idle"),          # nothing loaded yet
+    (beat(version=39), "stale-version"),                              # 42 - 39 > window 2
+    (beat(version=40), "producing"),                                  # 42 - 40 = window: fine
+    (beat(run_id="another-run"), "stale-version"),
+    (beat(updated_at=NOW - 20), "producing"),                         # exactly 2 periods: alive
+    (beat(updated_at=NOW - 20.5), "offline"),                         # more than 2 periods
+    (beat(updated_at=NOW - 50, heartbeat_seconds=30), "producing"),   # its own period counts
+    (beat(state="stopped"), "offline"),                               # said goodbye
+    (beat(updated_at=NOW + 300), "producing"),                        # clock ahead: age 0
+    (beat(updated_at="soon"), "offline"),                             # garbage: not alive
+    (beat(heartbeat_seconds=1e12, updated_at=NOW - 7201), "offline"), # period clamped to 1 h
+    (beat(heartbeat_seconds=True, updated_at=NOW - 59), "producing"), # not a number: 30 s
+    (None, "unknown"),
+])
+def test_classify(hb, state):
+    points = [(NOW - 3, 42)]  # v42 published 3 s ago; every heartbeat above is newer or unjudged
+    assert classify(hb, NOW, "r1", 2, heartbeat_lag(hb or {}, NOW, points)) == state
+
+
+# --- lag at the heartbeat's time --------------------------------------------------------------
+
+def test_a_heartbeat_is_judged_against_the_version_of_its_own_time():
+    """The issue's case: a 30 s heartbeat names v10; the trainer was at v10 then and has
+    published 48 versions since. Producing, with lag 0 then and 48 now."""
+    summary = {"timeline": [[NOW - 40, 8], [NOW - 31, 10], [NOW - 20, 30], [NOW - 5, 55]],
+               "volunteers": {}}
+    hb = beat(updated_at=NOW - 29, version=10, heartbeat_seconds=30.0)
+    m = manifest(58)
+    doc = build_status("/b", m, {"a": hb}, summary, [], [], NOW)
+    row = doc["volunteers"][0]
+    assert (row["state"], row["version_lag"], row["version_lag_now"]) == ("producing", 0, 48)
+    # The same heartbeat naming v7 was 3 behind v10 at its time: stale, and nothing trained.
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "stale-version"
+    # ...unless the trainer stepped on its groups within the last minute.
+    summary["volunteers"]["a"] = {"last_version": 56, "last_trained_at": NOW - 10}
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "producing"
+    summary["volunteers"]["a"]["last_trained_at"] = NOW - 300
+    doc = build_status("/b", m, {"a": {**hb, "version": 7}}, summary, [], [], NOW)
+    assert doc["volunteers"][0]["state"] == "stale-version"
+
+
+def test_version_at_is_a_lower_bound_from_the_points():
+    points = timeline_points([[NOW - 10, 3], [NOW - 5, 9]], NOW - 1, 12)
+    assert [version_at(points, t) for t in (NOW - 11, NOW - 10, NOW - 6, NOW - 5, NOW)] == [None, 3, 3, 9, 12]
+    # A heartbeat older than every point is not judged by version (its age still counts).
+    assert heartbeat_lag(beat(updated_at=NOW - 11, version=0), NOW, points) is None
+
+
+@pytest.mark.parametrize("timeline", [
+    "not a list", [["x", 1]], [[NOW, "v3"]], [[NOW, 2.5]], [[True, 1]], [[NOW]], [[NOW, 1, 2]],
+    [{"t": NOW, "v": 1}], [[float("nan"), 1]], [[NOW, 10 ** 40]], [[NOW - 1, -5]],
+    [[NOW - 1, 1]] * 100_000, [[[[[NOW - 1]]]]],
+])
+@pytest.mark.parametrize("hb", [
+    beat(), beat(updated_at=NOW + 1e9), beat(updated_at=-1e300), beat(version=-(10 ** 30)),
+    beat(version=10 ** 30), beat(version=float("inf")), beat(version=True), beat(version="7"),
+    beat(run_id=["r1"]), beat(updated_at=None),
+])
+def test_hostile_timelines_and_heartbeats_give_a_state_never_an_exception(timeline, hb):
+    doc = build_status("/b", manifest(), {"a": hb}, {"timeline": timeline, "volunteers": {"a": []}},
+                       [], [], NOW)
+    row = doc["volunteers"][0]
+    assert row["state"] in ("producing", "idle", "stale-version", "offline")
+    assert row["version_lag"] is None or row["version_lag"] >= 0
+    json.dumps(doc)
+
+
+def test_timeline_is_bounded_thinned_and_never_ahead_of_the_trainer():
+    """Five versions a second for 40 minutes: at most TIMELINE_POINTS points over at most
+    TIMELINE_SECONDS, and every time inside that span reads a version the trainer had reached,
+    behind it by at most one slot's worth of publishes."""
+    timeline: list = []
+    rate, slot = 5, TIMELINE_SECONDS / TIMELINE_POINTS
+    for i in range(rate * 2400):
+        add_point(timeline, NOW + i / rate, i)
+    assert len(timeline) <= TIMELINE_POINTS
+    assert timeline[-1][0] - timeline[0][0] <= TIMELINE_SECONDS
+    points = [tuple(p) for p in timeline]
+    for t in range(math.ceil(timeline[0][0]), int(NOW + 2400)):
+        truth = int((t - NOW) * rate)
+        assert truth - rate * slot - 1 <= version_at(points, t) <= truth
+
+
+# --- the heartbeat payload -------------------------------------------------------------------
+
+def test_rate_is_completions_of_the_last_minute():
+    t = Tally(started_at=NOW - 300)
+    t.generated(2, 16, NOW - 90)    # out of the window
+    t.generated(4, 32, NOW - 50)
+    t.generated(4, 32, NOW - 10)
+    assert t.per_minute(NOW) == 64.0
+    assert t.per_minute(NOW + 100) == 0.0
+    assert (t.groups, t.completions) == (10, 80)
+
+
+def test_rate_right_after_start_is_over_the_time_since_start():
+    t = Tally(started_at=NOW - 15)
+    t.generated(2, 16, NOW - 1)
+    assert t.per_minute(NOW) == 16 * 60 / 15
+
+
+def test_heartbeat_payload_fields():
+    t = Tally(started_at=NOW - 100)
+    t.generated(3, 24, NOW - 5)
+    t.uploaded(3, NOW - 2)
+    host = {"os": "Linux", "python": "3.11", "torch": "2.13.0", "device": "cpu", "cpus": 2}
+    p = heartbeat_payload("vol-1", "running", host, t, 30.0, "r1", 7, NOW)
+    assert p == {"schema_version": 1, "volunteer_id": "vol-1", "state": "running", "host": host,
+                 "started_at": NOW - 100, "updated_at": NOW, "heartbeat_seconds": 30.0,
+                 "run_id": "r1", "version": 7, "groups_total": 3, "completions_total": 24,
+                 "completions_per_minute": 24.0, "shards_uploaded": 1, "groups_uploaded": 3,
+                 "last_upload_at": NOW - 2}
+    json.dumps(p)
+
+
+def test_a_failing_heartbeat_warns_once_and_is_never_fatal():
+    class Broken:
+        def write(self, key, data):
+            raise StorageError(f"{key}: access denied")
+
+    logs = []
+    hb = Heartbeat(Broken(), "vol-1", 1.0, lambda state, now: {"state": state}, logs.append)
+    assert not hb.beat("running") and not hb.beat("running") and not hb.beat("stopped")
+    assert len(logs) == 1 and "volunteers/vol-1.json" in logs[0] and logs[0].startswith("warning")
+
+
+def test_heartbeat_thread_writes_and_the_last_one_says_stopped():
+    s = open_storage("memory://hb-thread")
+    hb = Heartbeat(s, "vol-1", 0.05, lambda state, now: {"state": state, "t": now}, print)
+    hb.start()
+    first = json.loads(s.read("volunteers/vol-1.json"))
+    assert first["state"] == "running"
+    hb.stop()
+    assert json.loads(s.read("volunteers/vol-1.json"))["state"] == "stopped"
+
+
+def test_heartbeat_keys():
+    assert layout.heartbeat_key("vol-1") == "volunteers/vol-1.json"
+    assert layout.parse_heartbeat_key("volunteers/vol-1.json") == "vol-1"
+    for bad in ("volunteers/a/b.json", "volunteers/..json", "fleet.json", "volunteers/x.txt"):
+        assert layout.parse_heartbeat_key(bad) is None
+    with pytest.raises(ValueError):
+        layout.heartbeat_key("../x")
+
+
+# --- the trainer's summary -------------------------------------------------------------------
+
+def step(n, sources):
+    return {"kind": "step", "step": n, "version": 5, "time": NOW + n, "rollout/reward_mean": 0.5,
+            "rollout/sources": sources}
+
+
+def test_absorb_steps_counts_groups_and_newest_version_per_volunteer():
+    vols: dict = {}
+    absorb_steps(vols, [step(1, {layout.shard_key(4, "a", "s1"): 5, layout.shard_key(5, "b", "s2"): 3}),
+                        step(2, {layout.shard_key(3, "a", "s0"): 2, "not/a/shard": 9}),
+                        {"kind": "eval", "version": 5}])
+    assert vols["a"] == {"groups_trained": 7, "last_version": 4, "last_trained_at": NOW + 2}
+    assert vols["b"]["groups_trained"] == 3 and vols["b"]["last_version"] == 5
+
+
+def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
+    s = open_storage("memory://summary")
+    clock = [NOW]
+    fleet = Fleet(counts={"a": Counts(3, 1)}, denied={"c": {}})
+    summary = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
+    summary.after_publish(manifest(5), 10, [step(1, {layout.shard_key(5, "a", "s1"): 4})], fleet)
+    first = json.loads(s.read(layout.FLEET))
+    clock[0] += 1
+    summary.after_publish(manifest(6), 11, [step(2, {layout.shard_key(6, "a", "s2"): 4}),
+                                            {"kind": "eval", "version": 6, "time": NOW,
+                                             "eval/accuracy_sampled": 0.4}], fleet)
+    assert json.loads(s.read(layout.FLEET)) == first  # not due yet
+    clock[0] += 5
+    summary.after_publish(manifest(7), 12, [], fleet)
+    doc = json.loads(s.read(layout.FLEET))
+    assert doc["trainer"] == {"version": 7, "step": 12, "max_staleness": 2}
+    assert doc["volunteers"]["a"] == {"accepted_shards": 3, "rejected_shards": 1, "groups_trained": 8,
+                                      "last_version": 6, "version_lag": 1,
+                                      "last_trained_at": NOW + 2, "denied": False}
+    assert doc["volunteers"]["c"]["denied"] and doc["evals"][0]["accuracy_sampled"] == 0.4
+    restarted = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
+    clock[0] += 5
+    restarted.after_publish(manifest(8), 13, [step(3, {layout.shard_key(8, "a", "s3"): 1})], fleet)
+    doc = json.loads(s.read(layout.FLEET))
+    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 2
+    assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot
+
+
+# --- the status document ---------------------------------------------------------------------
+
+def test_build_status_joins_heartbeats_summary_and_metrics():
+    summary = {"updated_at": NOW - 2, "trainer": {"version": 42, "step": 80},
+               "evals": [{"version": 30, "accuracy_sampled": 0.3, "accuracy_greedy": 0.4}],
+               "volunteers": {"a": {"accepted_shards": 9, "rejected_shards": 1, "groups_trained": 50,
+                                    "last_version": 41},
+                              "old-build": {"accepted_shards": 2, "rejected_shards": 0}}}
+    rows = [{"kind": "step", "step": 84, "version": 42, "rollout/reward_mean": 0.75},
+            {"kind": "eval", "version": 40, "eval/accuracy_sampled": 0.35, "eval/accuracy_greedy": 0.45}]
+    doc = build_status("/b", manifest(), {"a": beat(), "b": beat(updated_at=NOW - 100),
+                                         "broken": {"unreadable": "bad json"}},
+                       summary, ["b"], rows, NOW)
+    by_id = {r["id"]: r for r in doc["volunteers"]}
+    assert [r["id"] for r in doc["volunteers"]] == ["a", "b", "broken", "old-build"]
+    assert by_id["a"]["state"] == "producing" and by_id["a"]["acceptance_rate"] == 0.9
+    assert by_id["a"]["version_lag"] == 2 and by_id["a"]["version_lag_now"] == 2
+    assert by_id["a"]["trainer_version_lag"] == 1
+    assert by_id["b"]["state"] == "offline" and by_id["b"]["denied"]
+    assert by_id["broken"]["state"] == "unknown" and by_id["broken"]["heartbeat_error"] == "bad json"
+    assert by_id["old-build"]["state"] == "unknown" and by_id["old-build"]["acceptance_rate"] == 1.0
+    assert doc["counts"] == {"producing": 1, "idle": 0, "stale-version": 0, "offline": 1, "unknown": 2}
+    t = doc["trainer"]
+    assert (t["version"], t["step"], t["reward_mean"]) == (42, 84, 0.75)
+    assert [e["version"] for e in t["evals"]] == [30, 40]
+    json.dumps(doc)
+    from rich.console import Console
+
+    console = Console(record=True, width=160)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "producing" in text and "offline denied" in text and "v30 30.0%" in text
+
+
+def test_read_status_from_a_bucket():
+    s = open_storage("memory://status-read")
+    s.write(layout.MANIFEST, manifest().to_json())
+    s.write(layout.heartbeat_key("a"), json.dumps(beat()).encode())
+    s.write("volunteers/notes.txt", b"ignored")
+    s.write(layout.heartbeat_key("big"), b"{" + b" " * (70 << 10) + b"}")
+    s.write(layout.metrics_key(42), b'{"kind": "step", "step": 3, "rollout/reward_mean": 0.5}\nnot json\n')
+    doc = read_status(s, now=NOW)
+    assert {r["id"]: r["state"] for r in doc["volunteers"]} == {"a": "producing", "big": "unknown"}
+    assert doc["trainer"]["step"] == 3 and doc["trainer"]["reward_mean"] == 0.5
+
+
+def test_status_without_a_manifest_raises_a_storage_error():
+    with pytest.raises(StorageError, match="manifest.json"):
+        read_status(open_storage("memory://status-empty"))

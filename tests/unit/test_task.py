@@ -1,0 +1,301 @@
+"""Tests for volunteer_rl/task.py: safe evaluator, reward, generator, CSV files, shipped splits."""
+
+import ast
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from volunteer_rl.task.calculator import (
+    MAX_EXPRESSION_CHARS,
+    DatasetError,
+    Problem,
+    canonicalize,
+    extract_expression,
+    file_sha256,
+    generate_labelled,
+    generate_problems,
+    load_csv,
+    make_splits,
+    reward,
+    safe_eval,
+    template_names,
+    write_csv,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+# -----------------------------------------------------------------------------
+# safe_eval
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1 + 2", 3.0),
+    ("(12 + 3 + 37) * 14 - 15", 713.0),
+    ("1 + 2 * 3", 7.0),          # precedence
+    ("(1 + 2) * 3", 9.0),
+    ("10 - 4 - 3", 3.0),         # left-associative
+    ("2 ** 3 ** 2", 512.0),      # right-associative
+    ("-3 ** 2", -9.0),           # unary minus binds looser than **
+    ("(-3) ** 2", 9.0),
+    ("-5 + +2", -3.0),
+    ("7 / 2", 3.5),
+    ("7 // 2", 3.0),
+    ("-7 // 2", -4.0),
+    ("7 % 3", 1.0),
+    ("-7 % 3", 2.0),
+    ("2 ** -1", 0.5),
+    ("1.5 * 4", 6.0),
+    ("  42  ", 42.0),
+])
+def test_safe_eval_valid(text, value):
+    assert safe_eval(text) == value
+
+
+HOSTILE = [
+    "9**9**9",
+    "10**10**10",
+    "(2**64)**(2**64)",
+    "2**64**2",
+    "__import__('os').system('echo hi')",
+    "().__class__",
+    "open('x')",
+    "lambda: 1",
+    "[1]*10",
+    "'a'*10",
+    "1 if 1 else 2",
+    "1<2",
+    "x + 1",
+    "(1).real",
+    "1+" * 5_000_000 + "1",       # 10 MB
+    "(" * 100_000 + "1" + ")" * 100_000,
+    "(" * 99 + "1" + ")" * 99 + "+x",
+    "-" * 150 + "1",
+    "True+1",
+    "1j",
+    "1/0",
+    "5%0",
+    "5//0",
+    "0**-1",
+    "(-8)**0.5",
+    "float('inf')",
+    "1e308*10",
+    "99999999*99999999*99999999*99999999",
+    "",
+    "   ",
+    "1 +",
+    "'\\d'",                      # would emit SyntaxWarning if not silenced
+    "\x00",
+    None,
+    12,
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE, ids=lambda t: repr(t)[:30])
+def test_safe_eval_hostile_returns_none_quickly(text):
+    start = time.perf_counter()
+    assert safe_eval(text) is None
+    assert time.perf_counter() - start < 0.1
+
+
+def test_safe_eval_length_bound():
+    assert safe_eval("1" * MAX_EXPRESSION_CHARS) is None  # magnitude, not length
+    assert safe_eval("1+" * (MAX_EXPRESSION_CHARS // 2) + "1") is None  # too long
+    assert safe_eval("1+" * 90 + "1") == 91.0
+
+
+def test_canonicalize():
+    assert canonicalize("((12+3)+37)*14-15") == "(12 + 3 + 37) * 14 - 15"
+    assert canonicalize("1-(2-3)") == "1 - (2 - 3)"
+    assert canonicalize("(2**3)**2") == "(2 ** 3) ** 2"
+    assert canonicalize("-(1+2)") == "-(1 + 2)"
+    assert canonicalize("open('x')") is None
+
+
+# -----------------------------------------------------------------------------
+# extract_expression and reward
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("(1 + 2) * 3", "(1 + 2) * 3"),
+    ("  (1 + 2) * 3  \n", "(1 + 2) * 3"),
+    ("```python\n(1 + 2) * 3\n```", "(1 + 2) * 3"),
+    ("```\n(1 + 2) * 3\n```\nDone.", "(1 + 2) * 3"),
+    ("```(1 + 2) * 3```", "(1 + 2) * 3"),
+    ("`(1 + 2) * 3`", "(1 + 2) * 3"),
+    ("A: (1 + 2) * 3", "(1 + 2) * 3"),
+    ("Answer: `(1 + 2) * 3`", "(1 + 2) * 3"),
+    ("= (1 + 2) * 3", "(1 + 2) * 3"),
+    ("(1 + 2) * 3.", "(1 + 2) * 3"),
+    ("\n\n(1 + 2) * 3\nThe answer is 9.", "(1 + 2) * 3"),
+    ("", ""),
+    (None, ""),
+])
+def test_extract_expression(completion, expected):
+    assert extract_expression(completion) == expected
+
+
+def test_reward_equivalent_expressions():
+    assert reward("3*(2+1)", "(1 + 2) * 3") == 1.0
+    assert reward("```python\n3*(2+1)\n```", "(1 + 2) * 3") == 1.0
+    assert reward("A: 9", "(1 + 2) * 3") == 1.0
+    assert reward("1/3 + 1/3 + 1/3", "1") == 1.0  # float noise within tolerance
+
+
+@pytest.mark.parametrize("completion", [
+    "1 + 2 * 3", "10", "", "I don't know", "__import__('os').system('echo hi')",
+    "9**9**9", "1/0", "(1 + 2) * 3 * 1e-3", None, "x" * 1_000_000,
+])
+def test_reward_wrong_or_hostile_is_zero(completion):
+    start = time.perf_counter()
+    assert reward(completion, "(1 + 2) * 3") == 0.0
+    assert time.perf_counter() - start < 0.1
+
+
+def test_reward_bad_target_is_zero():
+    assert reward("1", "open('x')") == 0.0
+    assert reward("1", None) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# generator
+
+CANONICAL_TOKENS = re.compile(r"\(*\d+\)*( (\+|-|\*|/|//|%|\*\*) \(*\d+\)*)*")
+
+
+def _n_ops(expression):
+    return sum(isinstance(n, ast.BinOp) for n in ast.walk(ast.parse(expression, mode="eval")))
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return generate_labelled(2000, seed=7)
+
+
+def test_generator_deterministic():
+    assert generate_problems(200, seed=3) == generate_problems(200, seed=3)
+    assert generate_problems(200, seed=3) != generate_problems(200, seed=4)
+
+
+def test_generator_problems_are_valid(sample):
+    problems = [p for p, _ in sample]
+    assert [p.id for p in problems] == list(range(len(problems)))
+    assert len({p.prompt for p in problems}) == len(problems)  # unique prompts
+    for p in problems:
+        value = safe_eval(p.expression)
+        assert value is not None and abs(value) <= 1e9, p
+        assert canonicalize(p.expression) == p.expression, p  # one canonical style
+        assert CANONICAL_TOKENS.fullmatch(p.expression), p
+        assert "\n" not in p.prompt and p.prompt[-1] in ".?", p
+        assert re.search(r"\d", p.prompt), p  # numbers written as digits
+    assert {_n_ops(p.expression) for p in problems} == {1, 2, 3, 4}
+
+
+def test_generator_ops_range():
+    problems = generate_problems(100, seed=1, ops_range=(2, 2))
+    assert {_n_ops(p.expression) for p in problems} == {2}
+
+
+def test_generator_divisions_mostly_exact(sample):
+    divisions = [p for p, _ in sample if re.search(r" / ", p.expression)]
+    assert divisions
+    exact = [p for p in divisions if safe_eval(p.expression).is_integer()]
+    assert len(exact) / len(divisions) > 0.7
+
+
+def test_generator_many_phrasings(sample):
+    # count by template label...
+    used = {name for _, names in sample for name in names}
+    assert used <= set(template_names())
+    assert len(used) >= 15
+    # ...and independently by the words that appear in the prompts
+    phrases = ["add ", " plus ", "sum of", "total of", "subtract", " minus ", "take away",
+               "away from", " less ", "difference between", "multiply", " times ",
+               "product of", "divide", "divided by", "quotient of", "double", "halve",
+               "increase", "decrease", "reduce", "modulo", "remainder", "square",
+               "what is", "start with", "and finally"]
+    text = " ".join(p.prompt.lower() for p, _ in sample)
+    assert sum(phrase in text for phrase in phrases) >= 20
+
+
+def test_generator_example_style(sample):
+    # the brief's example: "add 12, 3, and 37, multiply that sum by 14, then subtract 15."
+    # -> "(12 + 3 + 37) * 14 - 15": a sum list followed by a multiplication must
+    # come out with exactly these parentheses.
+    summed_then_multiplied = [p for p, names in sample
+                              if names[0] == "start:add_list" and len(names) > 1
+                              and names[1] in ("step:multiply_by", "step:times")]
+    assert summed_then_multiplied
+    for p in summed_then_multiplied:
+        assert re.match(r"add \d+(, \d+)*,? and \d+, ", p.prompt.lower()), p
+        assert re.match(r"\(\d+( \+ \d+)+\) \* \d+", p.expression), p
+    assert any("multiply that sum by" in p.prompt for p, _ in sample)
+
+
+# -----------------------------------------------------------------------------
+# CSV files
+
+
+def test_csv_round_trip(tmp_path):
+    problems = generate_problems(50, seed=11)
+    path = tmp_path / "sub" / "x.csv"
+    write_csv(path, problems)
+    assert load_csv(path) == problems
+    assert path.read_text().splitlines()[0] == "python_expression,natural_language"
+    assert len(file_sha256(path)) == 64
+    assert not list(path.parent.glob("*.tmp"))  # no temp file left behind
+
+
+def test_csv_extra_columns_and_order(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text('id,natural_language,notes,python_expression\n'
+                    '7,"add 1, 2, and 3.",hi,1 + 2 + 3\n'
+                    '8,two times 4,,2 * 4\n')
+    assert load_csv(path) == [Problem(0, "add 1, 2, and 3.", "1 + 2 + 3"),
+                              Problem(1, "two times 4", "2 * 4")]
+
+
+def _error(path):
+    with pytest.raises(DatasetError) as info:
+        load_csv(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    return message
+
+
+def test_csv_errors(tmp_path):
+    assert "not found" in _error(tmp_path / "missing.csv")
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert "empty" in _error(empty)
+
+    no_column = tmp_path / "no_column.csv"
+    no_column.write_text("python_expression,text\n1 + 1,one plus one\n")
+    assert "natural_language" in _error(no_column)
+
+    bad_row = tmp_path / "bad_row.csv"
+    bad_row.write_text("python_expression,natural_language\n1 + 1,ok\n"
+                       "__import__('os'),evil\n")
+    assert "row 1" in _error(bad_row)
+
+
+# -----------------------------------------------------------------------------
+# splits
+
+
+def test_make_splits_small(tmp_path):
+    train_path, eval_path = make_splits(tmp_path, n_train=300, n_eval=50, seed=5)
+    train, held_out = load_csv(train_path), load_csv(eval_path)
+    assert (len(train), len(held_out)) == (300, 50)
+    assert not {p.prompt for p in train} & {p.prompt for p in held_out}
+    assert not {p.expression for p in train} & {p.expression for p in held_out}
+
+
+def test_shipped_data():
+    train, held_out = load_csv(DATA / "train.csv"), load_csv(DATA / "eval.csv")
+    assert (len(train), len(held_out)) == (20000, 500)
+    assert not {p.prompt for p in train} & {p.prompt for p in held_out}
+    assert not {p.expression for p in train} & {p.expression for p in held_out}
+    assert len({p.prompt for p in train}) == len(train)

@@ -1,0 +1,107 @@
+"""Volunteer logic that needs no model: shard buffering and the per-version cap."""
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.shards import Completion, Group, decode_shard
+from volunteer_rl.storage.base import open_storage
+from volunteer_rl.volunteer.loop import ShardWriter, default_volunteer_id
+
+
+def groups(n, version):
+    return [Group(i, version, "me", [Completion([1, 2], [-0.1, -0.2], "3", 1.0)]) for i in range(n)]
+
+
+def test_writer_flushes_by_count_and_on_version_change():
+    s = open_storage("memory://writer-test")
+    w = ShardWriter(s, "me", max_groups=10, max_seconds=1e9, log=lambda m: None)
+    w.add(groups(4, 1), 1)
+    assert s.list("rollouts") == []                      # buffered, nothing visible yet
+    w.add(groups(4, 2), 2)                               # new version: v1's 4 groups go out
+    keys = s.list("rollouts")
+    assert len(keys) == 1 and layout.parse_shard_key(keys[0])[:2] == (1, "me")
+    w.add(groups(6, 2), 2)                               # 10 groups: flushed by count
+    w.flush()                                            # nothing left: no empty shard
+    keys = s.list("rollouts")
+    assert len(keys) == 2
+    assert [len(decode_shard(s.read(k))) for k in keys] == [4, 10]
+    assert w.uploaded_groups == 14
+
+
+def test_no_shard_holds_more_than_the_manifest_allows():
+    s = open_storage("memory://writer-limit")
+    w = ShardWriter(s, "me", max_groups=1000, max_seconds=1e9, log=lambda m: None)
+    w.limit = 4                                          # the manifest's max_shard_groups
+    w.add(groups(3, 1), 1)
+    assert s.list("rollouts") == []                      # under both: buffered
+    w.add(groups(7, 1), 1)                               # 10 >= 4: three shards, 4 + 4 + 2
+    sizes = [len(decode_shard(s.read(k))) for k in s.list("rollouts")]
+    assert sorted(sizes) == [2, 4, 4] and w.uploaded_groups == 10 and w.groups == []
+
+
+def test_groups_per_version_are_counted():
+    class M:
+        version = 2
+    w = ShardWriter(open_storage("memory://writer-cap"), "me", 100, 1e9, lambda m: None)
+    w.add(groups(5, 1), 1)
+    w.add(groups(7, 2), 2)
+    assert w.version_groups(M()) == 7 and w.version_groups(None) == 0
+
+
+def test_default_ids_are_safe_and_distinct():
+    ids = {default_volunteer_id() for _ in range(50)}
+    assert len(ids) == 50 and all(layout.is_safe_name(i) for i in ids)
+
+
+def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
+    """A trainer that got too few useful groups waits for more; a capped volunteer waiting
+    for a new version would wait forever. The cap must give way after its patience."""
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    cfg = VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", max_groups_per_version=8,
+                          prompts_per_batch=4, cap_patience_seconds=5.0)
+    v = Volunteer(cfg, log=lambda m: None)
+
+    class M:
+        version = 3
+    v.manifest = M()
+    w = ShardWriter(v.storage, "me", 100, 1e9, lambda m: None)
+    w.add(groups(8, 3), 3)
+    clock = [1000.0]
+    monkeypatch.setattr("volunteer_rl.volunteer.loop.time.time", lambda: clock[0])
+    assert v._at_cap(w)            # at the cap: pause
+    clock[0] += 4.9
+    assert v._at_cap(w)            # still within its patience
+    clock[0] += 0.2
+    assert not v._at_cap(w)        # patience over: one more batch is allowed
+    w.add(groups(4, 3), 3)
+    assert v._at_cap(w)            # and then it pauses again
+
+
+def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
+    """Threads follow the model the volunteer loads: auto (0) gives a small CPU model one
+    thread, --threads N gives N; the count is logged when it changes."""
+    import torch
+
+    from volunteer_rl.volunteer import loop as vol
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.model.policy import Policy
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    small = Policy(torch.nn.Linear(10, 10), None, "plain", torch.device("cpu"))
+
+    class M:
+        run_id, version, files, dataset = "run", 0, {}, "d"
+
+    monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(vol, "load_policy", lambda folder, device: small)
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: [])
+    before = torch.get_num_threads()
+    try:
+        for threads, expected, how in ((0, 1, "auto"), (2, 2, "--threads")):
+            logs = []
+            v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", threads=threads,
+                                          device="cpu"), log=logs.append)
+            v._switch(M())
+            assert torch.get_num_threads() == expected == v.threads
+            assert f"sampling with {expected} torch thread" in logs[0] and f"({how})" in logs[0]
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,335 @@
+"""A static dashboard in the bucket: `dashboard/index.html` and four PNG plots.
+
+It opens straight from a folder bucket (relative links only, no script, no server) and from
+any bucket served as a static site. Plots: held-out accuracy and reward against version and
+wall time, fleet throughput (trained groups per minute, per volunteer), and the staleness of
+trained groups. The fleet table is `vrl status`'s document rendered as HTML.
+
+Written by the trainer every `--dashboard-every` seconds (60 by default; the first that long
+after it starts), but never sooner than COST_RATIO times the last write's duration after it,
+and at its last publish (TrainerDashboard). It feeds each publish's metrics in, so it never
+re-reads history; on its first write after a start it reads the run's metrics/ once. `vrl
+dashboard` writes it by hand from all of metrics/. The plots go up first and index.html last;
+every object under dashboard/ is overwritten each time. matplotlib is imported only here, with
+its non-interactive Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.printable import printable
+from volunteer_rl.observe.status import READ_WORKERS, read_metrics_lines, read_status
+from volunteer_rl.storage.base import Storage
+
+DASHBOARD = "dashboard"
+PLOTS = ("accuracy", "reward", "throughput", "staleness")
+REFRESH_SECONDS = 30
+COST_RATIO = 50
+"""A trainer's write starts no sooner than this many times the last one's duration after the
+last one started: at most 1/50 = 2 % of the trainer's time, however slow rendering gets."""
+
+
+@dataclass
+class History:
+    """The compact per-step and per-eval rows the plots need, accumulated over the run."""
+
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+    def add(self, metrics: list[dict]) -> None:
+        """Keep what the plots use of each metrics line (a few numbers per step)."""
+        for m in metrics:
+            if m.get("kind") == "step":
+                volunteers = Counter()
+                for key, n in (m.get("rollout/sources") or {}).items():
+                    parsed = layout.parse_shard_key(key)
+                    if parsed:
+                        volunteers[parsed[1]] += n
+                self.steps.append({"step": m.get("step"), "version": m.get("version"),
+                                   "time": m.get("time"), "reward": m.get("rollout/reward_mean"),
+                                   "lags": m.get("rollout/staleness_hist") or {},
+                                   "received": m.get("ingest/groups") or 0,
+                                   "trained": m.get("rollout/groups") or 0,
+                                   "volunteers": dict(volunteers)})
+            elif m.get("kind") == "eval":
+                self.evals.append({"version": m.get("version"), "time": m.get("time"),
+                                   "greedy": m.get("eval/accuracy_greedy"),
+                                   "sampled": m.get("eval/accuracy_sampled")})
+
+
+def read_history(storage: Storage) -> History:
+    """Every metrics object of the run (one listing of metrics/, reads in parallel)."""
+    keys = [k for k in storage.list(layout.METRICS) if layout.split_versioned_key(k)]
+
+    history = History()
+    with ThreadPoolExecutor(READ_WORKERS) as pool:
+        for rows in pool.map(lambda key: read_metrics_lines(storage, key), sorted(keys)):
+            history.add(rows)
+    return history
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (pure: data in, PNG bytes out).
+
+def _figure(title: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.6), dpi=90)
+    fig.suptitle(title)
+    return fig
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _minutes(times: list[float], t0: float) -> list[float]:
+    return [(t - t0) / 60 for t in times]
+
+
+def _start(history: History) -> float:
+    times = [r["time"] for r in history.steps + history.evals if r.get("time")]
+    return min(times) if times else 0.0
+
+
+def _pair(history_rows: list[dict], t0: float, series: dict[str, str], title: str, ylabel: str) -> bytes:
+    """Two panels: the series against version (left) and against wall time (right)."""
+    fig = _figure(title)
+    by_version, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for key, label in series.items():
+        rows = [r for r in history_rows if r.get(key) is not None and r.get("time")]
+        by_version.plot([r["version"] for r in rows], [r[key] for r in rows], label=label, marker=".")
+        by_time.plot(_minutes([r["time"] for r in rows], t0), [r[key] for r in rows], label=label, marker=".")
+    by_version.set_xlabel("version")
+    by_time.set_xlabel("minutes since the first record")
+    for ax in (by_version, by_time):
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+    return _png(fig)
+
+
+def accuracy_plot(history: History) -> bytes:
+    return _pair(history.evals, _start(history), {"sampled": "sampled", "greedy": "greedy"},
+                 "held-out accuracy", "accuracy")
+
+
+def reward_plot(history: History) -> bytes:
+    return _pair(history.steps, _start(history), {"reward": "reward mean"},
+                 "reward of the trained groups", "reward")
+
+
+def bin_seconds(history: History) -> float:
+    """Width of a throughput bin: about 40 bins over the run, none under 10 s."""
+    times = [s["time"] for s in history.steps if s.get("time")]
+    return max(10.0, (max(times) - min(times)) / 40) if times else 60.0
+
+
+def throughput_series(history: History, t0: float, width: float) -> dict[str, dict[int, float]]:
+    """{series: {bin index: groups per minute}}: groups received (accepted from shards) and
+    trained by the whole fleet, and trained per volunteer."""
+    out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    scale = 60.0 / width
+    for s in history.steps:
+        if not s.get("time"):
+            continue
+        b = int((s["time"] - t0) // width)
+        out["all: received"][b] += s["received"] * scale
+        out["all: trained"][b] += s["trained"] * scale
+        for vid, n in s["volunteers"].items():
+            out[f"{vid}: trained"][b] += n * scale
+    return out
+
+
+def throughput_plot(history: History) -> bytes:
+    fig = _figure("fleet throughput: groups per minute")
+    ax = fig.add_subplot(1, 1, 1)
+    width = bin_seconds(history)
+    series = throughput_series(history, _start(history), width)
+    for name in sorted(series, key=lambda n: (not n.startswith("all"), n)):
+        bins = sorted(series[name])
+        ax.plot([(b + 0.5) * width / 60 for b in bins], [series[name][b] for b in bins], label=name,
+                marker=".", linewidth=2 if name.startswith("all") else 1)
+    if series:
+        ax.legend(fontsize="small", ncol=2)
+    ax.set_xlabel(f"minutes since the first record ({width:.0f} s bins)")
+    ax.set_ylabel("groups / minute")
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def staleness_counts(history: History) -> dict[int, int]:
+    """{lag in versions: groups trained with it} over the whole run."""
+    total: Counter = Counter()
+    for s in history.steps:
+        for lag, n in s["lags"].items():
+            total[int(lag)] += n
+    return dict(sorted(total.items()))
+
+
+def staleness_plot(history: History) -> bytes:
+    fig = _figure("staleness of trained groups (trainer version - policy version)")
+    ax = fig.add_subplot(1, 1, 1)
+    counts = staleness_counts(history)
+    ax.bar([str(k) for k in counts], list(counts.values()))
+    ax.set_xlabel("lag (versions)")
+    ax.set_ylabel("groups")
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The page.
+
+def _cell(x) -> str:
+    """A table cell: volunteer-written values arrive here, so control characters are escaped
+    (printable) and then the HTML."""
+    return html.escape("-" if x is None else printable(x))
+
+
+def fleet_rows_html(status: dict) -> str:
+    rows = []
+    for r in status["volunteers"]:
+        rate = r["completions_per_minute"] if r["state"] != "offline" else None
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        seen = r["seconds_since_heartbeat"]
+        cells = [r["id"], r["state"] + (" (denied)" if r["denied"] else ""),
+                 "-" if seen is None else f"{seen:.0f}s ago",
+                 None if r["version"] is None else f"v{r['version']}", r["version_lag"],
+                 None if rate is None else f"{rate:,.0f}", r["completions_total"] and f"{r['completions_total']:,.0f}",
+                 f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} ({acc})",
+                 r["groups_trained"], (r["host"] or {}).get("device")]
+        rows.append(f'<tr class="{html.escape(r["state"])}">' +
+                    "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
+    return "\n".join(rows)
+
+
+def index_html(status: dict, now: float) -> str:
+    """The page: trainer line, fleet table, the four plots (relative links)."""
+    t = status["trainer"]
+    evals = t["evals"]
+    last_eval = (f"v{evals[-1]['version']}: sampled {evals[-1].get('accuracy_sampled') or 0:.1%}, "
+                 f"greedy {evals[-1].get('accuracy_greedy') or 0:.1%}") if evals else "none yet"
+    reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
+    head = ("volunteer", "state", "seen", "version", "lag", "compl/min", "completions",
+            "accepted shards", "groups trained", "device")
+    plots = "\n".join(f'<img src="{p}.png" alt="{p}">' for p in PLOTS)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
+<title>vrl {html.escape(printable(t['run_id']))} v{t['version']}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; }} table {{ border-collapse: collapse; }}
+td, th {{ padding: 0.2em 0.7em; text-align: right; border-bottom: 1px solid #ddd; }}
+td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; display: block; margin: 1em 0; }}
+.producing td:nth-child(2) {{ color: green; }} .idle td:nth-child(2) {{ color: #b58900; }}
+.stale-version td:nth-child(2) {{ color: purple; }} .offline td:nth-child(2) {{ color: #c00; }}
+</style></head><body>
+<h1>run {html.escape(printable(t['run_id']))}: version {t['version']}</h1>
+<p>step {t['step']}, staleness window {t['max_staleness']}, reward {reward}; last held-out
+evaluation {html.escape(last_eval)}. Written {stamp}; reloads every {REFRESH_SECONDS} s.</p>
+<h2>fleet</h2>
+<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
+{fleet_rows_html(status)}
+</table>
+<h2>plots</h2>
+{plots}
+</body></html>
+"""
+
+
+def render_dashboard(history: History, status: dict, now: float) -> dict[str, bytes]:
+    """{key: bytes} of every dashboard object, index.html last."""
+    out = {f"{DASHBOARD}/accuracy.png": accuracy_plot(history),
+           f"{DASHBOARD}/reward.png": reward_plot(history),
+           f"{DASHBOARD}/throughput.png": throughput_plot(history),
+           f"{DASHBOARD}/staleness.png": staleness_plot(history)}
+    out[f"{DASHBOARD}/index.html"] = index_html(status, now).encode()
+    return out
+
+
+def write_dashboard(storage: Storage, history: History) -> list[str]:
+    """Render and upload, plots first, the page last. Returns the keys written."""
+    objects = render_dashboard(history, read_status(storage), time.time())
+    for key, data in objects.items():
+        storage.write(key, data)
+    return list(objects)
+
+
+class TrainerDashboard:
+    """The trainer's side: history fed from each publish's metrics, a dashboard written at
+    the first publish `every` seconds or more after the start, then at the first publish
+    `every` seconds or more after the last write, and at the last publish (0: never).
+
+    The unit is seconds, not publishes: a trainer may publish several versions a second, and
+    rendering four plots takes a good fraction of one. However long a write takes, the next
+    starts no sooner than COST_RATIO times that after it, so writing costs the trainer at
+    most 2 % of its time, the final write aside. Not at the first publish: that write (the
+    costliest, with matplotlib's import and the one read of metrics/) would then count
+    against a run of any length. A failure is a warning, never fatal."""
+
+    def __init__(self, storage: Storage, every: float, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.storage, self.every, self.log, self.clock = storage, every, log, clock
+        self.history: History | None = None
+        self.last_start = clock()  # when the last write began; the first counts from here
+        self.last_duration = 0.0  # how long it took (render + upload, failed or not)
+        self.seconds = 0.0  # spent here since take_seconds last ran (the trainer's time/dashboard)
+        self.failing = False
+
+    def due(self, now: float) -> bool:
+        return now - self.last_start >= max(self.every, COST_RATIO * self.last_duration)
+
+    def after_publish(self, metrics: list[dict], final: bool = False) -> None:
+        """Take in one publish's metrics; write dashboard/ if due, or if `final`."""
+        if self.every <= 0:
+            return
+        start = self.clock()
+        try:
+            if self.history is not None:
+                self.history.add(metrics)
+            if final or self.due(start):
+                self._write(metrics, start)
+        finally:
+            self.seconds += self.clock() - start
+
+    def _write(self, metrics: list[dict], start: float) -> None:
+        self.last_start = start
+        try:
+            if self.history is None:
+                # Once, at the first write: what earlier runs and publishes wrote. This
+                # publish's metrics are not in the bucket yet; they come after.
+                history = read_history(self.storage)
+                history.add(metrics)
+                self.history = history
+            write_dashboard(self.storage, self.history)
+        except Exception as exc:  # plots are for people: never stop training for them
+            if not self.failing:
+                self.log(f"warning: {DASHBOARD}/ not written ({type(exc).__name__}: {exc})")
+            self.failing = True
+            return
+        finally:
+            self.last_duration = self.clock() - start
+        self.failing = False
+        self.log(f"wrote {DASHBOARD}/ in {self.last_duration:.2f}s; next one in "
+                 f"{max(self.every, COST_RATIO * self.last_duration):.0f}s at the earliest")
+
+    def take_seconds(self) -> float:
+        """Seconds spent here since the last call (the trainer's `time/dashboard`)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

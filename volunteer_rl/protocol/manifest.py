@@ -1,0 +1,212 @@
+"""manifest.json: the commit point of the bucket.
+
+The trainer writes it only after every object of a version is uploaded and verified, so a
+reader that follows the manifest never meets a half-published checkpoint. Readers go the
+opposite way: manifest first, then the files it names, each checked against its sha256.
+The manifest is signed by the trainer's key (see signing.py) and readers check the signature
+on the bytes they read, against the key they trust, before any sha256 in it is used; a reader
+with a high-water mark (volunteers, `vrl eval`) then refuses a current manifest that is behind
+the newest it accepted from the bucket (signing.behind), so an old one put back cannot pin it
+to a dead version. Schema: docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
+from volunteer_rl.protocol.signing import Seen, Trust, sign
+from volunteer_rl.storage.base import NotFound, Storage, StorageError
+
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; anything near this is not ours
+OLD_MANIFEST_SECONDS = 15 * 60
+"""`vrl status` flags a manifest.json whose `created_at` is older than this: the trainer has
+stopped publishing, or an old manifest was put back. A trainer publishes every few seconds to
+a few minutes; one that publishes less often than this is flagged too (it is a hint)."""
+
+
+class ManifestError(Exception):
+    """manifest.json is missing, unreadable or does not match the schema."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How volunteers must sample; the behavior logprobs they report are under these settings."""
+
+    k: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The train split volunteers draw prompts from, content-addressed in the bucket."""
+
+    name: str
+    key: str
+    sha256: str
+    size: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run_id: str
+    version: int
+    checkpoint: str  # key prefix of the checkpoint folder, e.g. checkpoints/v000042
+    files: dict[str, FileEntry]
+    dataset: Dataset
+    sampling: Sampling
+    max_staleness: int
+    task: str = "calculator"
+    prompt_format: str = "plain"
+    weights_dtype: str = "float32"
+    """dtype of the checkpoint's floating-point weights ("float32" or "bfloat16"). Absent in
+    manifests of older trainers, which always published float32."""
+    max_shard_groups: int = MAX_GROUPS_PER_SHARD
+    """Most groups one shard may hold (1..MAX_GROUPS_PER_SHARD). Absent in manifests of
+    older trainers, which took up to MAX_GROUPS_PER_SHARD."""
+    schema_version: int = layout.SCHEMA_VERSION
+    created_at: float = field(default_factory=time.time)
+    """The trainer's clock when it published this version. Signed like every field; readers
+    order the manifests of different runs on one bucket by it (signing.behind)."""
+
+    def to_json(self) -> bytes:
+        """Unsigned JSON (what a signature covers is the same object; see to_signed_json)."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    def to_signed_json(self, key: Ed25519PrivateKey) -> bytes:
+        """The manifest as the bucket holds it: the same object plus its `signature` field."""
+        return json.dumps(sign(asdict(self), key), indent=1, sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> "Manifest":
+        """Parse without checking any signature (read_manifest and poll_manifest check it)."""
+        return Manifest.from_raw(decode(data))
+
+    @staticmethod
+    def from_raw(raw: dict) -> "Manifest":
+        """The manifest of a decoded JSON object; ManifestError if a field is wrong."""
+        try:
+            files = {name: FileEntry(str(e["sha256"]), int(e["size"]))
+                     for name, e in raw["files"].items()}
+            for name in files:
+                if not layout.is_safe_name(name):
+                    raise ManifestError(f"{layout.MANIFEST}: unsafe file name {name!r}")
+            if type(raw["version"]) is not int:  # 3.7 or "3" is no version, nor is true
+                raise ValueError(f"version {raw['version']!r} is not an integer")
+            m = Manifest(
+                run_id=str(raw["run_id"]), version=raw["version"],
+                checkpoint=str(raw["checkpoint"]), files=files,
+                dataset=Dataset(**raw["dataset"]), sampling=Sampling(**raw["sampling"]),
+                max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
+                prompt_format=str(raw["prompt_format"]),
+                weights_dtype=str(raw.get("weights_dtype", "float32")),
+                max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
+                schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
+        if m.version < 0 or m.checkpoint != layout.checkpoint_prefix(m.version):
+            raise ManifestError(f"{layout.MANIFEST}: checkpoint {m.checkpoint!r} does not match version {m.version}")
+        if type(m.max_shard_groups) is not int or not 1 <= m.max_shard_groups <= MAX_GROUPS_PER_SHARD:
+            raise ManifestError(f"{layout.MANIFEST}: max_shard_groups {m.max_shard_groups!r} is not "
+                                f"an integer in 1..{MAX_GROUPS_PER_SHARD}")
+        if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
+            raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
+        return m
+
+
+def decode(data: bytes) -> dict:
+    """The JSON object of a manifest's bytes, checked for the schema version only."""
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{layout.MANIFEST}: malformed (not a JSON object)")
+    if raw.get("schema_version") != layout.SCHEMA_VERSION:
+        raise ManifestError(
+            f"{layout.MANIFEST}: schema_version {raw.get('schema_version')!r} is not "
+            f"{layout.SCHEMA_VERSION}; upgrade volunteer_rl")
+    return raw
+
+
+def _parse(key: str, data: bytes, version: int | None, trust: Trust) -> Manifest:
+    """Decode, check the signature of that very object, read its fields, and (the current
+    manifest only) check it against the reader's high-water mark."""
+    try:
+        raw = decode(data)
+    except ManifestError as exc:
+        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
+    signed_by = trust.check(raw, key)
+    try:
+        m = Manifest.from_raw(raw)
+    except ManifestError as exc:
+        raise ManifestError(str(exc).replace(layout.MANIFEST, key, 1)) from None
+    if version is not None and m.version != version:
+        raise ManifestError(f"{key}: holds version {m.version}")
+    if version is None and trust.mark is not None:
+        # manifests/vK.json is history a reader asks for by number (`vrl eval --version K`):
+        # it neither has to beat the mark nor moves it.
+        trust.mark.admit(Seen(m.run_id, m.version, m.created_at), key, record=signed_by is not None)
+    return m
+
+
+def read_manifest(storage: Storage, version: int | None = None, *, trust: Trust) -> Manifest | None:
+    """The current manifest (or the kept copy of `version`'s), None if there is none yet.
+
+    Raises ManifestError (one line, naming the object) if it exists but is not valid, and
+    SignatureError if `trust` does not accept its signature (Rollback if it is the current
+    manifest and behind `trust.mark`).
+    """
+    key = layout.MANIFEST if version is None else layout.manifest_history_key(version)
+    try:
+        data = storage.read(key, max_bytes=MAX_MANIFEST_BYTES)
+    except NotFound:
+        return None
+    except StorageError as exc:
+        raise ManifestError(str(exc)) from None
+    return _parse(key, data, version, trust)
+
+
+def poll_manifest(storage: Storage, etag: str | None, *,
+                  trust: Trust) -> tuple[Manifest | None, str | None]:
+    """(manifest, etag) if manifest.json changed since `etag`, (None, etag) if it did not or
+    does not exist yet. On S3 an unchanged manifest costs a bodiless 304, so thousands of
+    idle volunteers polling cost almost nothing."""
+    try:
+        data, new_etag = storage.read_if_changed(layout.MANIFEST, etag, MAX_MANIFEST_BYTES)
+    except NotFound:
+        return None, None
+    except StorageError as exc:
+        raise ManifestError(str(exc)) from None
+    if data is None:
+        return None, etag
+    return _parse(layout.MANIFEST, data, None, trust), new_etag
+
+
+def write_manifest(storage: Storage, manifest: Manifest, etag: str | None,
+                   key: Ed25519PrivateKey) -> str:
+    """Commit a version: manifest.json, signed with `key`, as a compare-and-swap against `etag`
+    (the manifest this trainer last wrote or read; None on an empty bucket), so two trainers
+    can never both advance one bucket; then the version's write-once copy under manifests/
+    (the same bytes, signature included), which only a committed version gets. Returns the
+    new etag."""
+    data = manifest.to_signed_json(key)
+    new_etag = storage.write_if_match(layout.MANIFEST, data, etag)
+    storage.create(layout.manifest_history_key(manifest.version), data)
+    return new_etag

@@ -1,0 +1,6 @@
+"""The central trainer: the loop, intake of rollout shards (ingest), the losses, the optimizer
+state between publishes, the warm start, held-out evaluation, the per-volunteer counts and
+denials, retention, and stopping on a signal.
+
+May import: observe, model, task, protocol, storage and the shared modules.
+"""

@@ -1,0 +1,77 @@
+"""The fleet as the trainer sees it: shards accepted and rejected per volunteer, and when a
+volunteer that mostly sends garbage goes on the denylist (protocol.fleet owns that object)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.fleet import MAX_DENYLIST_BYTES, parse_denylist, update_denylist
+from volunteer_rl.storage.base import NotFound, Storage
+
+@dataclass
+class Counts:
+    accepted: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class Fleet:
+    """Per-volunteer shard counts and the denylist as last read."""
+
+    deny_after: int = 5
+    """Rejected shards before a volunteer can be denied (0: never deny automatically)."""
+    deny_rate: float = 0.5
+    """...and the share of its shards that were rejected."""
+    counts: dict[str, Counts] = field(default_factory=dict)
+    denied: dict[str, dict] = field(default_factory=dict)
+    etag: str | None = None
+
+    def is_denied(self, volunteer: str) -> bool:
+        return volunteer in self.denied
+
+    def refresh(self, storage: Storage) -> None:
+        """Re-read denylist.json if it changed; ids a person lifted start from zero again."""
+        try:
+            data, etag = storage.read_if_changed(layout.DENYLIST, self.etag, MAX_DENYLIST_BYTES)
+        except NotFound:
+            data, etag = b'{"volunteers": {}}', None
+        if data is None:
+            return
+        entries = parse_denylist(data)
+        for lifted in set(self.denied) - set(entries):
+            self.counts.pop(lifted, None)
+        self.denied, self.etag = entries, etag
+
+    def note(self, volunteer: str, accepted: bool) -> bool:
+        """Count one shard; True if this volunteer now crosses the denial threshold."""
+        c = self.counts.setdefault(volunteer, Counts())
+        if accepted:
+            c.accepted += 1
+        else:
+            c.rejected += 1
+        total = c.accepted + c.rejected
+        return (self.deny_after > 0 and not self.is_denied(volunteer)
+                and c.rejected >= self.deny_after and c.rejected / total >= self.deny_rate)
+
+    def deny(self, storage: Storage, volunteer: str, reason: str) -> None:
+        """Put `volunteer` on the denylist in the bucket (and here)."""
+        c = self.counts.get(volunteer, Counts())
+        entry = {"since": time.time(), "by": "trainer", "reason": reason,
+                 "accepted": c.accepted, "rejected": c.rejected}
+
+        def add(entries: dict[str, dict]) -> bool:
+            if volunteer in entries:
+                return False
+            entries[volunteer] = entry
+            return True
+
+        self.denied = update_denylist(storage, add)
+        self.etag = None  # our own write: read it again next refresh
+
+    def to_json(self) -> dict:
+        return {v: [c.accepted, c.rejected] for v, c in self.counts.items()}
+
+    def load_counts(self, raw: dict) -> None:
+        self.counts = {v: Counts(int(a), int(r)) for v, (a, r) in raw.items()}

@@ -1,0 +1,156 @@
+"""The trainer's view of the fleet, for people: `fleet.json`, overwritten every few seconds.
+
+Heartbeats (volunteers/<id>.json) say what volunteers claim; this object says what the
+trainer made of their work: shards accepted and rejected (Fleet.counts), groups trained, the
+newest policy version of theirs it trained on, whether they are denied, plus the trainer's own
+version, step, last reward and recent held-out evaluations, and a short timeline of
+(time, version) points so a reader can tell which version was current when a heartbeat was
+written. `vrl status` joins the two.
+
+The trainer calls `FleetSummary.after_publish` once per publish. Per-volunteer figures are
+accumulated from the step metrics of every publish (in memory), but the object is written at
+most every `interval` seconds (and on the final publish), so a trainer publishing several
+versions a second does not add a write to each. A failed write is a warning, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
+from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.protocol.manifest import Manifest
+from volunteer_rl.storage.base import NotFound, Storage, StorageError
+
+SUMMARY_SCHEMA = 2
+SUMMARY_INTERVAL_SECONDS = 5.0
+TIMELINE_POINTS = 256
+TIMELINE_SECONDS = 900.0
+"""The timeline keeps at most TIMELINE_POINTS (time, version) points spread over the last
+TIMELINE_SECONDS: one point per TIMELINE_SECONDS / TIMELINE_POINTS (3.5 s) at most, the first
+publish of each such slot, so a version read off it is never newer than the true one."""
+EVALS_KEPT = 10
+EVAL_FIELDS = ("eval/accuracy_greedy", "eval/accuracy_sampled", "eval/prompts")
+
+
+def absorb_steps(volunteers: dict[str, dict], metrics: list[dict]) -> None:
+    """Add the groups of each step line's `rollout/sources` to their volunteers' totals, and
+    move each one's `last_version` (newest policy version of its groups trained on) up."""
+    for m in metrics:
+        if m.get("kind") != "step":
+            continue
+        for key, groups in m.get("rollout/sources", {}).items():
+            parsed = layout.parse_shard_key(key)
+            if parsed is None:
+                continue
+            version, volunteer, _ = parsed
+            v = volunteers.setdefault(volunteer, {"groups_trained": 0, "last_version": None,
+                                                  "last_trained_at": None})
+            v["groups_trained"] += int(groups)
+            v["last_version"] = version if v["last_version"] is None else max(v["last_version"], version)
+            v["last_trained_at"] = m.get("time")
+
+
+def add_point(timeline: list[list[float]], now: float, version: int) -> None:
+    """Record that `version` was current at `now`, thinned as TIMELINE_POINTS says."""
+    slot = TIMELINE_SECONDS / TIMELINE_POINTS
+    if timeline and (now - timeline[-1][0] < slot or version <= timeline[-1][1]):
+        return
+    timeline.append([now, version])
+    while timeline and (len(timeline) > TIMELINE_POINTS or now - timeline[0][0] > TIMELINE_SECONDS):
+        timeline.pop(0)
+
+
+def eval_record(m: dict) -> dict:
+    """The short form of an eval metrics line kept in fleet.json."""
+    return {"version": m.get("version"), "time": m.get("time"),
+            **{k.split("/", 1)[1]: m.get(k) for k in EVAL_FIELDS}}
+
+
+def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
+                    volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
+                    evals: list[dict], timeline: list[list[float]], now: float) -> dict:
+    """The JSON object of fleet.json (schema in docs/PROTOCOL.md)."""
+    ids = set(volunteers) | set(fleet.counts) | set(fleet.denied)
+    rows = {}
+    for vid in sorted(ids):
+        c = fleet.counts.get(vid)
+        v = volunteers.get(vid, {})
+        last = v.get("last_version")
+        rows[vid] = {"accepted_shards": c.accepted if c else 0,
+                     "rejected_shards": c.rejected if c else 0,
+                     "groups_trained": v.get("groups_trained", 0), "last_version": last,
+                     "version_lag": None if last is None else version - last,
+                     "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied}
+    return {"schema_version": SUMMARY_SCHEMA, "run_id": run_id, "updated_at": now,
+            "trainer": {"version": version, "step": step, "max_staleness": max_staleness},
+            "last_step": last_step, "evals": evals[-EVALS_KEPT:], "timeline": timeline,
+            "volunteers": rows}
+
+
+class FleetSummary:
+    """Keeps the running totals and writes fleet.json when due."""
+
+    def __init__(self, storage: Storage, log: Callable[[str], None],
+                 interval: float = SUMMARY_INTERVAL_SECONDS, clock: Callable[[], float] = time.time):
+        self.storage, self.log, self.interval, self.clock = storage, log, interval, clock
+        self.volunteers: dict[str, dict] = {}
+        self.evals: list[dict] = []
+        self.timeline: list[list[float]] = []
+        self.last_step: dict | None = None
+        self.last_write = float("-inf")
+        self.loaded = False
+        self.failing = False
+
+    def _load_previous(self, run_id: str) -> None:
+        """Carry the totals of the fleet.json this run wrote before a restart."""
+        self.loaded = True
+        try:
+            raw = json.loads(self.storage.read(layout.FLEET, max_bytes=MAX_SUMMARY_BYTES))
+            if raw.get("run_id") != run_id:
+                return
+            self.volunteers = {vid: {k: row.get(k) for k in ("groups_trained", "last_version",
+                                                              "last_trained_at")}
+                               for vid, row in raw.get("volunteers", {}).items()}
+            for row in self.volunteers.values():
+                row["groups_trained"] = int(row["groups_trained"] or 0)
+            self.evals = list(raw.get("evals", []))[-EVALS_KEPT:]
+            self.timeline = [[float(t), int(v)] for t, v in raw.get("timeline", [])[-TIMELINE_POINTS:]]
+        except NotFound:
+            pass
+        except (StorageError, ValueError, TypeError, AttributeError) as exc:
+            self.log(f"warning: {layout.FLEET}: not carried over ({exc})")
+
+    def after_publish(self, manifest: Manifest, step: int, metrics: list[dict], fleet: Fleet,
+                      final: bool = False) -> None:
+        """Take in the metrics of the steps that led to `manifest`; write fleet.json if due."""
+        if not self.loaded:
+            self._load_previous(manifest.run_id)
+        absorb_steps(self.volunteers, metrics)
+        steps = [m for m in metrics if m.get("kind") == "step"]
+        if steps:
+            s = steps[-1]
+            self.last_step = {"step": s.get("step"), "version": s.get("version"),
+                              "time": s.get("time"), "reward_mean": s.get("rollout/reward_mean")}
+        self.evals = (self.evals + [eval_record(m) for m in metrics
+                                    if m.get("kind") == "eval"])[-EVALS_KEPT:]
+        now = self.clock()
+        add_point(self.timeline, now, manifest.version)
+        if final or now - self.last_write >= self.interval:
+            self.last_write = now
+            self.write(summary_payload(manifest.run_id, manifest.version, step,
+                                       manifest.max_staleness, self.volunteers, fleet,
+                                       self.last_step, self.evals, self.timeline, now))
+
+    def write(self, payload: dict) -> None:
+        try:
+            self.storage.write(layout.FLEET, json.dumps(payload, sort_keys=True).encode())
+        except StorageError as exc:
+            if not self.failing:
+                self.log(f"warning: {layout.FLEET} not written ({exc}); training goes on")
+            self.failing = True
+            return
+        self.failing = False

@@ -1,0 +1,460 @@
+"""The trainer's intake: find new shards inside the staleness window, read them within bounds,
+check every group against the trainer's own view of the world, and rescore it.
+
+Nothing a volunteer reports is believed that the trainer can recompute: the prompt text comes
+from the trainer's dataset (the shard names only its id), the completion text is re-decoded
+from the token ids, and the reward is recomputed from the trainer's own target.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import traceback
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.faults import crash_point
+from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.protocol.ledger import Ledger, group_digest
+from volunteer_rl.protocol.shards import MAX_SHARD_BYTES, SHARD_GROUPS_LIMIT, Budget, Group, ShardError, iter_groups
+from volunteer_rl.protocol.printable import printable
+from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError, TooLarge
+from volunteer_rl.task.calculator import Problem, reward
+
+Audit = Callable[[list["ScoredGroup"]], "str | None"]
+"""Recomputes the behavior logprobs of groups under the weights in memory; a description of
+the first mismatch, or None if all agree."""
+
+MAX_READ_ATTEMPTS = 3  # a shard that fails to download this often is reported and skipped
+FETCH_WORKERS = 8
+"""Shard GETs in flight at once. Each GET of a small object is mostly round trip (and, on a
+server, its request handling), so a few in parallel keep the link busy while this thread
+decodes and checks the shards that already arrived."""
+PREFETCH = 16
+"""Shards fetched ahead of the one being checked: bounds memory at PREFETCH x MAX_SHARD_BYTES
+(128 MiB) whatever a hostile fleet uploads."""
+REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
+MAX_OBJECTS_PER_VOLUNTEER_VERSION = 1024
+"""Objects of one volunteer under one version folder the trainer considers (in key order,
+which is upload order for shard names); the rest are never listed, read or recorded. Bounds
+the LIST pages, GETs, ledger records and quarantine writes any one id can cause per version,
+junk or not. A folder found over it is counted once in `ingest/over_cap`, and its first
+objects are remembered, so it is not listed again in that version. An honest volunteer that
+outruns it (a trainer stuck on one version for hours) loses only the excess."""
+
+
+@dataclass
+class ScoredGroup:
+    """A validated group with the trainer's own rewards."""
+
+    prompt_id: int
+    policy_version: int
+    volunteer_id: str
+    token_ids: list[list[int]]
+    behavior_logprobs: list[list[float]]
+    rewards: list[float]
+    key: str
+    line: int = 0
+    """Index of the group in its shard: with `key`, its identity in the ledger."""
+    digest: str = ""
+    """Content hash (ledger.group_digest)."""
+    shard_size: int = 0
+    """Groups in its shard (the ledger's completeness count)."""
+
+
+@dataclass
+class IngestStats:
+    shards: int = 0
+    groups: int = 0
+    zero_variance: int = 0
+    duplicates: int = 0
+    denied: int = 0
+    """Shards of denied volunteers skipped: a whole folder, never listed, counts one per poll."""
+    over_cap: int = 0
+    """Volunteer folders found over MAX_OBJECTS_PER_VOLUNTEER_VERSION (once per version)."""
+    rejected: Counter = field(default_factory=Counter)  # reason -> shards
+    by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
+
+
+@dataclass
+class Window:
+    """The versions whose groups may be taken now, as the trainer knows them."""
+
+    version: int
+    max_staleness: int
+    published: set[int]
+    """Committed versions inside the window (a crashed publish leaves gaps)."""
+
+    def versions(self) -> range:
+        return window(self.version, self.max_staleness)
+
+    @property
+    def low(self) -> int:
+        return self.versions().start
+
+
+@dataclass
+class Rules:
+    """What the trainer accepts; built from the manifest it published."""
+
+    problems: list[Problem]
+    vocab_size: int
+    k: int
+    max_new_tokens: int
+    decode: Callable[[list[int]], str]
+    cache: dict = field(default_factory=dict)
+    """(prompt id, token ids) -> reward. A policy that has learned a prompt answers it the
+    same way again and again, so most rescoring is a lookup."""
+    max_groups: int = SHARD_GROUPS_LIMIT
+    """Groups per shard: the manifest's `max_shard_groups`."""
+
+    def reward(self, prompt_id: int, token_ids: list[int]) -> float:
+        key = (prompt_id, tuple(token_ids))
+        value = self.cache.get(key)
+        if value is None:
+            if len(self.cache) >= REWARD_CACHE_SIZE:
+                self.cache.clear()
+            value = reward(self.decode(token_ids), self.problems[prompt_id].expression)
+            self.cache[key] = value
+        return value
+
+
+def window(version: int, max_staleness: int) -> range:
+    """Policy versions whose groups may still be trained on."""
+    return range(max(0, version - max_staleness), version + 1)
+
+
+def split_fresh(groups: list[ScoredGroup], version: int,
+                max_staleness: int) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+    """(fresh, stale): fresh groups sorted newest first, stale ones past the window.
+
+    Newest first so the trainer learns from the most on-policy data it has; the rest waits
+    for the next step or falls out of the window."""
+    fresh = [g for g in groups if layout.in_window(version - g.policy_version, max_staleness)]
+    stale = [g for g in groups if not layout.in_window(version - g.policy_version, max_staleness)]
+    fresh.sort(key=lambda g: g.policy_version, reverse=True)
+    return fresh, stale
+
+
+def check_version(claimed: int, key_version: int, win: Window) -> None:
+    """The group's policy version must be a committed one inside the window, and its key's."""
+    if claimed > win.version or (win.low <= claimed and claimed not in win.published):
+        raise ShardError("unpublished_version", f"v{claimed} was never published")
+    if claimed < win.low:
+        raise ShardError("stale_version", f"v{claimed} is older than the window's v{win.low}")
+    if claimed != key_version:
+        raise ShardError("version_mismatch", f"group says v{claimed}, key says v{key_version}")
+
+
+def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, win: Window) -> None:
+    """Raise ShardError if a decoded group breaks a rule the schema alone cannot see."""
+    check_version(g.policy_version, key_version, win)
+    if g.volunteer_id != key_volunteer:
+        raise ShardError("volunteer_mismatch", f"group says {g.volunteer_id!r}")
+    if not 0 <= g.prompt_id < len(rules.problems):
+        raise ShardError("unknown_prompt", f"prompt id {g.prompt_id}")
+    if len(g.completions) != rules.k:
+        raise ShardError("bad_group_size", f"{len(g.completions)} completions, manifest says {rules.k}")
+    for c in g.completions:
+        if len(c.token_ids) > rules.max_new_tokens:
+            raise ShardError("too_many_tokens", f"{len(c.token_ids)} > {rules.max_new_tokens}")
+        if not all(0 <= t < rules.vocab_size for t in c.token_ids):
+            raise ShardError("bad_token", "token id outside the vocabulary")
+
+
+def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
+    """Rescore every completion; a reward that differs from the volunteer's claim means it
+    runs another task or lies, and its shard is not taken."""
+    rewards = [rules.reward(g.prompt_id, c.token_ids) for c in g.completions]
+    for c, r in zip(g.completions, rewards):
+        if abs(c.reward - r) > 1e-6:
+            raise ShardError("reward_mismatch", f"claims reward {c.reward:g}, the trainer finds {r:g}")
+    ids = [c.token_ids for c in g.completions]
+    return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id, ids,
+                       [c.logprobs for c in g.completions], rewards, key, line,
+                       group_digest(g.prompt_id, g.policy_version, ids))
+
+
+def fetch_shard(storage: Storage, key: str) -> bytes:
+    """The bytes of one shard, read within MAX_SHARD_BYTES; ShardError for a key that is not
+    a shard or an object that is too large. Safe to call from several threads."""
+    if layout.parse_shard_key(key) is None:
+        raise ShardError("bad_key", "not a shard key")
+    try:
+        return storage.read(key, max_bytes=MAX_SHARD_BYTES)
+    except TooLarge:
+        raise ShardError("too_large", f"more than {MAX_SHARD_BYTES} compressed bytes") from None
+
+
+def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
+    """Decode, check and rescore the bytes of shard `key`; ShardError if any part is bad.
+
+    A shard is accepted or rejected whole: one bad line means its author is not following
+    the protocol, and the rest of its content is not worth trusting either."""
+    parsed = layout.parse_shard_key(key)
+    if parsed is None:
+        raise ShardError("bad_key", "not a shard key")
+    version, volunteer, _ = parsed
+    groups = []
+    for g in iter_groups(data, Budget(rules.k, rules.max_new_tokens, rules.max_groups)):
+        check_group(g, version, volunteer, rules, win)  # stop paying at the first bad line
+        groups.append(g)
+    return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
+
+
+def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
+    """Download, decode, check and rescore one shard (fetch_shard, then check_shard)."""
+    return check_shard(fetch_shard(storage, key), key, rules, win)
+
+
+def _key_version(key: str) -> int:
+    """The version folder a key under rollouts/ sits in (-1 if none), shard or not."""
+    parts = layout.split_versioned_key(key)
+    return parts[1] if parts else -1
+
+
+class Ingest:
+    """Pulls in the new shards of the window each poll, against the ledger.
+
+    A shard is read once per process; one whose groups all have an outcome in the ledger is
+    never read again, one left half-taken by a crash is read again and only its groups
+    without an outcome are taken."""
+
+    def __init__(self, storage: Storage, rules: Rules, ledger: Ledger, fleet: Fleet,
+                 audit: Audit | None = None, log: Callable[[str], None] = print,
+                 log_shards: bool = False, seed: int = 0, fetch_workers: int = FETCH_WORKERS):
+        self.storage = storage
+        self.rules = rules
+        self.ledger = ledger
+        self.fleet = fleet
+        self.audit = audit
+        self.audit_version: int | None = None
+        """The version of the weights in memory, when they are a published one."""
+        self.log = log
+        self.log_shards = log_shards
+        # Which group is audited must not be predictable from the code or the seed, or a liar
+        # would only lie in the others: the OS's randomness, not a seeded generator.
+        self.rng = random.SystemRandom()
+        self.taken: set[str] = set()
+        self.failures: Counter = Counter()
+        self.fetch_workers = max(1, fetch_workers)
+        self._low = 0  # window's lowest version at the last poll (see _forget_below)
+        self.capped: dict[str, list[str]] = {}
+        """Folder -> its first MAX_OBJECTS_PER_VOLUNTEER_VERSION keys, for the folders found
+        over the cap: those keys are all the trainer will ever take from them."""
+
+    def poll(self, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+        """New usable groups from shards of the window. Only the window's prefixes are
+        listed and only keys not yet taken are read, so a poll costs one denylist GET, one
+        LIST of each window version's folder names, a LIST of at most
+        MAX_OBJECTS_PER_VOLUNTEER_VERSION + 1 keys per volunteer folder (none for a denied
+        one or one already found over the cap), and one GET per new shard: bounded by the
+        volunteers and the cap, however long the run's history and whatever a volunteer wrote.
+
+        New shards are fetched FETCH_WORKERS at a time, and checked on this thread in key
+        order, so the outcome is the same as reading them one by one."""
+        self._refresh_denylist()
+        self._forget_below(win.low)
+        keys: list[str] = []
+        for v in win.versions():
+            keys += [key for key in self._list_version(v, stats) if self._wanted(key)]
+        out: list[ScoredGroup] = []
+        for key, fetched in self._prefetch(keys):
+            if self._denied(key, stats):  # denied by an earlier shard of this very poll
+                continue
+            out.extend(self._take(key, fetched, win, stats))
+        return out
+
+    def _list_version(self, version: int, stats: IngestStats) -> list[str]:
+        """The keys of one version folder the trainer considers, sorted: up to
+        MAX_OBJECTS_PER_VOLUNTEER_VERSION of each volunteer folder that is not denied, the
+        first ones in key order. Objects directly in the version folder are no volunteer's
+        (only the trainer's credentials can write there): up to the cap of them are kept, to
+        be rejected as `bad_key` like any other object that is no shard."""
+        cap = MAX_OBJECTS_PER_VOLUNTEER_VERSION
+        try:
+            entries = self.storage.list_level(layout.rollout_version_prefix(version))
+        except StorageError as exc:
+            self.log(f"warning: {exc}")
+            return []
+        keys = [e for e in entries if not e.endswith("/")][:cap]
+        for folder in (e for e in entries if e.endswith("/")):
+            if self._denied(folder, stats):
+                continue
+            if folder in self.capped:
+                keys += self.capped[folder]
+                continue
+            try:
+                listed = self.storage.list(folder, limit=cap + 1)
+            except StorageError as exc:
+                self.log(f"warning: {exc}")
+                continue
+            if len(listed) > cap:
+                stats.over_cap += 1
+                listed = self.capped[folder] = listed[:cap]
+            keys += listed
+        return sorted(keys)
+
+    def _wanted(self, key: str) -> bool:
+        """True if `key` still has something to take."""
+        return key not in self.taken and not self.ledger.finished(key)
+
+    def _denied(self, key: str, stats: IngestStats) -> bool:
+        parsed = layout.rollout_author(key)
+        if parsed and self.fleet.is_denied(parsed[1]):
+            stats.denied += 1
+            return True
+        return False
+
+    def _prefetch(self, keys: list[str]):
+        """(key, future of its bytes) in the order of `keys`, with at most PREFETCH fetched
+        ahead of the consumer and FETCH_WORKERS GETs in flight."""
+        if not keys:
+            return
+        ahead: deque[tuple[str, Future]] = deque()
+        with ThreadPoolExecutor(min(self.fetch_workers, len(keys))) as pool:
+            try:
+                for key in keys:
+                    ahead.append((key, pool.submit(fetch_shard, self.storage, key)))
+                    if len(ahead) >= PREFETCH:
+                        yield ahead.popleft()
+                while ahead:
+                    yield ahead.popleft()
+            finally:  # the consumer stopped early (an exception): drop what was queued
+                for _, fut in ahead:
+                    fut.cancel()
+
+    def _forget_below(self, low: int) -> None:
+        """Drop what is remembered about keys of versions below the window: they are never
+        listed again, so memory stays bounded by the window, not the history."""
+        if low <= self._low:
+            return
+        self._low = low
+        self.taken = {k for k in self.taken if _key_version(k) >= low}
+        self.capped = {k: v for k, v in self.capped.items() if _key_version(k) >= low}
+        self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
+
+    def _refresh_denylist(self) -> None:
+        try:
+            self.fleet.refresh(self.storage)
+        except Exception as exc:  # a broken denylist must not stop training
+            self.log(f"warning: {layout.DENYLIST}: {exc}")
+
+    def _take(self, key: str, fetched: Future, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+        try:
+            groups = check_shard(fetched.result(), key, self.rules, win)
+            self._audit(groups)
+        except ShardError as exc:
+            self._reject(key, exc.reason, str(exc), stats)
+            return []
+        except NotFound:
+            self.taken.add(key)  # deleted between list and read (retention): nothing to take
+            return []
+        except StorageError as exc:
+            self.failures[key] += 1
+            if self.failures[key] >= MAX_READ_ATTEMPTS:
+                self._reject(key, "unreadable", f"{MAX_READ_ATTEMPTS} failed reads: {exc}", stats)
+            return []
+        except Exception as exc:
+            # Reading one object ends in "accepted" or a reason code, never in a dead trainer:
+            # an error nobody foresaw is a bug of ours, so its traceback goes to the log, but
+            # the shard is recorded (and so never read again after a restart) like any reject.
+            trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
+            self.log(f"error: unexpected {type(exc).__name__} while checking {printable(key)}:\n"
+                     + "\n".join(printable(line, 1000) for line in trace))
+            self._reject(key, "internal_error", type(exc).__name__, stats)
+            return []
+        crash_point("ingest")
+        if self._only_repeats(key, groups):
+            # Repeats cost nothing to make: counted as accepted they would dilute any number
+            # of rejects below --deny-rate.
+            self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats)
+            return []
+        self.taken.add(key)
+        stats.shards += 1
+        self._count(key, True, stats)
+        return self._sort(key, groups, stats)
+
+    def _only_repeats(self, key: str, groups: list[ScoredGroup]) -> bool:
+        """True if every group of `key` was taken before, from other shards. A shard half
+        taken before a restart (some of its lines already have outcomes) is not one."""
+        return (bool(groups) and not any(self.ledger.is_done(key, g.line) for g in groups)
+                and all(self.ledger.seen(g.digest) for g in groups))
+
+    def _audit(self, groups: list[ScoredGroup]) -> None:
+        """Check one random group made with the weights in memory (if the shard has one)."""
+        if self.audit is None or self.audit_version is None:
+            return
+        eligible = [g for g in groups if g.policy_version == self.audit_version]
+        if eligible:
+            problem = self.audit([self.rng.choice(eligible)])
+            if problem:
+                raise ShardError("logprob_mismatch", problem)
+
+    def _sort(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
+        """Give zero-variance and duplicate groups their outcome now; return the rest."""
+        usable, zero, dup = [], [], []
+        for g in groups:
+            g.shard_size = len(groups)
+            if self.ledger.is_done(key, g.line):
+                continue
+            if not self.ledger.claim(g.digest, g.policy_version):
+                dup.append(g)
+            elif max(g.rewards) == min(g.rewards):
+                zero.append(g)
+            else:
+                usable.append(g)
+        n = len(groups)
+        if zero:
+            self.ledger.record(key, "zero_variance", [g.line for g in zero], n, [g.digest for g in zero])
+        if dup:
+            self.ledger.record(key, "duplicate", [g.line for g in dup], n)
+        self.ledger.set_size(key, n)
+        stats.groups += len(groups)
+        stats.zero_variance += len(zero)
+        stats.duplicates += len(dup)
+        if self.log_shards:
+            self.log(f"took {printable(key)}: {len(usable)} usable, {len(zero)} zero-variance, "
+                     f"{len(dup)} duplicate")
+        return usable
+
+    def reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
+        """Reject a shard after intake (the trainer found its groups poison a step)."""
+        self._reject(key, reason, detail, stats)
+
+    def _reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
+        """Record the rejection (ledger, quarantine/, counts); deny a volunteer that keeps
+        sending bad shards."""
+        self.taken.add(key)
+        stats.rejected[reason] += 1
+        self.ledger.record(key, "rejected", [], 0, reason=reason)
+        self.log(f"rejected {printable(key)}: {printable(detail)}")
+        record = {"key": key[:1024], "reason": reason, "detail": detail[:1000], "time": time.time()}
+        try:
+            self.storage.create(layout.quarantine_key(key), json.dumps(record).encode())
+        except (AlreadyExists, ValueError):
+            pass  # rejected before a restart: the first record stands
+        except StorageError as exc:
+            self.log(f"warning: {exc}")
+        self._count(key, False, stats)
+
+    def _count(self, key: str, accepted: bool, stats: IngestStats) -> None:
+        parsed = layout.rollout_author(key)
+        if parsed is None:
+            return
+        volunteer = parsed[1]
+        stats.by_volunteer.setdefault(volunteer, [0, 0])[0 if accepted else 1] += 1
+        if self.fleet.note(volunteer, accepted):
+            c = self.fleet.counts[volunteer]
+            reason = f"{c.rejected} of {c.accepted + c.rejected} shards rejected"
+            try:
+                self.fleet.deny(self.storage, volunteer, reason)
+                self.log(f"denied volunteer {volunteer}: {reason}; lift with "
+                         f"`vrl volunteers allow {volunteer}`")
+            except Exception as exc:
+                self.log(f"warning: could not deny {volunteer}: {exc}")

@@ -1,0 +1,602 @@
+"""The central trainer: publish a version, learn from fresh shards, publish the next one.
+
+One loop, no server: everything it says to volunteers it writes into the bucket (checkpoints,
+then the manifest that commits them), and everything it hears comes from shards it lists
+under the rollout prefixes of the versions inside the staleness window.
+
+SIGINT and SIGTERM (stopping.py) end it with exit 0 and nothing half-made: the loop finishes
+the step in hand, publishes the steps not yet published (without the final evaluation) and
+writes their metrics, fleet.json and dashboard/ one last time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.model.checkpoint import clear_folder, fetch_checkpoint, publish_checkpoint, sha256_bytes
+from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from volunteer_rl.trainer.evaluate import greedy_and_sampled
+from volunteer_rl.faults import crash_point
+from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.observe.dashboard import TrainerDashboard
+from volunteer_rl.trainer.fleet_summary import FleetSummary
+from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.protocol.ledger import Ledger, rebuild
+from volunteer_rl.trainer.losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
+from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
+from volunteer_rl.model.policy import WEIGHTS_DTYPES, WEIGHTS_FILE, Policy, build_tiny_model, build_tokenizer, \
+    encode_prompts, load_policy, load_weights, pick_device, save_policy, token_logprobs, \
+    weights_writer
+from volunteer_rl.trainer.retention import TrainerRetention
+from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
+from volunteer_rl.protocol.signing import Trust, key_path, load_or_create_key, public_key_text
+from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
+from volunteer_rl.trainer.stopping import StopSignal, Stopped
+from volunteer_rl.storage.base import AlreadyExists, PreconditionFailed, Storage, open_storage
+from volunteer_rl.task.calculator import Problem, file_sha256, load_csv
+from volunteer_rl.trainer.warmstart import warm_start
+
+
+class TrainerError(Exception):
+    """A condition the trainer cannot run under (named object, one line)."""
+
+
+def dataset_paths(cfg: TrainerConfig) -> tuple[Path, Path]:
+    train = Path(cfg.dataset) if cfg.dataset else PACKAGE_DATA / "train.csv"
+    held_out = Path(cfg.eval_dataset) if cfg.eval_dataset else PACKAGE_DATA / "eval.csv"
+    return train, held_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model set-up and publishing.
+
+def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.device,
+                   log: Callable[[str], None]) -> Policy:
+    """`tiny`: build tokenizer + model offline and warm-start them. Else: load the folder."""
+    if cfg.model != "tiny":
+        return load_policy(cfg.model, device)
+    texts = [p.prompt for p in problems] + [p.expression for p in problems]
+    tokenizer = build_tokenizer(texts)
+    model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
+    policy = Policy(model, tokenizer, "plain", device)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"built tiny model: {n:,} parameters, vocab {len(tokenizer)}")
+    if cfg.warm_start_steps > 0:
+        seconds = warm_start(policy, problems, cfg.warm_start_steps, seed=cfg.seed, log=log)
+        log(f"warm start: {cfg.warm_start_steps} steps in {seconds:.0f}s")
+    return policy
+
+
+def signing_key(cfg: TrainerConfig, bucket_uri: str, log: Callable[[str], None]) -> Ed25519PrivateKey:
+    """The key that signs this trainer's manifests, made on the first run. It is refused
+    inside a folder bucket: whoever can read the bucket could then sign manifests."""
+    path = key_path(cfg.signing_key, cfg.work_dir)
+    if "://" not in bucket_uri and path.is_relative_to(Path(bucket_uri)):
+        raise TrainerError(f"--signing-key {path}: inside the bucket folder {bucket_uri}; keep "
+                           "the private key out of the bucket")
+    key, created = load_or_create_key(path)
+    log(f"{'created' if created else 'loaded'} manifest signing key {path}; public key "
+        f"{public_key_text(key)} (give volunteers --trust-key with it, or {path.name}.pub)")
+    return key
+
+
+def upload_dataset(storage: Storage, path: Path) -> Dataset:
+    data = path.read_bytes()
+    sha = sha256_bytes(data)
+    key = layout.dataset_key(path.stem, sha)
+    try:
+        storage.create(key, data)
+    except AlreadyExists:
+        pass  # content-addressed: an existing object of this name holds these very bytes
+    rows = max(0, data.count(b"\n") - 1)
+    return Dataset(name=path.stem, key=key, sha256=sha, size=len(data), rows=rows)
+
+
+def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
+            dataset: Dataset, etag: str | None, key: Ed25519PrivateKey,
+            before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
+    """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
+    commit it all with the signed manifest: in that order, so a crash anywhere before the
+    manifest leaves the previous version standing, complete.
+
+    `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
+    manifest and its etag."""
+    dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
+    staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
+    clear_folder(staging)
+    try:
+        # The small files are staged; the weights go from the tensors straight into the
+        # bucket object, hashed on the way (no staged copy, no second read).
+        save_policy(policy, staging, dtype, weights=False)
+        files = publish_checkpoint(storage, version, staging,
+                                   {WEIGHTS_FILE: weights_writer(policy.model, dtype)})
+    finally:
+        clear_folder(staging)
+    manifest = Manifest(
+        run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
+        dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
+        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
+        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT)
+    before_commit()
+    crash_point("before_manifest")
+    try:
+        return manifest, write_manifest(storage, manifest, etag, key)
+    except PreconditionFailed:
+        raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
+                           "being published; is a second trainer running on this bucket?") from None
+
+
+def published_or_started(storage: Storage) -> list[int]:
+    """Every version with a checkpoint file or a kept manifest, complete or not. Read once at
+    start-up, so it may walk the whole history."""
+    versions = []
+    for prefix in (layout.CHECKPOINTS, layout.MANIFESTS):
+        for key in storage.list(prefix):
+            v = layout.parse_version_dir(key.split("/")[1].removesuffix(".json"))
+            if v is not None:
+                versions.append(v)
+    return versions
+
+
+# ---------------------------------------------------------------------------------------------
+# One optimizer step.
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+    """False when the loss or the gradient norm was not finite: the optimizer was not stepped."""
+
+
+def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), device=device)
+    for i, lp in enumerate(rows):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out
+
+
+def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+              version: int, cfg: TrainerConfig) -> tuple[float, int, Counter]:
+    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
+    adv = adv_fn(rewards).to(policy.device)  # [G, K]
+    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
+    per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
+    loss_sum, stats = 0.0, Counter()
+    for s in range(0, len(groups), per_micro):
+        chunk = groups[s:s + per_micro]
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in chunk],
+                                    [g.token_ids for g in chunk], cfg.temperature)
+        a = adv[s:s + per_micro].flatten()
+        # Token-level mean over the whole step: scale each micro-batch by its share of tokens.
+        share = mask.sum().item() / total_tokens
+        if cfg.algo == "grpo":
+            behav = _behavior_tensor([lp for g in chunk for lp in g.behavior_logprobs],
+                                     logp.shape[1], policy.device)
+            stale = torch.tensor([g.policy_version < version for g in chunk for _ in g.token_ids],
+                                 device=policy.device)
+            loss, st = grpo_loss(logp, behav, mask, a, stale)
+            stats.update({k: v.item() * share for k, v in st.items()})
+        else:
+            loss = reinforce_loss(logp, mask, a)
+        (loss * share).backward()
+        loss_sum += loss.item() * share
+    return loss_sum, total_tokens, stats
+
+
+def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
+               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
+    """One update on `groups` (all with reward variance), accumulating over micro-batches.
+
+    The update is not applied when the loss or the gradient norm is not finite: intake floors
+    logprobs and the loss clamps every ratio, so that should never happen, and if it does
+    (a bug, a shape nobody foresaw) one step's NaN must not reach the weights, the optimizer's
+    moments or the next publish. The caller finds the groups to blame (`non_finite_groups`).
+
+    One group's weight in an applied step is bounded by construction: every token's weight is
+    |A| x min(ratio, RATIO_CAP) (GRPO) or |A| (REINFORCE), |A| <= (K-1)/sqrt(K) for rewards in
+    [0, 1], the loss is a token mean over the step, and the whole gradient is clipped to norm 1.
+    """
+    policy.model.train()
+    opt.zero_grad(set_to_none=True)
+    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        opt.zero_grad(set_to_none=True)
+        policy.model.eval()
+        return StepResult(loss_sum, grad_norm, total_tokens, dict(stats), applied=False)
+    crash_point("optimizer_step")
+    opt.step()
+    policy.model.eval()
+    return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
+
+
+def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                      version: int, cfg: TrainerConfig) -> list[ScoredGroup]:
+    """The groups whose own loss or gradient is not finite (one backward pass each; only run
+    after a step was refused, so its cost does not matter). Leaves no gradient behind."""
+    bad = []
+    policy.model.train()
+    for g in groups:
+        policy.model.zero_grad(set_to_none=True)
+        loss, _, _ = _backward(policy, [g], prompt_ids, version, cfg)
+        grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
+        if not math.isfinite(loss) or not all(bool(torch.isfinite(x).all()) for x in grads):
+            bad.append(g)
+    policy.model.zero_grad(set_to_none=True)
+    policy.model.eval()
+    return bad
+
+
+def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                   temperature: float, tolerance: float) -> str | None:
+    """Score the submitted tokens under the weights in memory; a description if any token's
+    claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
+
+    Catches a volunteer that runs other weights or samples at another temperature: its
+    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5. `policy`
+    must hold the weights volunteers run: with bf16 publishing, the bf16-rounded copy
+    (Trainer.published_policy), not the fp32 master, which differs by more than the tolerance."""
+    with torch.no_grad():
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
+                                    [g.token_ids for g in groups], temperature)
+    claimed = _behavior_tensor([lp for g in groups for lp in g.behavior_logprobs],
+                               logp.shape[1], policy.device)
+    worst = ((logp - claimed).abs() * mask).max().item()
+    if worst > tolerance:
+        return f"behavior logprobs differ from the trainer's by up to {worst:.3f} (tolerance {tolerance:g})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print,
+                 stop: StopSignal | None = None):
+        self.cfg = cfg
+        self.log = log
+        self.stop = stop or StopSignal(log)  # set by SIGINT/SIGTERM once handlers are installed
+        self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log)
+        self.device = pick_device(cfg.device)
+        train_path, eval_path = dataset_paths(cfg)
+        self.train_path = train_path
+        self.problems = load_csv(train_path)
+        self.held_out = load_csv(eval_path)
+        self.metrics_buffer: list[dict] = []
+        self.state_root = Path(cfg.work_dir) / "state"
+        self.steps = 0  # optimizer steps of the whole run, restored on resume
+        self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
+        self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
+        self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
+
+        `vrl trainer` installs them itself before it imports torch, so a signal during the
+        seconds that takes counts too; this is for programs that build a Trainer."""
+        self.stop.install()
+
+    def start(self) -> None:
+        """Publish v0 on an empty bucket, or pick up where the manifest says the run is.
+
+        A stop signal raises Stopped here: at once where start only reads or computes
+        (loading, the warm start, v0's evaluation), after the write in hand where it writes
+        (the signing key, the dataset, v0 and its metrics, a repaired manifest copy). What it
+        leaves is whole: the bucket as it was, or v0 with its metrics."""
+        cfg = self.cfg
+        with self.stop.abortable():
+            with self.stop.shielded():
+                self.key = signing_key(cfg, self.storage.uri, self.log)
+            trust = Trust(public_key_text(self.key), cfg.allow_unsigned, origin="this trainer's --signing-key")
+            manifest, etag = poll_manifest(self.storage, None, trust=trust)
+            if manifest is None:
+                self._start_fresh()
+            else:
+                self._resume(manifest, etag)
+            # Versions left half-published by a crash are never reused: the next one goes above.
+            self.last_used = max([self.version] + published_or_started(self.storage))
+            tok = self.policy.tokenizer
+            rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
+                          lambda ids: tok.decode(ids, skip_special_tokens=True))
+            self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+            audit = self._audit if cfg.audit_tolerance > 0 else None
+            self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, audit,
+                                 self.log, cfg.log_shards, cfg.seed)
+            self.ingest.audit_version = self.version
+
+    def _start_fresh(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.policy = initial_policy(cfg, self.problems, self.device, self.log)
+        self._make_optimizer()
+        self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        with self.stop.shielded():  # from here on v0 goes out whole, metrics included
+            self.dataset = upload_dataset(self.storage, self.train_path)
+            self.ledger = Ledger()
+            self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
+                                               self.dataset, None, self.key, lambda: self._save(0))
+            self._sync_published()
+            self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
+            self.published = {0}
+            self._evaluate_unless_stopping(0, full=True)
+            self._flush_metrics(0)
+
+    def _resume(self, manifest: Manifest, etag: str | None) -> None:
+        """Weights from the manifest's checkpoint; optimizer, step and counts from the state
+        saved for that version; the ledger from the committed ledger objects of the window."""
+        cfg = self.cfg
+        if manifest.dataset.sha256 != file_sha256(self.train_path):
+            raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
+                               f"{self.train_path}; resume with the same --dataset")
+        folder = fetch_checkpoint(self.storage, manifest, Path(cfg.work_dir) / "resume",
+                                  require_model=True)
+        self.policy = load_policy(folder, self.device)
+        self._make_optimizer()
+        self.run_id, self.dataset, self.manifest = manifest.run_id, manifest.dataset, manifest
+        self.etag = etag
+        with self.stop.shielded():
+            self._repair_history(manifest)
+        win = Window(manifest.version, cfg.max_staleness, set())
+        self.published = self._committed(win)
+        self.ledger = rebuild(self.storage, sorted(self.published))
+        self.ledger.prune(win.low)
+        meta = load_state(self.state_root, manifest.version, self.opt)
+        if meta is None or meta.get("run_id") != self.run_id:
+            self.log(f"warning: no saved trainer state for v{manifest.version} in "
+                     f"{self.state_root}: fresh optimizer moments")
+        else:
+            self.steps = int(meta["steps"])
+            self.fleet.load_counts(meta.get("volunteers", {}))
+            master = master_weights(self.state_root, manifest.version)
+            if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
+                load_weights(self.policy, master)
+        self._sync_published()
+        self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
+
+    def _repair_history(self, manifest: Manifest) -> None:
+        """A crash between manifest.json and its manifests/ copy leaves the copy missing."""
+        try:
+            self.storage.create(layout.manifest_history_key(manifest.version), manifest.to_json())
+        except AlreadyExists:
+            pass  # the usual case: the copy is there
+
+    def _committed(self, win: Window) -> set[int]:
+        """Versions of the window that were committed (have their manifest copy)."""
+        return {v for v in win.versions()
+                if v == win.version or self.storage.exists(layout.manifest_history_key(v))}
+
+    def _make_optimizer(self) -> None:
+        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+
+    def _save(self, version: int) -> None:
+        """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
+        self.ledger.flush(self.storage, version)
+        master = self.policy.model if self.cfg.weights_dtype != "fp32" else None
+        save_state(self.state_root, version, self.opt,
+                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()},
+                   master=master)
+
+    def _sync_published(self) -> None:
+        """Make `published_policy` hold the weights volunteers run, just published.
+
+        fp32: the trainer's own model. bf16: a second fp32 model holding the master rounded
+        to bf16 exactly as the checkpoint was written, and upcast as volunteers upcast it;
+        audits and evals use it, so an honest volunteer's logprobs match (the fp32 master
+        differs from its weights by up to ~0.4 % per weight, far more than the audit's
+        tolerance allows at the logprob level) and `eval vN` measures what vN is. Costs one
+        more fp32 copy of the weights in memory, and one copy per publish."""
+        if self.cfg.weights_dtype == "fp32":
+            self.published_policy = self.policy
+            return
+        dtype = WEIGHTS_DTYPES[self.cfg.weights_dtype]
+        published = getattr(self, "published_policy", None)
+        if published is None or published is self.policy:
+            model = copy.deepcopy(self.policy.model).eval()
+            self.published_policy = Policy(model, self.policy.tokenizer, self.policy.prompt_format,
+                                           self.policy.device)
+        with torch.no_grad():
+            for dst, src in zip(self.published_policy.model.parameters(),
+                                self.policy.model.parameters()):
+                dst.copy_(src.to(dtype))
+
+    def _audit(self, groups: list[ScoredGroup]) -> str | None:
+        return audit_logprobs(self.published_policy, groups, self.prompt_ids,
+                              self.cfg.temperature, self.cfg.audit_tolerance)
+
+    @property
+    def version(self) -> int:
+        """The published version the trainer is training from: the manifest's."""
+        return self.manifest.version
+
+    def window(self) -> Window:
+        return Window(self.version, self.cfg.max_staleness, self.published)
+
+    def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
+        problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
+        res = greedy_and_sampled(self.published_policy, problems, self.cfg.temperature,
+                                 self.cfg.eval_samples, self.cfg.max_new_tokens)
+        self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
+                 f"{res['eval/accuracy_greedy']:.1%}, sampled (T={self.cfg.temperature}) "
+                 f"{res['eval/accuracy_sampled']:.1%}")
+        self.metrics_buffer.append({"kind": "eval", "version": version, "time": time.time(),
+                                    "eval/prompts": len(problems), **res})
+        return res
+
+    def _evaluate_unless_stopping(self, version: int, full: bool = False) -> None:
+        """`_evaluate`, but a stop signal skips it or cuts it short: it only reads and
+        computes, and a full one (500 prompts) takes far longer than the few seconds a stop
+        may. The version's metrics then go out without it."""
+        try:
+            with self.stop.abortable():
+                self._evaluate(version, full)
+        except Stopped as exc:
+            self.log(f"signal {exc.signum}: no eval of v{version}, stopping")
+
+    def _flush_metrics(self, version: int) -> None:
+        """Metrics of the steps that led to `version`, as one write-once object."""
+        body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics_buffer)
+        self.storage.create(layout.metrics_key(version), body.encode())
+        self.metrics_buffer = []
+
+    def run(self) -> Manifest:
+        cfg = self.cfg
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        started = time.time()
+        buffer: list[ScoredGroup] = []
+        steps, unpublished, stats = 0, 0, IngestStats()
+        stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
+        while not self._done(steps, started):
+            t0 = time.time()
+            buffer += self.ingest.poll(self.window(), stats)
+            fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
+            self._record(stale, "stale")
+            stale_dropped += len(stale)
+            t_ingest += time.time() - t0
+            if len(fresh) < cfg.groups_per_step:
+                buffer = fresh
+                self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
+                waited += cfg.poll_seconds
+                continue
+            batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
+            t0 = time.time()
+            self.ingest.audit_version = None  # the weights in memory are about to move on
+            result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
+            if not result.applied:
+                buffer = self.refuse_step(batch + buffer, batch, result, stats)
+                continue
+            steps += 1
+            unpublished += 1
+            self.steps += 1
+            self._record(batch, "trained", self.steps)
+            timing = {"train/step_time": time.time() - t0, "time/ingest": t_ingest,
+                      "time/waiting_for_rollouts": waited, "time/last_publish": last_publish,
+                      "time/dashboard": self.dashboard.take_seconds()}
+            self._record_step(self.steps, batch, result, stats, stale_dropped, timing)
+            stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
+            if unpublished == cfg.publish_every and not self._done(steps, started):
+                t0 = time.time()
+                self._publish_next()
+                last_publish = time.time() - t0
+                unpublished = 0
+        self._finish(unpublished)
+        return self.manifest
+
+    def refuse_step(self, waiting: list[ScoredGroup], batch: list[ScoredGroup],
+                     result: StepResult, stats: IngestStats) -> list[ScoredGroup]:
+        """After a step on `batch` with a non-finite loss or gradient was not applied: reject
+        (quarantine, ledger, charge) the shards of the groups to blame, or of the whole batch
+        if no single group is; return the groups of `waiting` from other shards."""
+        bad = non_finite_groups(self.policy, batch, self.prompt_ids, self.version, self.cfg) or batch
+        keys = sorted({g.key for g in bad})
+        self.log(f"warning: step not applied: loss {result.loss}, gradient norm {result.grad_norm}; "
+                 f"rejecting {len(keys)} shard(s)")
+        for key in keys:
+            self.ingest.reject(key, "non_finite", "non_finite: its groups gave a non-finite loss or "
+                               "gradient (the step was not applied)", stats)
+        return [g for g in waiting if g.key not in keys]
+
+    def _finish(self, unpublished: int) -> None:
+        """After the loop: publish the steps not yet published as the final version, or, if
+        there are none, give fleet.json and dashboard/ their last write.
+
+        Stopped by a signal, that version goes out without its final evaluation
+        (`_evaluate_unless_stopping`). With no step since the last publish no metrics are
+        pending: step lines and evals go out with the publish that follows them, in its
+        write-once metrics object, so the buffer is empty here."""
+        if unpublished:
+            self._publish_next(final=True)
+        else:
+            self._write_views(final=True)
+
+    def _record(self, groups: list[ScoredGroup], outcome: str, step: int | None = None) -> None:
+        """Ledger records for `groups`, one per shard."""
+        by_key: dict[str, list[ScoredGroup]] = {}
+        for g in groups:
+            by_key.setdefault(g.key, []).append(g)
+        for key, gs in by_key.items():
+            self.ledger.record(key, outcome, [g.line for g in gs], gs[0].shard_size,
+                               [g.digest for g in gs], step=step)
+
+    def _done(self, steps: int, started: float) -> bool:
+        cfg = self.cfg
+        return bool(self.stop.is_set() or (cfg.max_steps and steps >= cfg.max_steps)
+                    or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
+
+    def _publish_next(self, final: bool = False) -> None:
+        self.last_used += 1
+        version = self.last_used
+        self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
+                                           self.run_id, self.dataset, self.etag, self.key,
+                                           lambda: self._save(version))
+        self._sync_published()
+        self.retention.after_publish(self.manifest)
+        self.ingest.audit_version = version
+        self.published = {v for v in self.published | {version} if v >= self.window().low}
+        self.ledger.prune(self.window().low)
+        prune_states(self.state_root, {version})
+        every = self.cfg.eval_every
+        if final or (every and self.version % every == 0):
+            self._evaluate_unless_stopping(self.version, full=final)
+        self._write_views(final)
+        self._flush_metrics(self.version)
+
+    def _write_views(self, final: bool) -> None:
+        """fleet.json and dashboard/, for people: each written when its cadence says so, and
+        at the end. Neither can fail the trainer."""
+        self.fleet_summary.after_publish(self.manifest, self.steps, self.metrics_buffer, self.fleet, final)
+        self.dashboard.after_publish(self.metrics_buffer, final)
+
+    def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
+                     stats: IngestStats, stale_dropped: int, timing: dict[str, float]) -> None:
+        rewards = [r for g in batch for r in g.rewards]
+        lags = Counter(self.version - g.policy_version for g in batch)
+        m = {
+            "kind": "step", "step": step, "version": self.version, "time": time.time(),
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            # None when nothing new arrived since the last step (the batch came from the buffer)
+            "rollout/frac_reward_zero_std": stats.zero_variance / stats.groups if stats.groups else None,
+            "rollout/staleness_hist": {str(k): v for k, v in sorted(lags.items())},
+            "rollout/stale_dropped": stale_dropped,
+            "rollout/groups": len(batch), "rollout/tokens": result.tokens,
+            "rollout/sources": dict(Counter(g.key for g in batch)),
+            "ingest/shards": stats.shards, "ingest/groups": stats.groups,
+            "ingest/rejected": dict(stats.rejected),
+            "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
+            "ingest/over_cap": stats.over_cap,
+            "ingest/by_volunteer": stats.by_volunteer,
+            "train/loss": result.loss, "train/grad_norm": result.grad_norm,
+            **timing,
+            **{f"train/{k}": v for k, v in result.stats.items()},
+        }
+        self.metrics_buffer.append(m)
+        zero = m["rollout/frac_reward_zero_std"]
+        self.log(f"step {step} v{self.version} reward {m['rollout/reward_mean']:.3f} "
+                 f"lag {dict(sorted(lags.items()))} zero-std {'-' if zero is None else f'{zero:.2f}'} "
+                 f"dropped {stale_dropped} loss {result.loss:+.4f} ({timing['train/step_time']:.2f}s)")
+
+
+def train(cfg: TrainerConfig, log: Callable[[str], None] = print,
+          stop: StopSignal | None = None) -> Manifest:
+    """Start and run a trainer. A stop signal before the loop begins raises Stopped."""
+    trainer = Trainer(cfg, log, stop)
+    trainer.start()
+    return trainer.run()

@@ -1,0 +1,109 @@
+"""Which prompts a volunteer samples next: the ones likely to teach the policy something.
+
+A group whose K completions all get the same reward (all right, or all wrong) has a zero
+advantage on every token, so the trainer counts it and drops it. In the demo such groups
+were 58 % of everything volunteers made, and they cluster by difficulty. From one demo run
+(v0 to v990, 6,400 groups), by operators in the target expression:
+
+    operators   all wrong   all right   useful (reward variance)
+        1          14 %        51 %         35 %
+        2          15 %        26 %         59 %
+        3          35 %         5 %         60 %
+        4          84 %         1 %         15 %
+
+So the picker keeps, for each difficulty stratum (operator count), a decayed count of the
+groups it saw and of the useful ones, and draws strata in proportion to their size times the
+square of their useful rate, with a floor so that no stratum starves and every estimate stays
+current as the policy learns. It also remembers prompts whose last group was uniform and
+skips them three times in four: most stay uniform for a while.
+
+This only changes which prompts get sampled, never how: groups are still sampled from the
+published policy, rewards are still recomputed by the trainer, and a prompt no stratum
+weight favours is still drawn now and then. Pure logic, no I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from volunteer_rl.task.calculator import Problem
+
+_OPERATOR = re.compile(r"\*\*|//|[-+*/%]")
+MAX_STRATUM = 8
+DECAY = 0.995
+"""Weight of an old observation after each new one in its stratum: about the last 200 count."""
+FLOOR = 0.05
+"""Smallest share of draws any stratum gets."""
+RETRY_UNIFORM = 0.25
+"""Chance that a prompt whose last group was uniform is drawn again when it comes up."""
+
+
+def stratum(problem: Problem) -> int:
+    """Difficulty class of a prompt: operators in its target expression (capped)."""
+    return min(len(_OPERATOR.findall(problem.expression)), MAX_STRATUM)
+
+
+@dataclass
+class _Tally:
+    seen: float = 0.0
+    useful: float = 0.0
+
+    def rate(self) -> float:
+        """Useful share with a uniform prior: 0.5 before any observation."""
+        return (self.useful + 1.0) / (self.seen + 2.0)
+
+
+class PromptPicker:
+    def __init__(self, problems: list[Problem], rng: random.Random, adaptive: bool = True):
+        """`adaptive` False: uniform draws without replacement within a call, nothing learnt."""
+        self.problems = problems
+        self.rng = rng
+        self.adaptive = adaptive
+        self.by_stratum: dict[int, list[int]] = {}
+        for i, p in enumerate(problems):
+            self.by_stratum.setdefault(stratum(p), []).append(i)
+        self.tally = {s: _Tally() for s in self.by_stratum}
+        self.index = {p.id: i for i, p in enumerate(problems)}
+        self.uniform: set[int] = set()  # indices whose last group had one reward for all K
+
+    def shares(self) -> dict[int, float]:
+        """Probability of drawing each stratum next: size x rate^2, then floored, summing to 1."""
+        raw = {s: len(ix) * self.tally[s].rate() ** 2 for s, ix in self.by_stratum.items()}
+        total = sum(raw.values())
+        floored = {s: max(FLOOR, w / total) for s, w in raw.items()}
+        norm = sum(floored.values())
+        return {s: w / norm for s, w in floored.items()}
+
+    def pick(self, n: int) -> list[Problem]:
+        """`n` distinct prompts (fewer only if the dataset is smaller)."""
+        n = min(n, len(self.problems))
+        if not self.adaptive:
+            return self.rng.sample(self.problems, n)
+        shares = self.shares()
+        strata, weights = list(shares), list(shares.values())
+        chosen: set[int] = set()
+        for _ in range(50 * n):  # bounded: a tiny dataset of uniform prompts still returns
+            if len(chosen) == n:
+                break
+            s = self.rng.choices(strata, weights)[0]
+            i = self.rng.choice(self.by_stratum[s])
+            if i in self.uniform and self.rng.random() >= RETRY_UNIFORM:
+                continue
+            chosen.add(i)
+        while len(chosen) < n:  # fill up uniformly at random
+            chosen.add(self.rng.randrange(len(self.problems)))
+        return [self.problems[i] for i in chosen]
+
+    def observe(self, problem: Problem, rewards: list[float]) -> None:
+        """Record the rewards of one group sampled for `problem`."""
+        i = self.index[problem.id]
+        useful = max(rewards) != min(rewards)
+        t = self.tally[stratum(problem)]
+        t.seen = t.seen * DECAY + 1.0
+        t.useful = t.useful * DECAY + (1.0 if useful else 0.0)
+        if useful:
+            self.uniform.discard(i)
+        else:
+            self.uniform.add(i)

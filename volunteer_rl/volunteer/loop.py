@@ -1,0 +1,353 @@
+"""A volunteer: follow the manifest, sample groups with the newest weights, upload shards.
+
+Everything it needs comes from the bucket: the manifest (polled, its signature checked
+against the trainer's key), the dataset and the checkpoint files it names (each checked
+against the manifest's sha256). All it writes is its own shards, under
+rollouts/<version>/<its id>/, each one written once, and its heartbeat volunteers/<its id>.json,
+overwritten every --heartbeat-seconds from a thread of its own (heartbeat.py).
+
+A manifest whose signature it does not accept is fatal before the first one was accepted (a
+volunteer must not work for a foreign trainer) and, later, refused with a warning while it
+keeps polling: it never loads what such a manifest names. A validly signed manifest that is
+behind the newest one it accepted from the bucket (a lower version of the run, or an older
+run: signing.behind), remembered across restarts in <work_dir>/newest-manifests.json, is
+refused the same way but is never fatal: the trainer is the right one, someone just put an
+old manifest back, and the volunteer keeps the version it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from volunteer_rl.protocol import layout
+from volunteer_rl.model.checkpoint import (WEIGHTS_FILE, CheckpointError, CheckpointRefused, fetch_checkpoint,
+                         fetch_weights, sha256_bytes)
+from volunteer_rl.config import VolunteerConfig
+from volunteer_rl.volunteer.curriculum import PromptPicker
+from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
+from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
+from volunteer_rl.model.policy import (Policy, encode_prompts, load_policy, load_weights, pick_device, sample,
+                     set_sampling_threads)
+from volunteer_rl.storage.base import is_missing
+from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD, Completion, Group, encode_shard, new_shard_name
+from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
+from volunteer_rl.storage.base import Storage, StorageError, open_storage
+from volunteer_rl.task.calculator import DatasetError, Problem, load_csv, reward
+
+
+def default_volunteer_id() -> str:
+    """Sanitized hostname plus a random suffix, so two processes on one host never collide."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40].strip("-.") or "volunteer"
+    return f"{host}-{uuid.uuid4().hex[:6]}"
+
+
+def swap_weights(storage: Storage, m: Manifest, policy: Policy,
+                 reuse: memoryview | None = None) -> memoryview:
+    """Fetch the manifest's weights (verified, in memory) and copy them into the live model.
+
+    Returns the buffer they were read into; hand it back as `reuse` next time so the next
+    version lands in memory that is already mapped (the volunteer keeps one such buffer, the
+    size of the weights file, for as long as it runs). fetch_weights checks the checkpoint
+    first (CheckpointRefused: weights of another size than config.json describes)."""
+    buf = fetch_weights(storage, m, WEIGHTS_FILE, reuse)
+    load_weights(policy, buf)
+    return buf
+
+
+class ShardWriter:
+    """Buffers groups of one policy version; uploads a shard every N groups or T seconds.
+    `limit` is the manifest's max_shard_groups: no shard holds more, whatever N is."""
+
+    def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
+                 log: Callable[[str], None], on_upload: Callable[[int], None] | None = None):
+        self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
+        self.on_upload = on_upload  # told the group count of each uploaded shard
+        self.max_groups, self.max_seconds = max_groups, max_seconds
+        self.limit = MAX_GROUPS_PER_SHARD
+        self.groups: list[Group] = []
+        self.version: int | None = None
+        self.opened = 0.0
+        self.seq = 0
+        self.uploaded_groups = 0
+        self.per_version: dict[int, int] = {}
+
+    def add(self, groups: list[Group], version: int) -> None:
+        if self.version is not None and version != self.version:
+            self.flush()  # a shard holds one version: it lives under that version's prefix
+        if not self.groups:
+            self.opened = time.time()
+        self.version = version
+        self.groups.extend(groups)
+        self.per_version[version] = self.per_version.get(version, 0) + len(groups)
+        if len(self.groups) >= min(self.max_groups, self.limit) or time.time() - self.opened >= self.max_seconds:
+            self.flush()
+
+    def version_groups(self, manifest: Manifest | None) -> int:
+        """Groups made so far with the manifest's version."""
+        return self.per_version.get(manifest.version, 0) if manifest is not None else 0
+
+    def flush(self) -> None:
+        """Upload what is buffered, as several shards if it is more than `limit` groups."""
+        while self.groups:
+            shard, self.groups = self.groups[:self.limit], self.groups[self.limit:]
+            key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
+            self.storage.create(key, encode_shard(shard))
+            rewards = [c.reward for g in shard for c in g.completions]
+            self.log(f"uploaded {key}: {len(shard)} groups, reward {sum(rewards) / len(rewards):.3f}")
+            self.uploaded_groups += len(shard)
+            if self.on_upload is not None:
+                self.on_upload(len(shard))
+            self.seq += 1
+
+
+class Volunteer:
+    def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.id = cfg.volunteer_id or default_volunteer_id()
+        if not layout.is_safe_name(self.id):
+            raise ValueError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting with . or -)")
+        self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
+                                  cfg.allow_unsigned, log)
+        self.device = pick_device(cfg.device)
+        self.host = host_facts(str(self.device))
+        self.work = Path(cfg.work_dir) / self.id
+        self.rng = random.Random(cfg.seed)
+        self.stop = threading.Event()
+        self.policy: Policy | None = None
+        self.weights_buffer: memoryview | None = None  # reused by every in-place swap
+        self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
+        self.manifest: Manifest | None = None
+        self.last_manifest_ok = 0.0
+        self.warned: dict[str, str] = {}
+        self.manifest_etag: str | None = None
+        self.latest: Manifest | None = None  # newest manifest read, loaded or not
+        self.extra_groups = 0  # groups allowed past the per-version cap (see _at_cap)
+        self.capped_since: float | None = None
+        self.tally = Tally(started_at=time.time())
+        self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
+                                   self._heartbeat_payload, log)
+
+    # -- following the manifest ---------------------------------------------------------------
+
+    def _poll_manifest(self) -> Manifest | None:
+        """The newest manifest (the one already held when unchanged); None if none is readable."""
+        try:
+            m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
+        except Rollback as exc:
+            # As for an unreadable manifest: keep what we hold (generating for the grace
+            # period), never load what this one names, and read it in full again next time
+            # (an etag kept here would make its 304s look like a fresh manifest).
+            self.manifest_etag = None
+            keeping = f"; keeping v{self.manifest.version}" if self.manifest is not None else ""
+            self._warn("manifest", f"{exc}; refused (nothing it names is loaded){keeping}, still polling")
+            return None
+        except SignatureError as exc:
+            if self.latest is None:
+                raise  # never accepted one: this bucket's trainer is not the one we trust
+            self.manifest_etag = None
+            self._warn("manifest", f"{exc}; refused (nothing it names is loaded), still polling")
+            return None
+        except ManifestError as exc:
+            self.manifest_etag = None  # read it in full again next time
+            self._warn("manifest", f"{exc}; waiting for a valid one")
+            return None
+        self.warned.pop("manifest", None)
+        if m is not None:
+            self.latest = m
+        if self.manifest_etag is None:  # nothing published yet
+            return None
+        self.last_manifest_ok = time.time()
+        return self.latest
+
+    def _load_dataset(self, m: Manifest) -> list[Problem]:
+        data = self.storage.read(m.dataset.key, max_bytes=m.dataset.size)
+        if sha256_bytes(data) != m.dataset.sha256:
+            raise StorageError(f"{m.dataset.key}: sha256 does not match manifest.json")
+        path = self.work / "dataset.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return load_csv(path)
+
+    def _switch(self, m: Manifest) -> None:
+        """Move to the manifest's version: swap weights in place when only they changed.
+
+        The swap reads the weights into memory, checks their sha256, and only then copies
+        them into the model (`swap_weights`); nothing is written to disk. Weights published
+        in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
+        computes in fp32 with the bf16-rounded values, as the trainer's audit does.
+
+        Either way the checkpoint is checked before any of it is downloaded (its file names,
+        config.json, the weights' size: checkpoint.check_checkpoint) and a full load checks
+        the folder again (load_policy). Nothing changes until the new version has loaded: on
+        any error the volunteer keeps the model, dataset and manifest it holds."""
+        old = self.manifest
+        same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
+                      and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS_FILE))
+        folder = self.work / "checkpoint"
+        if same_shape:
+            self.weights_buffer = swap_weights(self.storage, m, self.policy, self.weights_buffer)
+        else:
+            fetch_checkpoint(self.storage, m, folder, require_model=True)
+            new_data = old is None or old.dataset != m.dataset
+            problems = self._load_dataset(m) if new_data else self.problems
+            self.policy = load_policy(folder, self.device)
+            if new_data:
+                self.problems = problems
+                self.picker = PromptPicker(problems, self.rng, self.cfg.curriculum)
+            self.policy.model.eval()
+            threads = set_sampling_threads(self.policy, self.cfg.threads)
+            if threads != self.threads:
+                how = "--threads" if self.cfg.threads > 0 else "auto"
+                self.log(f"sampling with {threads} torch thread{'s' * (threads != 1)} ({how})")
+                self.threads = threads
+        self.manifest = m
+        self.extra_groups, self.capped_since = 0, None
+        self.log(f"now on v{m.version} of {m.run_id}")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _generate(self) -> list[Group]:
+        m, policy = self.manifest, self.policy
+        picked = self.picker.pick(self.cfg.prompts_per_batch)
+        prompts = encode_prompts(policy, [p.prompt for p in picked])
+        s = m.sampling
+        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens)
+        groups = []
+        for p, samples in zip(picked, out):
+            completions = [Completion(x.token_ids, x.logprobs, x.text, reward(x.text, p.expression))
+                           for x in samples]
+            self.picker.observe(p, [c.reward for c in completions])
+            groups.append(Group(p.id, m.version, self.id, completions))
+        return groups
+
+    def _try_switch(self, m: Manifest) -> bool:
+        """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
+
+        A checkpoint that is gone was removed by retention after we read its manifest (the
+        trainer has moved on): read the manifest again and go where it points now. A refused
+        one (CheckpointRefused: a file no checkpoint may hold, a config asking for code or
+        out of bounds) is like any bad checkpoint once a model is loaded; before that it is
+        fatal: the bucket names nothing this volunteer will ever load."""
+        while True:
+            try:
+                self._switch(m)
+            except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+                if isinstance(exc, CheckpointRefused) and self.policy is None:
+                    raise
+                now = self._moved_on(m) if is_missing(exc) else None
+                if now is None:
+                    self._warn("switch", f"cannot load v{m.version}: {exc}; will retry")
+                    return False
+                self.log(f"v{m.version} was removed from the bucket; the manifest now names v{now.version}")
+                m = now
+                continue
+            self.warned.pop("switch", None)
+            return True
+
+    def _moved_on(self, m: Manifest) -> Manifest | None:
+        """The manifest as it is now, if it names another version than `m`; else None."""
+        now = self._poll_manifest()
+        if now is None or (now.run_id, now.version) == (m.run_id, m.version):
+            return None
+        return now
+
+    def _heartbeat_payload(self, state: str, now: float) -> dict:
+        """What the heartbeat thread writes: counters plus the version in use."""
+        m = self.manifest
+        return heartbeat_payload(self.id, state, self.host, self.tally, self.cfg.heartbeat_seconds,
+                                 m.run_id if m else None, m.version if m else None, now)
+
+    def _warn(self, topic: str, message: str) -> None:
+        """Log a problem once, not once per poll, until it changes or goes away."""
+        if self.warned.get(topic) != message:
+            self.log(f"warning: {message}")
+            self.warned[topic] = message
+
+    def _usable(self, m: Manifest | None) -> bool:
+        """May we generate with the weights we hold, given the newest manifest we could read?"""
+        if self.manifest is None:
+            return False
+        if m is None:  # no fresh manifest: trust ours only for a grace period
+            return time.time() - self.last_manifest_ok <= self.cfg.manifest_grace_seconds
+        return m.run_id == self.manifest.run_id and m.version - self.manifest.version <= m.max_staleness
+
+    def _at_cap(self, writer: ShardWriter) -> bool:
+        """Has this version had its share of groups? The cap pauses, it never stops: if no
+        new version comes within cap_patience_seconds, the trainer may need more groups than
+        the cap allows (too few with reward variance, say), so one more batch is made."""
+        cap = self.cfg.max_groups_per_version
+        if not cap or writer.version_groups(self.manifest) < cap + self.extra_groups:
+            self.capped_since = None
+            return False
+        now = time.time()
+        if self.capped_since is None:
+            self.capped_since = now
+        if now - self.capped_since < self.cfg.cap_patience_seconds:
+            return True
+        self.extra_groups += self.cfg.prompts_per_batch
+        self.capped_since = None
+        return False
+
+    def run(self) -> int:
+        """Generate until stopped; returns the number of groups uploaded."""
+        cfg = self.cfg
+        if cfg.nice > 0 and hasattr(os, "nice"):  # POSIX only; elsewhere the OS decides
+            os.nice(cfg.nice)
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        started = time.time()
+        self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
+        if self.trust.key:
+            self.log(f"manifests must be signed by {self.trust.key} ({self.trust.origin})")
+        if self.trust.mark is not None and self.trust.mark.seen is not None:
+            self.log(f"refusing manifests behind {self.trust.mark.seen}, the newest seen from this "
+                     f"bucket ({self.trust.mark.path})")
+        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log,
+                             on_upload=lambda n: self.tally.uploaded(n, time.time()))
+        self.heartbeat.start()
+        try:
+            while not self.stop.is_set():
+                if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
+                    break
+                m = self._poll_manifest()
+                if m is not None and (self.manifest is None or m.version != self.manifest.version
+                                      or m.run_id != self.manifest.run_id):
+                    writer.flush()  # its groups belong to the version we are leaving
+                    self._try_switch(m)
+                if not self._usable(m) or self._at_cap(writer):
+                    # Nothing published yet, our weights fell out of the staleness window and
+                    # the new ones did not load, or this version has had its share of groups:
+                    # groups made now would only be dropped.
+                    self.stop.wait(cfg.poll_seconds)
+                    continue
+                groups = self._generate()
+                self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
+                writer.limit = self.manifest.max_shard_groups
+                writer.add(groups, self.manifest.version)
+        finally:
+            try:
+                writer.flush()
+            finally:
+                self.heartbeat.stop()  # the last heartbeat says `stopped`, with final totals
+        return writer.uploaded_groups
+
+    def install_signal_handlers(self) -> None:
+        """Ctrl-C and SIGTERM finish the current batch, flush the partial shard, exit 0."""
+        def handler(signum, frame):
+            self.log(f"signal {signum}: flushing and stopping")
+            self.stop.set()
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
