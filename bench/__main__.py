@@ -19,9 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 from dataclasses import asdict
+from pathlib import Path
 
 from bench.common import Row, machine
 

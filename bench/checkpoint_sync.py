@@ -94,9 +94,9 @@ def qwen3(quick: bool):
 
 
 def policy_for(model):
+    from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import Policy, build_tokenizer
     from volunteer_rl.task.calculator import load_csv
-    from volunteer_rl.config import PACKAGE_DATA
 
     problems = load_csv(PACKAGE_DATA / "train.csv")[:2000]
     tokenizer = build_tokenizer([p.prompt for p in problems] + [p.expression for p in problems])

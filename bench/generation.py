@@ -41,9 +41,18 @@ import torch
 
 from bench.common import Row, cli
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig, VolunteerConfig
-from volunteer_rl.model.policy import (TORCH_DEFAULT_THREADS, Policy, build_tiny_model, build_tokenizer,
-                                 encode_prompts, load_policy, sample, save_policy,
-                                 set_sampling_threads, token_logprobs)
+from volunteer_rl.model.policy import (
+    TORCH_DEFAULT_THREADS,
+    Policy,
+    build_tiny_model,
+    build_tokenizer,
+    encode_prompts,
+    load_policy,
+    sample,
+    save_policy,
+    set_sampling_threads,
+    token_logprobs,
+)
 from volunteer_rl.task.calculator import Problem, load_csv
 from volunteer_rl.trainer.warmstart import warm_start
 

@@ -89,9 +89,9 @@ def make_policy_and_pool(sizes: Sizes):
     import torch
 
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.trainer.ingest import Rules
     from volunteer_rl.model.policy import encode_prompts, sample
     from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.trainer.ingest import Rules
     from volunteer_rl.trainer.loop import dataset_paths, initial_policy
 
     cfg = TrainerConfig(bucket="unused", warm_start_steps=sizes.warm_start_steps, seed=0)
@@ -191,9 +191,9 @@ def window_of(history: int):
 
 
 def new_ingest(storage, rules):
+    from volunteer_rl.protocol.ledger import Ledger
     from volunteer_rl.trainer.fleet import Fleet
     from volunteer_rl.trainer.ingest import Ingest
-    from volunteer_rl.protocol.ledger import Ledger
 
     return Ingest(storage, rules, Ledger(), Fleet(), audit=None, log=lambda m: None)
 

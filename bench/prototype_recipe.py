@@ -47,9 +47,24 @@ import time
 from pathlib import Path
 
 from bench.common import Row, cli, machine
-from bench.trl_time_to_accuracy import (EVAL_SAMPLES, FULL, K, MAX_NEW_TOKENS, QUICK,
-                                        TEMPERATURE, THREADS, GridKeeper, Plan, Run, _pump, log,
-                                        run_child, score, shared_start, vrl_snapshots)
+from bench.trl_time_to_accuracy import (
+    EVAL_SAMPLES,
+    FULL,
+    MAX_NEW_TOKENS,
+    QUICK,
+    TEMPERATURE,
+    THREADS,
+    GridKeeper,
+    K,
+    Plan,
+    Run,
+    _pump,
+    log,
+    run_child,
+    score,
+    shared_start,
+    vrl_snapshots,
+)
 
 SETTINGS = ((8, 3e-4), (32, 1e-4))
 """(prompts per step, learning rate) of the recipe's two runs: the one the issue quotes, and
@@ -106,9 +121,9 @@ def recipe_child(spec: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.trainer.losses import reinforce_advantages, reinforce_loss
     from volunteer_rl.model.policy import encode_prompts, load_policy, sample, token_logprobs
     from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.trainer.losses import reinforce_advantages, reinforce_loss
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ from pathlib import Path
 from bench.common import Row, emit_rows
 from volunteer_rl import s3
 from volunteer_rl.storage.s3 import S3Storage
+
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "vrl-bench"
 KEY = "checkpoints/v000001/model.safetensors"

@@ -384,9 +384,13 @@ def trl_child(spec: dict) -> None:
 
 def check_trl_sampling(trainer) -> None:
     """TRL's sampler must be plain softmax(logits / T): no top-k, top-p, min-p or penalty."""
-    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     model = trainer.model
     try:  # what `generate` does with TRL's generation config (private helpers of transformers 5)
@@ -411,9 +415,9 @@ def score(run: Run, model_dir: Path, plan: Plan, cache: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.trainer.evaluate import greedy_and_sampled
     from volunteer_rl.model.policy import load_policy, load_weights
     from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled
 
     torch.set_num_threads(THREADS)
     problems = load_csv(PACKAGE_DATA / "eval.csv")[: plan.eval_prompts]

@@ -104,7 +104,7 @@ def trainer(
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.trainer.stopping import StopSignal, Stopped
+    from volunteer_rl.trainer.stopping import Stopped, StopSignal
 
     cfg = TrainerConfig(**{k_: v for k_, v in locals().items() if k_ in TrainerConfig.__dataclass_fields__})
     if algo not in ("reinforce", "grpo"):
@@ -266,11 +266,11 @@ def eval_(
     """
     with _clean_errors():
         from volunteer_rl.config import PACKAGE_DATA
-        from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
         from volunteer_rl.model.policy import pick_device
         from volunteer_rl.protocol.signing import reader_trust
         from volunteer_rl.storage.base import open_storage
         from volunteer_rl.task.calculator import load_csv
+        from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
 
         problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
         storage = open_storage(bucket, endpoint_url)
@@ -353,9 +353,9 @@ def gc(
     Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
     """
     with _clean_errors():
-        from volunteer_rl.trainer.retention import collect, summary_lines
         from volunteer_rl.protocol.signing import Trust, resolve_trust_key
         from volunteer_rl.storage.base import open_storage
+        from volunteer_rl.trainer.retention import collect, summary_lines
 
         # Without --trust-key any validly signed manifest will do: gc runs with the
         # trainer's credentials, and whoever can replace the manifest can delete anyway.

@@ -99,11 +99,11 @@ def stop(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
 def report(bucket: Path, work: Path) -> dict[int, dict[str, float]]:
     """Held-out accuracy of v0 and of the last version, read back from the bucket."""
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
     from volunteer_rl.protocol.manifest import read_manifest
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage.base import open_storage
     from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
 
     storage = open_storage(str(bucket))
     trust = Trust(resolve_trust_key(str(work / "trainer" / "signing-key.pem.pub")))

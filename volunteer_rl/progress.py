@@ -21,8 +21,15 @@ def progress(description: str, total: float, unit_bytes: bool = False,
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn,
-                               TextColumn, TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
     columns += [DownloadColumn(), TransferSpeedColumn()] if unit_bytes else []

@@ -8,8 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from conftest import TEMPLATE_VERSION
-from volunteer_rl.protocol import layout
+
 from volunteer_rl.model.checkpoint import fetch_checkpoint
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import open_storage

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import TEMPLATE_VERSION
+
 from helpers.bucket_objects import FolderBucket, as_dicts, assert_manifest_complete, gz_lines, key
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout

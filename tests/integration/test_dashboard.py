@@ -5,13 +5,19 @@ import json
 
 import pytest
 
+from helpers.status_fixtures import NOW, beat, manifest  # noqa: E402
 from helpers.vrlproc import run_vrl  # noqa: E402
 from volunteer_rl.observe import dashboard
+from volunteer_rl.observe.dashboard import (  # noqa: E402
+    History,
+    TrainerDashboard,
+    read_history,
+    staleness_counts,
+    throughput_series,
+    write_dashboard,
+)
 from volunteer_rl.protocol import layout  # noqa: E402
-from volunteer_rl.observe.dashboard import (History, TrainerDashboard, read_history,  # noqa: E402
-                                    staleness_counts, throughput_series, write_dashboard)
 from volunteer_rl.storage.base import open_storage  # noqa: E402
-from helpers.status_fixtures import NOW, beat, manifest  # noqa: E402
 
 
 def metrics_lines(version: int) -> list[dict]:

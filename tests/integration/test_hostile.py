@@ -20,9 +20,9 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
+from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
-from conftest import TEMPLATE_VERSION
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.printable import printable

@@ -18,14 +18,28 @@ import pytest
 import torch
 
 from helpers.vrlproc import one_line_error, run_vrl
-from volunteer_rl.protocol import layout
-from volunteer_rl.model.checkpoint import (CHECKPOINT_FILES, MAX_MODEL_FP32_BYTES, CheckpointRefused,
-                                     check_model_config, check_model_folder, fetch_checkpoint,
-                                     fetch_weights, publish_checkpoint, sha256_bytes)
 from volunteer_rl.config import PACKAGE_DATA, VolunteerConfig
-from volunteer_rl.protocol.manifest import FileEntry, Manifest, ManifestError, Sampling, read_manifest, \
-    write_manifest
+from volunteer_rl.model.checkpoint import (
+    CHECKPOINT_FILES,
+    MAX_MODEL_FP32_BYTES,
+    CheckpointRefused,
+    check_model_config,
+    check_model_folder,
+    fetch_checkpoint,
+    fetch_weights,
+    publish_checkpoint,
+    sha256_bytes,
+)
 from volunteer_rl.model.policy import Policy, build_tokenizer, load_policy, save_policy
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import (
+    FileEntry,
+    Manifest,
+    ManifestError,
+    Sampling,
+    read_manifest,
+    write_manifest,
+)
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
 from volunteer_rl.storage.base import open_storage
 from volunteer_rl.task.calculator import generate_problems

@@ -21,18 +21,17 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 import boto3
 import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
+import pytest
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
-from helpers.vrlproc import load_infra  # noqa: E402
 
-from volunteer_rl.protocol import layout
+from helpers.vrlproc import load_infra  # noqa: E402
 from volunteer_rl.observe.dashboard import read_history
-from volunteer_rl.trainer.retention import TrainerRetention
+from volunteer_rl.protocol import layout
 from volunteer_rl.storage.s3 import S3Storage
+from volunteer_rl.trainer.retention import TrainerRetention
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "terraform" / "aws" / "policies"

@@ -11,10 +11,9 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 import boto3
 import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
+import pytest
 from botocore.config import Config  # noqa: E402
 
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, wait_for  # noqa: E402

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers.vrlproc import Proc, run_vrl
-from volunteer_rl.protocol import layout
 from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust
 

@@ -19,11 +19,30 @@ import pytest
 
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import (Dataset, FileEntry, Manifest, ManifestError, Sampling,
-                                   read_manifest, write_manifest)
-from volunteer_rl.protocol.signing import (MARK_FILE, Ed25519PrivateKey, HighWater, KeyFileError, Rollback,
-                                  Seen, SignatureError, Trust, behind, parse_private_key,
-                                  public_key_text, reader_trust, sign)
+from volunteer_rl.protocol.manifest import (
+    Dataset,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    Sampling,
+    read_manifest,
+    write_manifest,
+)
+from volunteer_rl.protocol.signing import (
+    MARK_FILE,
+    Ed25519PrivateKey,
+    HighWater,
+    KeyFileError,
+    Rollback,
+    Seen,
+    SignatureError,
+    Trust,
+    behind,
+    parse_private_key,
+    public_key_text,
+    reader_trust,
+    sign,
+)
 from volunteer_rl.storage.base import open_storage
 
 KEY = Ed25519PrivateKey.generate()
@@ -336,8 +355,8 @@ def test_volunteer_refuses_a_put_back_manifest_keeps_its_version_and_a_restart_t
 def test_status_flags_an_old_manifest(age, old):
     from rich.console import Console
 
-    from volunteer_rl.protocol.manifest import OLD_MANIFEST_SECONDS
     from volunteer_rl.observe.status import build_status, render, trainer_lines
+    from volunteer_rl.protocol.manifest import OLD_MANIFEST_SECONDS
 
     now = T0 + 10**6
     doc = build_status("/b", manifest(42, created_at=now - age), {}, None, [], [], now)

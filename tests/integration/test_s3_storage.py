@@ -15,20 +15,26 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 import boto3
 import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
+import pytest
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ConnectionClosedError  # noqa: E402
 from botocore.stub import Stubber  # noqa: E402
 
-from volunteer_rl import s3  # noqa: E402
-from volunteer_rl.storage.s3 import S3Storage, expected_etag  # noqa: E402
-from volunteer_rl.storage.base import (AlreadyExists, FsspecStorage, NotFound,  # noqa: E402
-                                  PreconditionFailed, ShortObject, StorageError, TooLarge)
 from helpers.storage_contract import check_bounded_listing_and_one_level  # noqa: E402
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
+from volunteer_rl import s3  # noqa: E402
+from volunteer_rl.storage.base import (  # noqa: E402
+    AlreadyExists,
+    FsspecStorage,
+    NotFound,
+    PreconditionFailed,
+    ShortObject,
+    StorageError,
+    TooLarge,
+)
+from volunteer_rl.storage.s3 import S3Storage, expected_etag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "vrl-s3-test"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
-from volunteer_rl.protocol import layout
 from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text

@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+from conftest import TEMPLATE_VERSION
 from safetensors.numpy import load_file
 
-from conftest import TEMPLATE_VERSION
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import Proc
 from volunteer_rl.protocol import layout

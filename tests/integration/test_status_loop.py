@@ -14,9 +14,9 @@ import pytest
 
 from helpers.browser import CHROMIUM, inspect_dashboard
 from helpers.vrlproc import Proc, run_vrl, wait_for
-from volunteer_rl.protocol import layout
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.observe.dashboard import PLOTS
+from volunteer_rl.protocol import layout
 
 PERIOD = 1.0
 

@@ -26,6 +26,7 @@ TF_FILES = sorted(TERRAFORM.rglob("*.tf"))
 BUCKET_ARN = "arn:aws:s3:::vrl-test-bucket"
 
 import hcl2
+
 TERRAFORM_BIN = shutil.which("terraform")
 
 

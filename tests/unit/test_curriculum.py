@@ -1,8 +1,8 @@
 """The volunteer's prompt picker: pure logic, no model."""
 import random
 
-from volunteer_rl.volunteer.curriculum import FLOOR, PromptPicker, stratum
 from volunteer_rl.task.calculator import Problem
+from volunteer_rl.volunteer.curriculum import FLOOR, PromptPicker, stratum
 
 
 def problems(per_stratum: int = 50) -> list[Problem]:

@@ -3,7 +3,6 @@ import pytest
 from volunteer_rl.protocol import layout
 
 
-
 def test_keys_are_zero_padded_and_sorted():
     assert layout.version_dir(42) == "v000042"
     assert layout.checkpoint_key(42, "model.safetensors") == "checkpoints/v000042/model.safetensors"

@@ -5,8 +5,8 @@ import torch
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, group_digest, rebuild
-from volunteer_rl.trainer.state import STATE_FILE, load_state, prune_states, save_state, state_dir
 from volunteer_rl.storage.base import open_storage
+from volunteer_rl.trainer.state import STATE_FILE, load_state, prune_states, save_state, state_dir
 
 
 def test_digest_ignores_what_a_replay_could_edit_and_sees_what_it_cannot():

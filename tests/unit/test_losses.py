@@ -3,8 +3,13 @@ import math
 import pytest
 import torch
 
-from volunteer_rl.trainer.losses import (grpo_advantages, grpo_loss, reinforce_advantages,
-                                 reinforce_loss, zero_variance)
+from volunteer_rl.trainer.losses import (
+    grpo_advantages,
+    grpo_loss,
+    reinforce_advantages,
+    reinforce_loss,
+    zero_variance,
+)
 
 
 def test_advantages_by_hand():

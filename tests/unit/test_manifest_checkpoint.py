@@ -2,10 +2,16 @@ import json
 
 import pytest
 
-from volunteer_rl.protocol import layout
 from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, publish_checkpoint
-from volunteer_rl.protocol.manifest import (Dataset, Manifest, ManifestError, Sampling, read_manifest,
-                                   write_manifest)
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import (
+    Dataset,
+    Manifest,
+    ManifestError,
+    Sampling,
+    read_manifest,
+    write_manifest,
+)
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
 from volunteer_rl.storage.base import open_storage
 

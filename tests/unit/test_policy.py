@@ -4,10 +4,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from volunteer_rl.model.policy import (TORCH_DEFAULT_THREADS, Policy, build_tiny_model, build_tokenizer,
-                                 draw, encode_prompts, load_policy, load_weights, sample,
-                                 sampling_threads, save_policy, set_sampling_threads,
-                                 token_logprobs)
+from volunteer_rl.model.policy import (
+    TORCH_DEFAULT_THREADS,
+    Policy,
+    build_tiny_model,
+    build_tokenizer,
+    draw,
+    encode_prompts,
+    load_policy,
+    load_weights,
+    sample,
+    sampling_threads,
+    save_policy,
+    set_sampling_threads,
+    token_logprobs,
+)
 from volunteer_rl.task.calculator import generate_problems
 
 

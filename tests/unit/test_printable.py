@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from volunteer_rl.protocol.printable import markup_safe, printable
-from volunteer_rl.observe.status import build_status, render
-
 from helpers.status_fixtures import NOW, beat, manifest
+from volunteer_rl.observe.status import build_status, render
+from volunteer_rl.protocol.printable import markup_safe, printable
 
 NASTY = [
     "\x1b]52;c;ZWNobyBvd25lZA==\x07",          # OSC 52: write the operator's clipboard

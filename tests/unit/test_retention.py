@@ -5,10 +5,25 @@ from helpers.recording_storage import RecordingStorage
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.storage.base import (LocalStorage, NotFound, Retrying, StorageError, is_missing,
-                                       open_storage)
-from volunteer_rl.trainer.retention import (BELOW_RANGE, UNCOMMITTED, TrainerRetention, collect,
-                                            execute, kept_from, plan, summary_lines, version_ranges)
+from volunteer_rl.storage.base import (
+    LocalStorage,
+    NotFound,
+    Retrying,
+    StorageError,
+    is_missing,
+    open_storage,
+)
+from volunteer_rl.trainer.retention import (
+    BELOW_RANGE,
+    UNCOMMITTED,
+    TrainerRetention,
+    collect,
+    execute,
+    kept_from,
+    plan,
+    summary_lines,
+    version_ranges,
+)
 
 
 def ckpt(v, name="model.safetensors"):

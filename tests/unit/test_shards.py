@@ -3,9 +3,18 @@ import json
 
 import pytest
 
-from volunteer_rl.protocol.shards import (LOGPROB_FLOOR, MAX_DECOMPRESSED_BYTES, Budget, Completion, Group,
-                                 ShardError, decode_shard, encode_shard, new_shard_name)
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.shards import (
+    LOGPROB_FLOOR,
+    MAX_DECOMPRESSED_BYTES,
+    Budget,
+    Completion,
+    Group,
+    ShardError,
+    decode_shard,
+    encode_shard,
+    new_shard_name,
+)
 
 
 def group(**over):

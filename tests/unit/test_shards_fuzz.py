@@ -43,9 +43,18 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from volunteer_rl.protocol import shards
-from volunteer_rl.protocol.shards import (LOGPROB_FLOOR, MAX_COMPLETIONS_PER_GROUP, MAX_GROUPS_PER_SHARD,
-                                 MAX_TOKENS_PER_COMPLETION, Budget, Completion, Group, ShardError,
-                                 decode_shard, encode_shard)
+from volunteer_rl.protocol.shards import (
+    LOGPROB_FLOOR,
+    MAX_COMPLETIONS_PER_GROUP,
+    MAX_GROUPS_PER_SHARD,
+    MAX_TOKENS_PER_COMPLETION,
+    Budget,
+    Completion,
+    Group,
+    ShardError,
+    decode_shard,
+    encode_shard,
+)
 
 # Hypothesis's own files (its unicode tables, its constants cache) go to the system's temp
 # folder, not into the repository; it reads this the first time it needs them.

@@ -8,11 +8,31 @@ import stat
 import pytest
 
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Dataset, FileEntry, Manifest, Sampling, read_manifest, write_manifest
-from volunteer_rl.protocol.signing import (DOMAIN, Ed25519PrivateKey, ForeignKey, KeyFileError, PinFile,
-                                  SignatureError, Trust, Unsigned, canonical_bytes,
-                                  load_or_create_key, public_key_text, reader_trust,
-                                  resolve_trust_key, sign, signer)
+from volunteer_rl.protocol.manifest import (
+    Dataset,
+    FileEntry,
+    Manifest,
+    Sampling,
+    read_manifest,
+    write_manifest,
+)
+from volunteer_rl.protocol.signing import (
+    DOMAIN,
+    Ed25519PrivateKey,
+    ForeignKey,
+    KeyFileError,
+    PinFile,
+    SignatureError,
+    Trust,
+    Unsigned,
+    canonical_bytes,
+    load_or_create_key,
+    public_key_text,
+    reader_trust,
+    resolve_trust_key,
+    sign,
+    signer,
+)
 from volunteer_rl.storage.base import open_storage
 
 KEY = Ed25519PrivateKey.generate()

@@ -7,14 +7,26 @@ import math
 import pytest
 
 from helpers.status_fixtures import NOW, beat, manifest
+from volunteer_rl.observe.status import (
+    build_status,
+    classify,
+    heartbeat_lag,
+    read_status,
+    render,
+    timeline_points,
+    version_at,
+)
 from volunteer_rl.protocol import layout
-from volunteer_rl.trainer.fleet import Counts, Fleet
-from volunteer_rl.trainer.fleet_summary import (TIMELINE_POINTS, TIMELINE_SECONDS, FleetSummary,
-                                        absorb_steps, add_point)
-from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload
-from volunteer_rl.observe.status import (build_status, classify, heartbeat_lag, read_status, render,
-                                 timeline_points, version_at)
 from volunteer_rl.storage.base import StorageError, open_storage
+from volunteer_rl.trainer.fleet import Counts, Fleet
+from volunteer_rl.trainer.fleet_summary import (
+    TIMELINE_POINTS,
+    TIMELINE_SECONDS,
+    FleetSummary,
+    absorb_steps,
+    add_point,
+)
+from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload
 
 # --- classification -------------------------------------------------------------------------
 

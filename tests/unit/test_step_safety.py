@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from volunteer_rl.protocol import layout
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup
 from volunteer_rl.trainer.loop import Trainer, non_finite_groups, train_step
 

@@ -4,8 +4,14 @@ import os
 import pytest
 
 from helpers.storage_contract import check_bounded_listing_and_one_level
-from volunteer_rl.storage.base import (LocalStorage, NotFound, Retrying, StorageError, TooLarge,
-                                  open_storage)
+from volunteer_rl.storage.base import (
+    LocalStorage,
+    NotFound,
+    Retrying,
+    StorageError,
+    TooLarge,
+    open_storage,
+)
 
 
 def test_local_write_read_list_delete(tmp_path):

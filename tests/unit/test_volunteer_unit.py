@@ -81,9 +81,9 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
     thread, --threads N gives N; the count is logged when it changes."""
     import torch
 
-    from volunteer_rl.volunteer import loop as vol
     from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.model.policy import Policy
+    from volunteer_rl.volunteer import loop as vol
     from volunteer_rl.volunteer.loop import Volunteer
 
     small = Policy(torch.nn.Linear(10, 10), None, "plain", torch.device("cpu"))

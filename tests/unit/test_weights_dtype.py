@@ -7,15 +7,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
-from volunteer_rl.protocol import layout
-from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-from volunteer_rl.trainer.ingest import IngestStats
-from volunteer_rl.protocol.manifest import Manifest
+from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
 from volunteer_rl.model.policy import encode_prompts, load_policy, load_weights, sample
-from volunteer_rl.protocol.shards import Completion, Group, encode_shard
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Manifest
+from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.task.calculator import reward
+from volunteer_rl.trainer.ingest import IngestStats
 from volunteer_rl.trainer.loop import Trainer, audit_logprobs
 from volunteer_rl.volunteer.loop import swap_weights
 

@@ -30,14 +30,15 @@ import json
 import shutil
 import warnings
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from volunteer_rl.protocol import layout
+from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.progress import progress
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import FileEntry, Manifest
 from volunteer_rl.storage.base import ShortObject, Storage, TooLarge
 
@@ -46,7 +47,7 @@ from volunteer_rl.storage.base import ShortObject, Storage, TooLarge
 MAX_CHECKPOINT_FILE_BYTES = 64 << 30
 
 
-class CheckpointError(Exception):
+class CheckpointError(VrlError):
     """A checkpoint file is missing, too large, or its bytes do not match the manifest. The
     message is one line naming the file."""
 

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import torch
 
-from volunteer_rl.model.checkpoint import VRL_CONFIG, WEIGHTS_FILE, CheckpointRefused, check_model_folder, \
-    read_json_object
+from volunteer_rl.model.checkpoint import (
+    VRL_CONFIG,
+    WEIGHTS_FILE,
+    CheckpointRefused,
+    check_model_folder,
+    read_json_object,
+)
 
 WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """What `--weights-dtype` accepts, and the dtype each name publishes."""

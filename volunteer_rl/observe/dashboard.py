@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from volunteer_rl.observe.status import READ_WORKERS, read_metrics_lines, read_status
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.printable import printable
-from volunteer_rl.observe.status import READ_WORKERS, read_metrics_lines, read_status
 from volunteer_rl.storage.base import Storage
 
 DASHBOARD = "dashboard"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol import layout
 from volunteer_rl.storage.base import NotFound, PreconditionFailed, Storage, StorageError
 
@@ -21,7 +22,7 @@ MAX_DENYLIST_BYTES = 4 << 20
 CAS_ATTEMPTS = 5
 
 
-class DenylistError(Exception):
+class DenylistError(VrlError):
     """denylist.json is unreadable or could not be updated."""
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
 from volunteer_rl.protocol.signing import Seen, Trust, sign
@@ -31,7 +32,7 @@ stopped publishing, or an old manifest was put back. A trainer publishes every f
 a few minutes; one that publishes less often than this is flagged too (it is a hint)."""
 
 
-class ManifestError(Exception):
+class ManifestError(VrlError):
     """manifest.json is missing, unreadable or does not match the schema."""
 
 

@@ -25,6 +25,8 @@ import uuid
 import zlib
 from dataclasses import asdict, dataclass
 
+from volunteer_rl.errors import VrlError
+
 MAX_SHARD_BYTES = 8 << 20          # compressed object size
 MAX_DECOMPRESSED_BYTES = 64 << 20  # after gunzip
 MAX_LINE_BYTES = 1 << 20
@@ -52,7 +54,7 @@ BYTES_PER_COMPLETION = 128
 BYTES_PER_LINE = 320
 
 
-class ShardError(ValueError):
+class ShardError(VrlError, ValueError):
     """A shard that must not be trained on; `reason` is a short machine-readable code."""
 
     def __init__(self, reason: str, detail: str):

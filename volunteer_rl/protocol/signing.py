@@ -36,6 +36,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from volunteer_rl.errors import VrlError
+
 ALG = "ed25519"
 KEY_PREFIX = "ed25519:"
 DOMAIN = b"vrl-manifest-v1\n"
@@ -43,7 +45,7 @@ SIGNATURE_FIELD = "signature"
 TRUST_KEY_ENV = "VRL_TRUST_KEY"
 
 
-class SignatureError(Exception):
+class SignatureError(VrlError):
     """A manifest is unsigned, its signature does not verify, it is signed by a key the
     reader does not trust, or it is validly signed but older than one the reader already
     accepted (Rollback). The message is one line naming the object."""
@@ -65,7 +67,7 @@ class Rollback(SignatureError):
     the bucket is just not showing us its newest version."""
 
 
-class KeyFileError(ValueError):
+class KeyFileError(VrlError, ValueError):
     """A key file or key text cannot be used (the message names the file or the flag)."""
 
 

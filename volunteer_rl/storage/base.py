@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Protocol, TypeVar
 
+from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ def is_missing(exc: BaseException) -> bool:
     return isinstance(exc, (NotFound, PermissionError)) or isinstance(exc.__cause__, PermissionError)
 
 
-class StorageError(Exception):
+class StorageError(VrlError):
     """A storage operation failed; the message names the object."""
 
 
@@ -527,7 +528,9 @@ def open_storage(uri: str, endpoint_url: str | None = None, retry: bool = True) 
     elif uri.startswith("file://"):
         inner = LocalStorage(uri[len("file://"):])
     elif uri.startswith("s3://") and os.environ.get("VRL_S3_BACKEND", "") != "fsspec":
-        from volunteer_rl.storage.s3 import S3Storage  # boto3: conditional writes, ETag polls, multipart
+        from volunteer_rl.storage.s3 import (
+            S3Storage,  # boto3: conditional writes, ETag polls, multipart
+        )
 
         inner = S3Storage(uri, endpoint_url=endpoint_url)
     elif uri.split("://", 1)[0] in ("s3", "gs", "gcs", "memory", "az", "abfs"):

@@ -32,7 +32,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable, Iterator
 
-from volunteer_rl.storage.base import AlreadyExists, NotFound, PreconditionFailed, ShortObject, StorageError, TooLarge
+from volunteer_rl.storage.base import (
+    AlreadyExists,
+    NotFound,
+    PreconditionFailed,
+    ShortObject,
+    StorageError,
+    TooLarge,
+)
 
 MiB = 1024 * 1024
 MULTIPART_THRESHOLD = 64 * MiB

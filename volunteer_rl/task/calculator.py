@@ -41,6 +41,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
+from volunteer_rl.errors import VrlError
+
 # -----------------------------------------------------------------------------
 # Problems and dataset errors
 
@@ -54,7 +56,7 @@ class Problem:
     expression: str  # the target Python expression (CSV column python_expression)
 
 
-class DatasetError(ValueError):
+class DatasetError(VrlError, ValueError):
     """A dataset file is missing or malformed. The message is one line naming the file."""
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from volunteer_rl.protocol import layout
 from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint
-from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy, sample
-from volunteer_rl.storage.base import is_missing
-from volunteer_rl.storage.base import StorageError
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.storage.base import StorageError, is_missing
 from volunteer_rl.task.calculator import Problem, reward
 
 

@@ -10,6 +10,7 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_DENYLIST_BYTES, parse_denylist, update_denylist
 from volunteer_rl.storage.base import NotFound, Storage
 
+
 @dataclass
 class Counts:
     accepted: int = 0

@@ -21,9 +21,9 @@ from typing import Callable
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
-from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
+from volunteer_rl.trainer.fleet import Fleet
 
 SUMMARY_SCHEMA = 2
 SUMMARY_INTERVAL_SECONDS = 5.0

@@ -17,14 +17,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from volunteer_rl.protocol import layout
 from volunteer_rl.faults import crash_point
-from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, group_digest
-from volunteer_rl.protocol.shards import MAX_SHARD_BYTES, SHARD_GROUPS_LIMIT, Budget, Group, ShardError, iter_groups
 from volunteer_rl.protocol.printable import printable
+from volunteer_rl.protocol.shards import (
+    MAX_SHARD_BYTES,
+    SHARD_GROUPS_LIMIT,
+    Budget,
+    Group,
+    ShardError,
+    iter_groups,
+)
 from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from volunteer_rl.task.calculator import Problem, reward
+from volunteer_rl.trainer.fleet import Fleet
 
 Audit = Callable[[list["ScoredGroup"]], "str | None"]
 """Recomputes the behavior logprobs of groups under the weights in memory; a description of

@@ -24,32 +24,60 @@ from typing import Callable
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from volunteer_rl.protocol import layout
-from volunteer_rl.model.checkpoint import clear_folder, fetch_checkpoint, publish_checkpoint, sha256_bytes
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-from volunteer_rl.trainer.evaluate import greedy_and_sampled
+from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
-from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.model.checkpoint import (
+    clear_folder,
+    fetch_checkpoint,
+    publish_checkpoint,
+    sha256_bytes,
+)
+from volunteer_rl.model.policy import (
+    WEIGHTS_DTYPES,
+    WEIGHTS_FILE,
+    Policy,
+    build_tiny_model,
+    build_tokenizer,
+    encode_prompts,
+    load_policy,
+    load_weights,
+    pick_device,
+    save_policy,
+    token_logprobs,
+    weights_writer,
+)
 from volunteer_rl.observe.dashboard import TrainerDashboard
-from volunteer_rl.trainer.fleet_summary import FleetSummary
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.trainer.losses import grpo_advantages, grpo_loss, reinforce_advantages, reinforce_loss
-from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling, poll_manifest, write_manifest
-from volunteer_rl.model.policy import WEIGHTS_DTYPES, WEIGHTS_FILE, Policy, build_tiny_model, build_tokenizer, \
-    encode_prompts, load_policy, load_weights, pick_device, save_policy, token_logprobs, \
-    weights_writer
-from volunteer_rl.trainer.retention import TrainerRetention
+from volunteer_rl.protocol.manifest import (
+    Dataset,
+    Manifest,
+    Sampling,
+    poll_manifest,
+    write_manifest,
+)
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
 from volunteer_rl.protocol.signing import Trust, key_path, load_or_create_key, public_key_text
-from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
-from volunteer_rl.trainer.stopping import StopSignal, Stopped
 from volunteer_rl.storage.base import AlreadyExists, PreconditionFailed, Storage, open_storage
 from volunteer_rl.task.calculator import Problem, file_sha256, load_csv
+from volunteer_rl.trainer.evaluate import greedy_and_sampled
+from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.trainer.fleet_summary import FleetSummary
+from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.trainer.losses import (
+    grpo_advantages,
+    grpo_loss,
+    reinforce_advantages,
+    reinforce_loss,
+)
+from volunteer_rl.trainer.retention import TrainerRetention
+from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
+from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
 
 
-class TrainerError(Exception):
+class TrainerError(VrlError):
     """A condition the trainer cannot run under (named object, one line)."""
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from volunteer_rl.protocol import layout
 from volunteer_rl.faults import crash_point
+from volunteer_rl.protocol import layout
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"

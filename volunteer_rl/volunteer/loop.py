@@ -30,20 +30,38 @@ from typing import Callable
 
 import torch
 
-from volunteer_rl.protocol import layout
-from volunteer_rl.model.checkpoint import (WEIGHTS_FILE, CheckpointError, CheckpointRefused, fetch_checkpoint,
-                         fetch_weights, sha256_bytes)
 from volunteer_rl.config import VolunteerConfig
+from volunteer_rl.model.checkpoint import (
+    WEIGHTS_FILE,
+    CheckpointError,
+    CheckpointRefused,
+    fetch_checkpoint,
+    fetch_weights,
+    sha256_bytes,
+)
+from volunteer_rl.model.policy import (
+    Policy,
+    encode_prompts,
+    load_policy,
+    load_weights,
+    pick_device,
+    sample,
+    set_sampling_threads,
+)
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
+from volunteer_rl.protocol.shards import (
+    MAX_GROUPS_PER_SHARD,
+    Completion,
+    Group,
+    encode_shard,
+    new_shard_name,
+)
+from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
+from volunteer_rl.storage.base import Storage, StorageError, is_missing, open_storage
+from volunteer_rl.task.calculator import DatasetError, Problem, load_csv, reward
 from volunteer_rl.volunteer.curriculum import PromptPicker
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
-from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
-from volunteer_rl.model.policy import (Policy, encode_prompts, load_policy, load_weights, pick_device, sample,
-                     set_sampling_threads)
-from volunteer_rl.storage.base import is_missing
-from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD, Completion, Group, encode_shard, new_shard_name
-from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
-from volunteer_rl.storage.base import Storage, StorageError, open_storage
-from volunteer_rl.task.calculator import DatasetError, Problem, load_csv, reward
 
 
 def default_volunteer_id() -> str:
