@@ -95,8 +95,9 @@ def qwen3(quick: bool):
 
 def policy_for(model):
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.model.policy import Policy, build_tokenizer
-    from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.model.policy import Policy
+    from volunteer_rl.model.tiny import build_tokenizer
+    from volunteer_rl.task.dataset import load_csv
 
     problems = load_csv(PACKAGE_DATA / "train.csv")[:2000]
     tokenizer = build_tokenizer([p.prompt for p in problems] + [p.expression for p in problems])
@@ -119,8 +120,8 @@ class Publisher:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-        from volunteer_rl.storage.base import open_storage
-        from volunteer_rl.trainer.loop import upload_dataset
+        from volunteer_rl.storage import open_storage
+        from volunteer_rl.trainer.publish import upload_dataset
 
         self.cfg = TrainerConfig(bucket=uri, endpoint_url=endpoint, work_dir=str(work),
                                  weights_dtype=dtype)
@@ -130,7 +131,7 @@ class Publisher:
         self.manifest = None
 
     def publish(self) -> None:
-        from volunteer_rl.trainer.loop import publish
+        from volunteer_rl.trainer.publish import publish
 
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,

@@ -11,7 +11,7 @@ back with `load_policy`, as a volunteer gets it. Sampling settings are the train
 defaults: K = 8, temperature 1.0, max_new_tokens 32.
 
 - vrl: the volunteer's own path (`Volunteer._generate`): its default prompts_per_batch
-  prompts per round, encoded with `encode_prompts` and sampled with `policy.sample`, under
+  prompts per round, encoded with `encode_prompts` and sampled with `sampling.sample`, under
   the thread count the volunteer sets (`set_sampling_threads` with its default `threads`).
 - naive: what a plain script does: for each prompt one `model.generate(...,
   num_return_sequences=K, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -41,19 +41,13 @@ import torch
 
 from bench.common import Row, cli
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig, VolunteerConfig
-from volunteer_rl.model.policy import (
-    TORCH_DEFAULT_THREADS,
-    Policy,
-    build_tiny_model,
-    build_tokenizer,
-    encode_prompts,
-    load_policy,
-    sample,
-    save_policy,
-    set_sampling_threads,
-    token_logprobs,
-)
-from volunteer_rl.task.calculator import Problem, load_csv
+from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, set_sampling_threads
+from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.sampling import sample
+from volunteer_rl.model.scoring import token_logprobs
+from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
+from volunteer_rl.model.weights import save_policy
+from volunteer_rl.task.dataset import Problem, load_csv
 from volunteer_rl.trainer.warmstart import warm_start
 
 BENCH = "volunteer generation"

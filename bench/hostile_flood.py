@@ -102,7 +102,8 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
     computed as the trainer computes them (the task is public), logprobs made up."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import load_policy
-    from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.reward import reward
 
     tok = load_policy(model_dir, "cpu").tokenizer
     problems = load_csv(PACKAGE_DATA / "train.csv")

@@ -4,7 +4,7 @@
 
 Set-up (not measured). moto's S3 server (infra/s3_server.py) runs in its own process on
 127.0.0.1. A tiny policy is built as the trainer builds it (byte-level BPE, Llama-shaped
-model, a short supervised warm start) and samples real groups (`policy.sample`, K = 8, T = 1)
+model, a short supervised warm start) and samples real groups (`sampling.sample`, K = 8, T = 1)
 for prompts of data/train.csv; each completion's reward is the task's `reward`. Those groups
 are encoded with the product's `encode_shard` and written with the product's `S3Storage`
 (`open_storage("s3://...")`, create-only PUTs, 16 threads) as the shards of VOLUNTEERS
@@ -26,8 +26,8 @@ Measured, on the `long` bucket, same shards, same server, same process:
   group checked and rescored on the calling thread.
 - naive: what a first trainer would do: one LIST of the whole `rollouts/` prefix, keep the
   keys of the window's versions, then one GET and the full check of each shard in a plain
-  loop (the product's own `read_shard`, so both sides do the very same validation and the
-  ratio is the cost of fetching and listing, not of a weaker check).
+  loop (the product's own `fetch_shard` + `check_shard`, so both sides do the very same
+  validation and the ratio is the cost of fetching and listing, not of a weaker check).
 
 shards/s = shards accepted / seconds; groups/s = groups in the accepted shards / seconds.
 Each side gets a fresh Rules (empty reward cache) and ledger, best of two rounds.
@@ -89,8 +89,10 @@ def make_policy_and_pool(sizes: Sizes):
     import torch
 
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.model.policy import encode_prompts, sample
-    from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.model.policy import encode_prompts
+    from volunteer_rl.model.sampling import sample
+    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.reward import reward
     from volunteer_rl.trainer.ingest import Rules
     from volunteer_rl.trainer.loop import dataset_paths, initial_policy
 
@@ -174,7 +176,7 @@ class RequestCounter:
 
 def counted_storage(bucket: str, endpoint: str):
     """The trainer's storage (`open_storage`, Retrying over S3Storage) and its counter."""
-    from volunteer_rl.storage.base import open_storage
+    from volunteer_rl.storage import open_storage
 
     storage = open_storage(f"s3://{bucket}", endpoint)
     return storage, RequestCounter(storage.inner.client)
@@ -216,14 +218,14 @@ class Naive:
         self.storage, self.rules, self.seen = storage, rules, set()
 
     def poll(self, win) -> tuple[int, int, int]:
-        from volunteer_rl.trainer.ingest import read_shard
+        from volunteer_rl.trainer.ingest import check_shard, fetch_shard
 
         shards = groups = 0
         for key in self.storage.list(layout.ROLLOUTS):
             parsed = layout.parse_shard_key(key)
             if key in self.seen or parsed is None or parsed[0] not in win.versions():
                 continue
-            groups += len(read_shard(self.storage, key, self.rules, win))
+            groups += len(check_shard(fetch_shard(self.storage, key), key, self.rules, win))
             shards += 1
             self.seen.add(key)
         return shards, groups, groups
@@ -260,7 +262,7 @@ def requests_per_step(endpoint: str, bucket: str, history: int, rules, pool,
 
     Both pollers run side by side on the same arrivals; uploads go through a storage of
     their own, so only the pollers' requests are counted."""
-    from volunteer_rl.storage.base import open_storage
+    from volunteer_rl.storage import open_storage
 
     win = window_of(history)
     writer = open_storage(f"s3://{bucket}", endpoint)
@@ -312,7 +314,7 @@ def results(quick: bool = False) -> list[Row]:
           f"({usable_share:.0%} with reward variance)", flush=True)
     server, endpoint = start([str(ROOT / "infra" / "s3_server.py")], "the moto server")
     try:
-        from volunteer_rl.storage.base import open_storage
+        from volunteer_rl.storage import open_storage
 
         buckets = {"short": ("vrl-ingest-short", sizes.short_history),
                    "long": ("vrl-ingest-long", sizes.long_history)}
@@ -351,7 +353,7 @@ def results(quick: bool = False) -> list[Row]:
                           ("groups/s batched", v_groups / vs, n_groups / ns)):
         rows.append(Row("trainer ingest, whole window", measure, v, n, v / n,
                         "> 1 (faster than the naive loop)", v / n > 1, COMMAND,
-                        f"naive: LIST all rollouts/ then sequential GET + read_shard per "
+                        f"naive: LIST all rollouts/ then sequential GET + fetch_shard + check_shard per "
                         f"shard; vrl: Ingest.poll, audit off, {v_usable} groups usable; {where}"))
     short_rq, long_rq = counts["short"]["per_step"], counts["long"]["per_step"]
     ratio = long_rq["vrl"] / short_rq["vrl"]

@@ -18,10 +18,10 @@ the tiny model, 900 warm-start steps, seed 0, cached under runs/bench/).
   volunteers' curriculum, niceness 10), started with `--model` on the shared start and the
   trainer's own evaluations off.
 - the prototype's recipe: one process, 2 threads, on-policy. Each step draws P training
-  prompts uniformly, samples K = 8 completions of each (`policy.sample`, T = 1, 32 new tokens),
+  prompts uniformly, samples K = 8 completions of each (`sampling.sample`, T = 1, 32 new tokens),
   scores them (`task.reward`), and takes one AdamW step (no weight decay, gradient
   clipping at 1.0) on REINFORCE with advantage r − group mean over the generated tokens up to
-  and including EOS (`losses.reinforce_loss`, logprobs from `policy.token_logprobs`). Groups
+  and including EOS (`losses.reinforce_loss`, logprobs from `scoring.token_logprobs`). Groups
   whose rewards are all equal stay in the batch, as in the prototype. Two settings (SETTINGS):
   8 prompts per step at lr 3e-4 (the run the issue quotes) and 32 at lr 1e-4 (the best of three
   tried here).
@@ -121,8 +121,11 @@ def recipe_child(spec: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.model.policy import encode_prompts, load_policy, sample, token_logprobs
-    from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.model.policy import encode_prompts, load_policy
+    from volunteer_rl.model.sampling import sample
+    from volunteer_rl.model.scoring import token_logprobs
+    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.reward import reward
     from volunteer_rl.trainer.losses import reinforce_advantages, reinforce_loss
 
     torch.set_num_threads(THREADS)

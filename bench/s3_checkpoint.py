@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import Row, emit_rows
-from volunteer_rl import s3
+from volunteer_rl.storage import s3
 from volunteer_rl.storage.s3 import S3Storage
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ builds them (`initial_policy`, the same warm-start steps and seed), once, and sa
 `save_policy` to a folder (cached under runs/bench/ by steps, seed, data and source hashes).
 Both contenders start from that folder: `vrl trainer --model FOLDER` and GRPOTrainer on the
 model and tokenizer `load_policy(FOLDER)` returns. Same train prompts (data/train.csv in the
-plain "Q: ...\\nA: " template vrl.json names), same reward (`volunteer_rl.task.calculator.reward`), K = 8,
+plain "Q: ...\\nA: " template vrl.json names), same reward (`volunteer_rl.task.reward.reward`), K = 8,
 temperature 1.0 with no top-k / top-p, 32 new tokens at most, AdamW at lr 3e-4 with constant
 schedule, no weight decay, gradient clipping at 1.0, clip range 0.2 / 0.28, no KL term,
 token-level ("dapo") loss normalisation and group-std-scaled advantages on both sides.
@@ -137,12 +137,14 @@ def shared_start(steps: int = WARM_START_STEPS, seed: int = SEED) -> Path:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-    from volunteer_rl.model.policy import save_policy
-    from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.model.weights import save_policy
+    from volunteer_rl.task.dataset import load_csv
     from volunteer_rl.trainer.loop import initial_policy
 
     train = PACKAGE_DATA / "train.csv"
-    sources = [train] + [ROOT / "volunteer_rl" / f for f in ("policy.py", "warmstart.py", "trainer.py")]
+    sources = [train] + [ROOT / "volunteer_rl" / f for f in (
+        "model/tiny.py", "model/policy.py", "model/weights.py", "trainer/warmstart.py",
+        "trainer/loop.py")]
     folder = CACHE / f"v0-{steps}steps-seed{seed}-{_sha(sources)}"
     if (folder / "model.safetensors").is_file() and (folder / "vrl.json").is_file():
         log(f"shared start: cached {folder.relative_to(ROOT)}")
@@ -173,14 +175,14 @@ def _pump(proc: subprocess.Popen, tag: str, tail: list[str], show) -> threading.
 
 def run_vrl(model: Path, plan: Plan, work: Path) -> Run:
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.demo import stop, vrl_command
+    from volunteer_rl.launch import stop, vrl_command, vrl_env
 
     bucket = work / "bucket"
     tiny_eval = work / "eval-4.csv"  # makes the trainer's own v0/final evaluations ~free
     lines = (PACKAGE_DATA / "eval.csv").read_text().splitlines(keepends=True)
     tiny_eval.write_text("".join(lines[:5]))
     # One thread per process from the first instruction on, start-up included.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = vrl_env({"OMP_NUM_THREADS": "1"})
     commands = {
         "vrl trainer": vrl_command(
             "trainer", "--bucket", str(bucket), "--model", str(model), "--algo", "grpo",
@@ -311,7 +313,8 @@ def trl_child(spec: dict) -> None:
 
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import encode_prompts, format_prompt, load_policy
-    from volunteer_rl.task.calculator import load_csv, reward
+    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.reward import reward
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames, from TRL
     torch.set_num_threads(THREADS)
@@ -415,8 +418,9 @@ def score(run: Run, model_dir: Path, plan: Plan, cache: dict) -> None:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.model.policy import load_policy, load_weights
-    from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.model.policy import load_policy
+    from volunteer_rl.model.weights import load_weights
+    from volunteer_rl.task.dataset import load_csv
     from volunteer_rl.trainer.evaluate import greedy_and_sampled
 
     torch.set_num_threads(THREADS)

@@ -1,3 +1,5 @@
-from .main import main
+"""`python -m volunteer_rl_cli`: the same as `vrl`."""
+
+from volunteer_rl_cli.main import main
 
 main()

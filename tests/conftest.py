@@ -36,9 +36,10 @@ def template(tmp_path_factory) -> Template:
     import torch
 
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-    from volunteer_rl.model.policy import encode_prompts, sample
+    from volunteer_rl.model.policy import encode_prompts
+    from volunteer_rl.model.sampling import sample
     from volunteer_rl.protocol.shards import Completion, Group
-    from volunteer_rl.task.calculator import reward
+    from volunteer_rl.task.reward import reward
     from volunteer_rl.trainer.loop import Trainer
 
     root = tmp_path_factory.mktemp("template")

@@ -1,54 +1,120 @@
-"""Typed settings of the trainer and the volunteer. The CLI fills these; tests build them
-directly. Every field says what it does; defaults are the embedded demo's choices."""
+"""Typed settings of the trainer and the volunteer, and the values each setting accepts.
+
+This is the one place for a setting's default, its meaning (the docstring under the field) and
+its allowed values (`setting(...)`): tests and benchmarks build these classes directly, and the
+CLI makes its options from them (cli/options.py: the default is the field's, the help is the
+first sentence of its docstring, the flag is `flag(name)`). A value out of range raises
+ConfigError when the object is built, naming the flag as the user spells it. Defaults are the
+embedded demo's choices.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from volunteer_rl.errors import ConfigError
 
 PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
 
+ALGOS = ("reinforce", "grpo")
+WEIGHTS_DTYPES = ("fp32", "bf16")
+
+# Settings whose flag is not `--` plus the field name with dashes.
+_FLAGS = {"volunteer_id": "--id"}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of the setting `name`, as messages and `vrl --help` spell it."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def setting(default: Any, *, at_least: float | None = None, at_most: float | None = None,
+            above: float | None = None, one_of: tuple[str, ...] | None = None) -> Any:
+    """A field with `default` that accepts only at_least <= value <= at_most, value > above,
+    or one of `one_of`; checked when the settings object is built."""
+    rules = {"at_least": at_least, "at_most": at_most, "above": above, "one_of": one_of}
+    return field(default=default, metadata={k: v for k, v in rules.items() if v is not None})
+
+
+def _refusal(f: Field, value: Any) -> str | None:
+    """Why `value` is not allowed for `f` (one line naming the flag), or None if it is."""
+    rules, name = f.metadata, flag(f.name)
+    if "one_of" in rules and value not in rules["one_of"]:
+        return f"{name}: use {' or '.join(rules['one_of'])}, not {value!r}"
+    # `not (value >= x)` rather than `value < x`: NaN fails every comparison and is refused.
+    if "at_least" in rules and not value >= rules["at_least"]:
+        return f"{name}: must be at least {rules['at_least']}, not {value!r}"
+    if "at_most" in rules and not value <= rules["at_most"]:
+        return f"{name}: must be at most {rules['at_most']}, not {value!r}"
+    if "above" in rules and not value > rules["above"]:
+        return f"{name}: must be more than {rules['above']}, not {value!r}"
+    return None
+
+
+def check(cls: type, name: str, value: Any) -> None:
+    """ConfigError unless `value` is allowed for the field `name` of the settings class `cls`
+    (for code that takes one setting on its own, such as retention's keep_versions)."""
+    refusal = _refusal(next(f for f in fields(cls) if f.name == name), value)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+class _Checked:
+    """Checks every field of the settings dataclass that derives from it when it is built."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            refusal = _refusal(f, getattr(self, f.name))
+            if refusal:
+                raise ConfigError(refusal)
+
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(_Checked):
     bucket: str
     """Bucket URI: a folder path, file://, s3://bucket/prefix, gs://bucket/prefix, memory://."""
     endpoint_url: str | None = None
-    """S3-compatible endpoint (MinIO, R2, a test server); None means AWS itself."""
+    """S3-compatible endpoint (MinIO, R2, a test server); without one, AWS itself."""
     model: str = "tiny"
-    """`tiny` builds the project's own small Llama-shaped model; otherwise a local HF model folder."""
+    """`tiny` (the project's own small Llama-shaped model, built offline) or a local Hugging
+    Face model folder."""
     dataset: str | None = None
-    """Train CSV (python_expression,natural_language); None uses the shipped data/train.csv."""
+    """Train CSV with columns python_expression,natural_language (default: the shipped
+    data/train.csv)."""
     eval_dataset: str | None = None
-    """Held-out CSV for eval; None uses the shipped data/eval.csv."""
-    algo: str = "grpo"
+    """Held-out CSV of the same columns (default: the shipped data/eval.csv)."""
+    algo: str = setting("grpo", one_of=ALGOS)
     """`reinforce` (advantage r - group mean) or `grpo` (normalized advantage, clipped ratio)."""
-    lr: float = 3e-4
+    lr: float = setting(3e-4, above=0)
     """AdamW learning rate of the RL phase (1e-3 collapsed the tiny model in calibration)."""
-    k: int = 8
+    k: int = setting(8, at_least=1)
     """Completions per prompt (group size) volunteers must sample."""
-    temperature: float = 1.0
+    temperature: float = setting(1.0, above=0)
     """Sampling temperature volunteers must use; behavior logprobs are under logits / T."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = setting(32, at_least=1)
     """Cap on generated tokens per completion."""
-    max_staleness: int = 2
-    """Oldest accepted policy version is current - max_staleness; older groups are dropped."""
-    groups_per_step: int = 32
+    max_staleness: int = setting(2, at_least=0)
+    """Versions a group may lag the trainer and still be used: the oldest accepted policy
+    version is current - max_staleness; older groups are dropped."""
+    groups_per_step: int = setting(32, at_least=1)
     """Prompt groups in one optimizer step."""
-    publish_every: int = 1
+    publish_every: int = setting(1, at_least=1)
     """Optimizer steps between published versions."""
-    keep_versions: int = 10
-    """Retention keeps the newest this many versions (and always the staleness window); older
-    checkpoints and rollout shards are deleted by the passes `gc_every` turns on."""
-    gc_every: int = 0
+    keep_versions: int = setting(10, at_least=1)
+    """Retention keeps the newest this many versions (and always the staleness window). Older
+    checkpoints and rollout shards are deleted by `vrl gc` or by the trainer's own passes
+    (gc_every)."""
+    gc_every: int = setting(0, at_least=0)
     """Run a retention pass after every this many publishes (0: never; `vrl gc` does the same
     by hand). The first pass lists checkpoints/ and rollouts/ whole, later ones only the
     versions that fell out of the kept range since."""
     eval_every: int = 10
-    """Versions between held-out evaluations (0 disables them)."""
+    """Versions between held-out evaluations (0: none)."""
     eval_prompts: int = 200
     """Held-out prompts used by the periodic evaluation (the final one uses all)."""
-    eval_samples: int = 4
+    eval_samples: int = setting(4, at_least=1)
     """Samples per prompt for the sampled-accuracy estimate."""
     warm_start_steps: int = 900
     """Supervised steps before v0 when the model is built from scratch (`tiny`)."""
@@ -59,30 +125,32 @@ class TrainerConfig:
     max_seconds: float = 0.0
     """Stop after this many seconds of RL after v0 is published (0: no limit)."""
     poll_seconds: float = 0.2
-    """Sleep between bucket listings while waiting for rollouts (one LIST per window version)."""
+    """Seconds between bucket listings while waiting for rollouts (one LIST per window
+    version)."""
     threads: int = 0
     """torch CPU threads during RL (0: torch's default); the warm start uses all cores."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
     work_dir: str = ".vrl/trainer"
-    """Local scratch folder for checkpoint staging."""
-    micro_batch: int = 256
+    """Local scratch folder: checkpoint staging, and in its state/ the optimizer between
+    publishes."""
+    micro_batch: int = setting(256, at_least=1)
     """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
-    weights_dtype: str = "fp32"
+    weights_dtype: str = setting("fp32", one_of=WEIGHTS_DTYPES)
     """dtype of the published weights: `fp32`, or `bf16` (half the bytes per version for every
     volunteer to download). The trainer keeps fp32 master weights either way; with bf16 it
     audits behavior logprobs and evaluates against the bf16-rounded weights volunteers run
     (held in a second fp32 copy of the model), and saves its fp32 master in its state so a
     resume does not lose the low bits. Volunteers upcast bf16 weights to fp32 exactly."""
     audit_tolerance: float = 0.05
-    """Largest difference (nats) allowed between a volunteer's behavior logprob of a token and
-    the trainer's own, for the one random group of each shard made with the weights the
-    trainer holds; a shard beyond it is rejected (`logprob_mismatch`). 0 turns audits off."""
+    """Largest gap (nats) allowed between a volunteer's behavior logprob of a token and the
+    trainer's own, checked on one random group of each shard made with the weights the
+    trainer holds (0: no audit). A shard beyond it is rejected (`logprob_mismatch`)."""
     deny_after: int = 5
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = 0.5
     """...provided at least this share of all its shards was rejected."""
-    dashboard_every: float = 60.0
+    dashboard_every: float = setting(60.0, at_least=0)
     """Seconds between writes of dashboard/ (index.html and PNG plots), the first this long
     after the start, plus one at the last publish; never sooner than 50 times the last
     write's duration after it, so they cost the trainer at most 2 % of its time (0: never;
@@ -90,32 +158,33 @@ class TrainerConfig:
     log_shards: bool = False
     """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
     signing_key: str | None = None
-    """Ed25519 private key (PEM) that signs every manifest; None: <work_dir>/signing-key.pem.
-    Created on first use; it must stay on this host, never in the bucket."""
+    """The trainer's Ed25519 private key (PEM) that signs every manifest, created if missing
+    (default: <work_dir>/signing-key.pem). Keep it on this host, never in the bucket."""
     allow_unsigned: bool = False
     """Resume a bucket whose manifest is unsigned (written by a trainer from before signing)."""
 
 
 @dataclass
-class VolunteerConfig:
+class VolunteerConfig(_Checked):
     bucket: str
     """Bucket URI, as for the trainer."""
     endpoint_url: str | None = None
-    """S3-compatible endpoint; None means AWS itself."""
+    """S3-compatible endpoint, as for the trainer."""
     volunteer_id: str | None = None
-    """Name in object keys; None: sanitized hostname plus a random suffix."""
-    prompts_per_batch: int = 16
+    """Volunteer id, the name in object keys (default: the sanitized hostname plus a random
+    suffix)."""
+    prompts_per_batch: int = setting(16, at_least=1)
     """Prompts sampled per generate round (each gets K completions, all in one batched call)."""
-    shard_groups: int = 32
+    shard_groups: int = setting(32, at_least=1)
     """Upload a shard once it holds this many groups..."""
     shard_seconds: float = 20.0
     """...or once its oldest group is this many seconds old."""
     poll_seconds: float = 1.0
-    """Sleep between manifest polls while there is nothing to do."""
+    """Seconds between manifest polls while there is nothing to do."""
     curriculum: bool = True
-    """Draw prompts where groups are likely to have reward variance (curriculum.py): by
-    difficulty stratum, skipping most prompts whose last group was all right or all wrong.
-    Off: prompts uniformly at random."""
+    """Draw prompts where groups are likely to have reward variance, by difficulty stratum
+    (off: uniformly at random). Most prompts whose last group was all right or all wrong are
+    skipped (volunteer/curriculum.py)."""
     max_groups_per_version: int = 0
     """Generate at most this many groups with one version, then wait for the next (0: no cap).
     A trainer takes only so many groups per version; past that, donated compute only makes
@@ -124,15 +193,15 @@ class VolunteerConfig:
     """At the cap, wait this long for a new version before making one more batch anyway."""
     manifest_grace_seconds: float = 60.0
     """Keep generating through manifest read failures for at most this long."""
-    heartbeat_seconds: float = 30.0
-    """Overwrite volunteers/<id>.json this often, from a thread (0: no heartbeat). `vrl status`
-    calls a volunteer offline after two of its periods without one."""
+    heartbeat_seconds: float = setting(30.0, at_least=0)
+    """Seconds between heartbeats, overwrites of volunteers/<id>.json from a thread (0: none).
+    `vrl status` calls a volunteer offline after two of its periods without one."""
     max_seconds: float = 0.0
-    """Stop after this many seconds (0: until Ctrl-C / SIGTERM)."""
+    """Stop after this many seconds (0: until Ctrl-C or SIGTERM)."""
     threads: int = 0
     """torch CPU threads for sampling (0: auto, one for a model of under 5 M parameters on the
-    CPU, torch's default otherwise; see policy.sampling_threads)."""
-    nice: int = 10
+    CPU, torch's default otherwise; see devices.sampling_threads)."""
+    nice: int = setting(10, at_least=0, at_most=19)
     """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.
     On one machine shared with a trainer it also leaves the trainer, the bottleneck, its core."""
@@ -141,9 +210,9 @@ class VolunteerConfig:
     work_dir: str = ".vrl/volunteer"
     """Local cache for the dataset and checkpoints."""
     seed: int | None = None
-    """Prompt-order and sampling seed (None: random)."""
+    """Seed for prompt choice and sampling (default: random)."""
     trust_key: str | None = None
-    """The trainer's public key (`ed25519:...` or a file holding it); None: trust the key of
-    the first manifest seen and pin it in <work_dir>/trusted-keys.json for this bucket."""
+    """The trainer's public key (`ed25519:...` or a file holding it); without it the key of the
+    first manifest seen is trusted and pinned for this bucket, in <work_dir>/trusted-keys.json."""
     allow_unsigned: bool = False
     """Accept manifests with no signature (an older trainer); signed ones are still checked."""

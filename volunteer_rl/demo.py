@@ -7,44 +7,43 @@ demo loads v0 and the last version from the bucket and prints their held-out acc
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from volunteer_rl.config import TrainerConfig, check
+from volunteer_rl.launch import stop, vrl_command, vrl_env
+
 
 @dataclass
 class DemoSettings:
     bucket: str | None = None
-    """Local folder for the bucket; None makes a new one under runs/."""
+    """Local folder for the bucket (default: a new folder under runs/)."""
     volunteers: int = 2
-    """Volunteer processes."""
+    """Volunteer processes to start."""
     rl_seconds: float = 300.0
     """Seconds of RL after v0 is published."""
-    warm_start_steps: int = 900
-    """Supervised steps that make v0."""
-    algo: str = "grpo"
-    """reinforce or grpo."""
-    lr: float = 3e-4
-    """RL learning rate."""
+    warm_start_steps: int = TrainerConfig.warm_start_steps
+    """The trainer's --warm-start-steps: supervised steps that make v0."""
+    algo: str = TrainerConfig.algo
+    """The trainer's --algo."""
+    lr: float = TrainerConfig.lr
+    """The trainer's --lr."""
     threads: int = 1
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
-    groups_per_step: int = 32
-    """Prompt groups per optimizer step (16 made twice the steps, each noisier: same end point,
+    groups_per_step: int = TrainerConfig.groups_per_step
+    """The trainer's --groups-per-step (16 made twice the steps, each noisier: same end point,
     slower start)."""
     groups_per_version: int = 48
     """Each volunteer's cap of groups per version."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""
 
-
-def vrl_command(*args: str) -> list[str]:
-    """The same `vrl` this process runs, as a subprocess command."""
-    return [sys.executable, "-m", "volunteer_rl_cli", *args]
+    def __post_init__(self) -> None:
+        for name in ("warm_start_steps", "algo", "lr", "groups_per_step"):
+            check(TrainerConfig, name, getattr(self, name))  # as the trainer would refuse it
 
 
 def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
@@ -57,7 +56,7 @@ def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
 
 
 def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = vrl_env()
     work = bucket.parent / "work"
     trainer = subprocess.Popen(
         vrl_command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
@@ -81,28 +80,13 @@ def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, li
     return trainer, vols
 
 
-def stop(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
-    """SIGTERM (volunteers flush their partial shard), then wait; SIGKILL stragglers."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    return codes
-
-
 def report(bucket: Path, work: Path) -> dict[int, dict[str, float]]:
     """Held-out accuracy of v0 and of the last version, read back from the bucket."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.protocol.manifest import read_manifest
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
-    from volunteer_rl.storage.base import open_storage
-    from volunteer_rl.task.calculator import load_csv
+    from volunteer_rl.storage import open_storage
+    from volunteer_rl.task.dataset import load_csv
     from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
 
     storage = open_storage(str(bucket))

@@ -1,6 +1,6 @@
 # The rendezvous bucket of one volunteer_rl run, a trainer identity and one identity per
 # volunteer. The IAM policy documents are the JSON templates in policies/: the Python test
-# tests/test_iam_policy.py renders the same files and checks them against an S3 server with
+# tests/integration/test_iam_policy.py renders the same files and checks them against an S3 server with
 # IAM enforcement, so what is tested is what is deployed.
 
 locals {
@@ -187,7 +187,7 @@ resource "aws_iam_user" "volunteer" {
 
 # A managed policy per volunteer, not an inline one: IAM caps a user's inline policies at 2,048
 # characters in all, which the volunteer policy outgrows; a managed policy may hold 6,144
-# (tests/test_terraform.py checks the rendered size against the quota of what holds it).
+# (tests/integration/test_terraform.py checks the rendered size against the quota of what holds it).
 resource "aws_iam_policy" "volunteer" {
   for_each = var.volunteers
 

@@ -2,7 +2,7 @@
 # one user per volunteer. MinIO speaks the S3 policy language, so the policies are the AWS
 # module's JSON templates minus the one statement MinIO cannot express: it has no
 # s3:if-none-match condition key, so shards are not create-only here (docs/DEPLOY.md).
-# tests/test_terraform.py checks that they differ by exactly that, tests/test_iam_policy.py
+# tests/integration/test_terraform.py checks that they differ by exactly that, tests/integration/test_iam_policy.py
 # checks their effect against an S3 server with IAM enforcement.
 
 locals {

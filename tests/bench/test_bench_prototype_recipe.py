@@ -14,5 +14,6 @@ def test_prototype_recipe_quick_rows_are_sane():
         assert f"recipe {n}x8 lr {lr:g}" in r.benchmark
         assert 0 <= r.vrl <= 1 and 0 < r.baseline <= 1
         assert math.isclose(r.ratio, r.vrl / r.baseline)
-        assert r.met in (True, False)
+        # the goal is vrl ahead by more than 2 standard errors: never met from behind
+        assert isinstance(r.met, bool) and (r.vrl > r.baseline or not r.met)
         assert " steps" in r.note and r.command == "python -m bench.prototype_recipe --quick"

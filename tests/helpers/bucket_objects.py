@@ -13,7 +13,7 @@ from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 
 
 class FolderBucket:

@@ -1,12 +1,13 @@
 """Run real `vrl` processes from tests: each writes its output to a log file we can read."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from volunteer_rl.launch import vrl_command, vrl_env
 
 
 def as_background_job() -> None:
@@ -20,10 +21,9 @@ class Proc:
     def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None,
                  background_job: bool = False):
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._f = open(log, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd,
-                                  stdout=self._f, stderr=subprocess.STDOUT, env=env,
+        self.p = subprocess.Popen(vrl_command(*args), cwd=cwd, env=vrl_env(env),
+                                  stdout=self._f, stderr=subprocess.STDOUT,
                                   preexec_fn=as_background_job if background_job else None)
 
     def text(self) -> str:
@@ -59,8 +59,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
 
 
 def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "volunteer_rl_cli", *args], cwd=cwd, env=env,
+    return subprocess.run(vrl_command(*args), cwd=cwd, env=vrl_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -19,7 +19,7 @@ from conftest import TEMPLATE_VERSION
 from helpers.bucket_objects import FolderBucket, as_dicts, assert_manifest_complete, gz_lines, key
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 
 CRASHES = [("ingest", 1), ("optimizer_step", 2), ("checkpoint_upload", 3),
            ("before_manifest", 2), ("state_save", 2)]

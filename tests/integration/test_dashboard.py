@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from helpers.status_fixtures import NOW, beat, manifest  # noqa: E402
 from helpers.vrlproc import run_vrl  # noqa: E402
 from volunteer_rl.observe import dashboard
@@ -17,7 +15,8 @@ from volunteer_rl.observe.dashboard import (  # noqa: E402
     write_dashboard,
 )
 from volunteer_rl.protocol import layout  # noqa: E402
-from volunteer_rl.storage.base import open_storage  # noqa: E402
+from volunteer_rl.protocol.metrics import parse_lines  # noqa: E402
+from volunteer_rl.storage import open_storage  # noqa: E402
 
 
 def metrics_lines(version: int) -> list[dict]:
@@ -44,7 +43,7 @@ def bucket_with_run(s, versions: int = 6):
 def test_history_sums():
     h = History()
     for v in range(1, 5):
-        h.add(metrics_lines(v))
+        h.add(parse_lines(metrics_lines(v)))
     assert staleness_counts(h) == {0: 24, 1: 8}
     series = throughput_series(h, NOW, 20.0)
     assert series["vol-1: trained"] == {0: 15.0, 1: 30.0, 2: 15.0}  # 5 groups per 20 s bin step

@@ -30,7 +30,9 @@ from volunteer_rl.model.checkpoint import (
     publish_checkpoint,
     sha256_bytes,
 )
-from volunteer_rl.model.policy import Policy, build_tokenizer, load_policy, save_policy
+from volunteer_rl.model.policy import Policy, load_policy
+from volunteer_rl.model.tiny import build_tokenizer
+from volunteer_rl.model.weights import save_policy
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     FileEntry,
@@ -41,8 +43,8 @@ from volunteer_rl.protocol.manifest import (
     write_manifest,
 )
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
-from volunteer_rl.storage.base import open_storage
-from volunteer_rl.task.calculator import generate_problems
+from volunteer_rl.storage import open_storage
+from volunteer_rl.task.generate import generate_problems
 
 KEY = Ed25519PrivateKey.generate()  # the trainer's key, stolen: every manifest here is signed
 PUB = public_key_text(KEY)
@@ -122,7 +124,7 @@ def with_config(folder: Path, **edits) -> bytes:
 
 def make_manifest(storage, version: int, files: dict[str, FileEntry], dataset_csv: Path,
                   **fields) -> Manifest:
-    from volunteer_rl.trainer.loop import upload_dataset
+    from volunteer_rl.trainer.publish import upload_dataset
 
     return Manifest(run_id="run-h", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files, dataset=upload_dataset(storage, dataset_csv),
@@ -386,7 +388,7 @@ def test_a_folder_with_pickled_weights_only_is_refused_in_one_line(tokenizer, tm
 
 
 def test_weights_that_do_not_fit_leave_the_live_model_as_it_was(tokenizer, llama, tmp_path):
-    from volunteer_rl.model.policy import load_weights
+    from volunteer_rl.model.weights import load_weights
 
     live = load_policy(llama)
     before = {k: v.clone() for k, v in live.model.state_dict().items()}
@@ -413,24 +415,24 @@ def test_a_volunteer_keeps_its_model_when_a_later_checkpoint_is_refused(
     v = Volunteer(VolunteerConfig(bucket=str(tmp_path / "bucket"), volunteer_id="v", device="cpu",
                                   trust_key=PUB, heartbeat_seconds=0,
                                   work_dir=str(tmp_path / "vw")), log=logs.append)
-    assert v._try_switch(v._poll_manifest()) and v.manifest.version == 0
+    assert v.try_switch(v.poll()) and v.manifest.version == 0
     policy = v.policy
     evil = with_config(llama, auto_map={"AutoModelForCausalLM": "modeling_evil.Evil"})
     publish(storage, 1, folder_files(llama, **{"config.json": evil}), dataset_csv, etag)
-    m = v._poll_manifest()
-    assert m.version == 1 and not v._try_switch(m)
-    assert v.manifest.version == 0 and v.policy is policy and v._usable(m)
+    m = v.poll()
+    assert m.version == 1 and not v.try_switch(m)
+    assert v.manifest.version == 0 and v.policy is policy and v.usable(m)
     assert logs[-1] == ("warning: cannot load v1: checkpoints/v000001/config.json: auto_map asks "
                         "transformers to run code shipped with the checkpoint; volunteer_rl never "
                         "runs code or kernels from a checkpoint; will retry")
-    assert not v._try_switch(m) and logs[-1].startswith("warning: cannot load v1")  # said once
+    assert not v.try_switch(m) and logs[-1].startswith("warning: cannot load v1")  # said once
     assert sum("cannot load v1" in line for line in logs) == 1
     # A volunteer that holds no model yet stops on it: nothing it could ever load is here.
     fresh = Volunteer(VolunteerConfig(bucket=str(tmp_path / "bucket"), volunteer_id="w",
                                       device="cpu", trust_key=PUB, heartbeat_seconds=0,
                                       work_dir=str(tmp_path / "vw2")), log=logs.append)
     with pytest.raises(CheckpointRefused, match="auto_map"):
-        fresh._try_switch(fresh._poll_manifest())
+        fresh.try_switch(fresh.poll())
     assert fresh.policy is None
 
 

@@ -20,8 +20,8 @@ from volunteer_rl.protocol.signing import Trust
 
 ANY_SIGNER = Trust()  # the test reads the run it started: any valid signature will do
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
-from volunteer_rl.storage.base import open_storage
-from volunteer_rl.task.calculator import load_csv
+from volunteer_rl.storage import open_storage
+from volunteer_rl.task.dataset import load_csv
 
 STEPS = 8          # one version per step: v0..v8
 KEEP, EVERY, STALENESS = 3, 2, 1
@@ -158,7 +158,7 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     publishes v9 and retention deletes v8. It must re-read the manifest and load v9."""
     from volunteer_rl.config import TrainerConfig, VolunteerConfig
     from volunteer_rl.protocol.signing import load_or_create_key
-    from volunteer_rl.trainer.loop import publish
+    from volunteer_rl.trainer.publish import publish
     from volunteer_rl.volunteer.loop import Volunteer
 
     bucket = tmp_path / "bucket"
@@ -169,9 +169,9 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     v = Volunteer(VolunteerConfig(bucket=str(bucket), volunteer_id="v", work_dir=str(tmp_path / "vw")),
                   log=logs.append)
     s.write(layout.MANIFEST, s.read(layout.manifest_history_key(7)))  # v7 is current (signed bytes)
-    assert v._try_switch(v._poll_manifest()) and v.manifest.version == 7
+    assert v.try_switch(v.poll()) and v.manifest.version == 7
     s.write(layout.MANIFEST, s.read(layout.manifest_history_key(8)))  # v8 is published and seen...
-    seen = v._poll_manifest()
+    seen = v.poll()
     assert seen.version == 8 and v.manifest.version == 7
     etag = s.read_if_changed(layout.MANIFEST, None)[1]
     cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"))
@@ -179,7 +179,7 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key)   # ...then v9 comes
     for key in s.list(layout.checkpoint_prefix(8)):             # and v8 goes
         s.delete(key)
-    assert v._try_switch(seen)
+    assert v.try_switch(seen)
     assert v.manifest.version == 9
     assert logs.count("v8 was removed from the bucket; the manifest now names v9") == 1
     assert logs[-1].startswith("now on v9 ") and not any("warning" in line for line in logs)
@@ -187,5 +187,5 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     for key in s.list(layout.checkpoint_prefix(9)):
         s.delete(key)
     v.manifest = m7
-    assert not v._try_switch(v.latest) and not v._try_switch(v.latest)
+    assert not v.try_switch(v.latest) and not v.try_switch(v.latest)
     assert sum("cannot load v9" in line for line in logs) == 1 and v.manifest is m7

@@ -8,7 +8,6 @@ copy of the session's template bucket (v0..v2, signed), ~30 s on 2 cores.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -43,7 +42,7 @@ from volunteer_rl.protocol.signing import (
     reader_trust,
     sign,
 )
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 
 KEY = Ed25519PrivateKey.generate()
 PUB = public_key_text(KEY)
@@ -328,21 +327,21 @@ def test_volunteer_refuses_a_put_back_manifest_keeps_its_version_and_a_restart_t
     cfg = VolunteerConfig(bucket=s.uri, volunteer_id="me", work_dir=str(tmp_path / "vw"), trust_key=PUB)
     logs: list[str] = []
     v = Volunteer(cfg, log=logs.append)
-    assert v._poll_manifest().version == 5
+    assert v.poll().version == 5
     v.manifest = v.latest                                  # as if v5 was loaded
     put(s, manifest(3))
-    assert v._poll_manifest() is None and v._poll_manifest() is None and v.latest.version == 5
+    assert v.poll() is None and v.poll() is None and v.latest.version == 5
     warnings = [m for m in logs if m.startswith("warning:")]
     assert warnings == ["warning: manifest.json: v3 of run-a is older than v5, already accepted from "
                         "this bucket (an old manifest put back?); refused (nothing it names is "
                         "loaded); keeping v5, still polling"]
     put(s, manifest(6))
-    assert v._poll_manifest().version == 6
+    assert v.poll().version == 6
     # A restart while the old manifest is back: not fatal (unlike a foreign key), just refused.
     put(s, manifest(4))
     logs.clear()
     again = Volunteer(cfg, log=logs.append)
-    assert again._poll_manifest() is None and again.latest is None
+    assert again.poll() is None and again.latest is None
     assert logs == ["warning: manifest.json: v4 of run-a is older than v6, already accepted from "
                     "this bucket (an old manifest put back?); refused (nothing it names is "
                     "loaded), still polling"]

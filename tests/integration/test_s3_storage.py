@@ -1,9 +1,10 @@
-"""The S3 backends against moto's S3 server over HTTP on 127.0.0.1.
+"""The S3 backends against moto's S3 server over HTTP on 127.0.0.1: what is S3's own.
 
-The generic Storage contract runs on both S3 backends: S3Storage (boto3, volunteer_rl/s3.py)
-and FsspecStorage (s3fs). The atomic conditional operations (create-only, compare-and-swap,
-the 304 manifest poll) and the multipart fast path are S3Storage's own; the multipart tests
-shrink the part size to 5 MiB (S3's minimum) so a 12 MiB object takes three parts.
+The Storage contract runs on both S3 backends, S3Storage (boto3, storage/s3.py) and
+FsspecStorage (s3fs), in test_storage_contract.py. Here: where keys land in the bucket, the
+requests S3Storage sends for its conditional operations (the 304 manifest poll) and big
+objects (the multipart tests shrink the part size to 5 MiB, S3's minimum, so a 12 MiB object
+takes three parts), and how S3's answers and network faults are classified.
 """
 
 from __future__ import annotations
@@ -19,31 +20,36 @@ import boto3
 import moto.server  # noqa: F401  (a hard test dependency: a broken install fails here)
 import pytest
 from botocore.config import Config  # noqa: E402
-from botocore.exceptions import ConnectionClosedError  # noqa: E402
+from botocore.exceptions import (  # noqa: E402
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+    SSLError,
+)
 from botocore.stub import Stubber  # noqa: E402
 
-from helpers.storage_contract import check_bounded_listing_and_one_level  # noqa: E402
-from helpers.vrlproc import FAKE_AWS_CREDENTIALS, load_infra  # noqa: E402
-from volunteer_rl import s3  # noqa: E402
+from helpers.storage_contract import empty_bucket, moto_s3  # noqa: E402
+from volunteer_rl.storage import s3  # noqa: E402
 from volunteer_rl.storage.base import (  # noqa: E402
     AlreadyExists,
-    FsspecStorage,
+    Forbidden,
     NotFound,
     PreconditionFailed,
     ShortObject,
     StorageError,
     TooLarge,
+    Transient,
+    is_missing,
 )
+from volunteer_rl.storage.fsspec import FsspecStorage  # noqa: E402
+from volunteer_rl.storage.retry import Retrying  # noqa: E402
 from volunteer_rl.storage.s3 import S3Storage, expected_etag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "vrl-s3-test"
 URI = f"s3://{BUCKET}/some/prefix"
 MiB = 1024 * 1024
-CREDENTIALS = FAKE_AWS_CREDENTIALS
-
-
-s3_server = load_infra("s3_server")
 
 
 # --- fixtures ----------------------------------------------------------------------------
@@ -51,25 +57,14 @@ s3_server = load_infra("s3_server")
 @pytest.fixture(scope="module")
 def endpoint():
     """moto's S3 server for this module, with fake credentials in the environment."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in CREDENTIALS.items():
-            mp.setenv(name, value)
-        mp.delenv("AWS_PROFILE", raising=False)
-        server, url = s3_server.start_s3_server()
-        try:
-            yield url
-        finally:
-            server.stop()
+    with moto_s3() as url:
+        yield url
 
 
 @pytest.fixture
 def admin(endpoint):
     """A plain boto3 client on a fresh, empty bucket (the server's state is reset first)."""
-    s3_server.reset(endpoint)
-    client = boto3.client("s3", endpoint_url=endpoint,
-                          config=Config(s3={"addressing_style": "path"}))
-    client.create_bucket(Bucket=BUCKET)
-    return client
+    return empty_bucket(endpoint, BUCKET)
 
 
 @pytest.fixture
@@ -122,39 +117,11 @@ def _header(headers: dict, name: str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# --- the generic contract, both backends -------------------------------------------------
+# --- where keys land, listings ----------------------------------------------------------
 
-def test_write_read_size_exists_delete(any_store):
-    any_store.write("a/b/c.txt", b"hello")
-    assert any_store.read("a/b/c.txt") == b"hello"
-    assert any_store.size("a/b/c.txt") == 5
-    assert any_store.exists("a/b/c.txt") and not any_store.exists("a/b/nope")
-    any_store.write("a/b/c.txt", b"replaced")
-    assert any_store.read("a/b/c.txt") == b"replaced"
-    any_store.delete("a/b/c.txt")
-    assert not any_store.exists("a/b/c.txt")
-
-
-def test_missing_objects_raise_not_found_naming_the_key(any_store):
-    for call in (lambda: any_store.read("x/missing"), lambda: any_store.size("x/missing")):
-        with pytest.raises(NotFound, match="x/missing"):
-            call()
-
-
-def test_deleting_a_missing_object_raises_not_found(any_store):
-    with pytest.raises(NotFound, match="x/missing"):
-        any_store.delete("x/missing")
-
-
-def test_list_is_recursive_relative_sorted_and_stays_under_the_prefix(any_store, admin):
-    for key in ("r/v000001/vol/b.gz", "r/v000001/vol/a.gz", "r/v000002/x.gz", "rr/other", "top"):
+def test_keys_live_under_the_uri_prefix_in_the_bucket(any_store, admin):
+    for key in ("r/v000001/vol/b.gz", "r/v000001/vol/a.gz", "rr/other"):
         any_store.write(key, b"1")
-    assert any_store.list("r") == ["r/v000001/vol/a.gz", "r/v000001/vol/b.gz", "r/v000002/x.gz"]
-    assert any_store.list("r/v000001") == ["r/v000001/vol/a.gz", "r/v000001/vol/b.gz"]
-    assert any_store.list("nothing/here") == []
-    assert any_store.list("") == sorted(["r/v000001/vol/b.gz", "r/v000001/vol/a.gz",
-                                         "r/v000002/x.gz", "rr/other", "top"])
-    # keys live under the URI's prefix in the bucket
     listed = admin.list_objects_v2(Bucket=BUCKET)["Contents"]
     assert sorted(o["Key"] for o in listed)[0] == "some/prefix/r/v000001/vol/a.gz"
 
@@ -164,10 +131,6 @@ def test_list_pages_past_a_thousand_keys(store, admin):
         admin.put_object(Bucket=BUCKET, Key=f"some/prefix/many/{i:05d}", Body=b"")
     keys = store.list("many")
     assert len(keys) == 1005 and keys[0] == "many/00000" and keys[-1] == "many/01004"
-
-
-def test_bounded_listing_and_one_level(any_store):
-    check_bounded_listing_and_one_level(any_store)
 
 
 def test_a_bounded_listing_stops_paging(store, admin):
@@ -185,41 +148,7 @@ def test_a_bounded_listing_stops_paging(store, admin):
     assert store.list_level("") == ["many/"] and len(pages) == 1  # one entry for 1,100 keys
 
 
-def test_read_cap(any_store):
-    any_store.write("big", b"x" * 100)
-    assert any_store.read("big", max_bytes=100) == b"x" * 100
-    with pytest.raises(TooLarge, match="big"):
-        any_store.read("big", max_bytes=99)
-
-
-def test_empty_object(any_store):
-    any_store.write("empty", b"")
-    assert any_store.read("empty") == b"" and any_store.size("empty") == 0
-    assert any_store.read("empty", max_bytes=0) == b""
-
-
 # --- S3Storage: conditional operations ---------------------------------------------------
-
-def test_create_is_write_once(store):
-    store.create("ck/a", b"first")
-    with pytest.raises(AlreadyExists, match="ck/a"):
-        store.create("ck/a", b"second")
-    assert store.read("ck/a") == b"first"
-    assert store.list("ck") == ["ck/a"]
-
-
-def test_compare_and_swap(store):
-    e1 = store.write_if_match("manifest.json", b"v1", None)      # None: must not exist yet
-    with pytest.raises(PreconditionFailed, match="manifest.json"):
-        store.write_if_match("manifest.json", b"v1-again", None)
-    e2 = store.write_if_match("manifest.json", b"v2", e1)
-    assert e2 != e1
-    with pytest.raises(PreconditionFailed):                     # a second trainer, old etag
-        store.write_if_match("manifest.json", b"v2-other", e1)
-    assert store.read("manifest.json") == b"v2"
-    with pytest.raises(PreconditionFailed):                     # the object is gone
-        store.write_if_match("gone.json", b"x", e1)
-
 
 def test_read_if_changed_is_one_conditional_get_answered_304(store):
     etag = store.write_if_match("manifest.json", b"v1", None)
@@ -234,12 +163,6 @@ def test_read_if_changed_is_one_conditional_get_answered_304(store):
     assert store.read_if_changed("manifest.json", seen) == (b"v2", e2)
     with pytest.raises(NotFound, match="missing"):
         store.read_if_changed("missing", None)
-
-
-def test_read_if_changed_respects_the_cap(store):
-    store.write("manifest.json", b"x" * 100)
-    with pytest.raises(TooLarge):
-        store.read_if_changed("manifest.json", None, max_bytes=10)
 
 
 # --- S3Storage: big objects -------------------------------------------------------------
@@ -408,11 +331,73 @@ def test_read_cap_on_a_big_object_sends_one_capped_get(store, small_parts):
 
 # --- S3Storage: errors and retries ------------------------------------------------------
 
-def test_access_denied_is_a_permission_error_naming_key_and_bucket(store):
+def test_access_denied_is_forbidden_naming_key_and_bucket(store):
+    """A 403 AccessDenied, what S3 answers a reader without list permission for a key that
+    does not exist (moto's IAM enforcement in test_storage_contract.py makes real ones)."""
     with Stubber(store.client) as stub:
         stub.add_client_error("get_object", service_error_code="AccessDenied",
                               service_message="Access Denied", http_status_code=403)
-        with pytest.raises(PermissionError, match=f"manifest.json.*{BUCKET}"):
+        with pytest.raises(Forbidden, match=f"manifest.json.*{BUCKET}") as caught:
+            store.read("manifest.json")
+    assert is_missing(caught.value)
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+
+def test_which_s3_faults_are_transient():
+    for exc in (_client_error("SlowDown", 503), _client_error("InternalError", 500),
+                _client_error("BadGateway", 502), _client_error("TooManyRequests", 429),
+                _client_error("RequestTimeout", 400), _client_error("Throttling", 400),
+                EndpointConnectionError(endpoint_url="http://127.0.0.1:9"),
+                ConnectionClosedError(endpoint_url="http://127.0.0.1:9"),
+                ReadTimeoutError(endpoint_url="http://127.0.0.1:9"),
+                ConnectionResetError("reset by peer"), TimeoutError("timed out")):
+        assert s3.is_transient(exc), exc
+    for exc in (_client_error("AccessDenied", 403), _client_error("NoSuchKey", 404),
+                _client_error("PreconditionFailed", 412), _client_error("InvalidRange", 416),
+                SSLError(endpoint_url="https://s3.example.org", error="certificate expired"),
+                ValueError("x")):
+        assert not s3.is_transient(exc), exc
+
+
+def test_a_throttled_request_is_transient_and_retried(store):
+    with Stubber(store.client) as stub:
+        for _ in range(2):
+            stub.add_client_error("head_object", service_error_code="SlowDown",
+                                  service_message="Please reduce your request rate.",
+                                  http_status_code=503)
+        stub.add_response("head_object", {"ContentLength": 5})
+        with pytest.raises(Transient, match=f"manifest.json: size failed in {URI}: .*SlowDown"):
+            store.size("manifest.json")
+        assert Retrying(store, sleep=lambda t: None).size("manifest.json") == 5
+        stub.assert_no_pending_responses()
+
+
+def test_a_server_that_cannot_be_reached_is_transient():
+    store = S3Storage(URI, endpoint_url="http://127.0.0.1:9")  # nothing listens on port 9
+    store.client = boto3.client("s3", endpoint_url="http://127.0.0.1:9",
+                                config=Config(retries={"max_attempts": 1}, connect_timeout=2))
+    with pytest.raises(Transient, match="manifest.json: read failed in .*127.0.0.1:9") as caught:
+        store.read("manifest.json")
+    assert isinstance(caught.value.__cause__, EndpointConnectionError)
+    assert "\n" not in str(caught.value) and not is_missing(caught.value)
+
+
+def test_s3fs_errors_are_classified_by_the_s3_rule(admin, endpoint, monkeypatch):
+    """s3fs maps S3's codes onto OSError types; an answer it has no type for (a 502) comes as
+    OSError(EIO) with the ClientError as its cause, which the S3 rule classifies."""
+    from s3fs.errors import translate_boto_error
+
+    store = FsspecStorage(URI, endpoint_url=endpoint)
+    for code, status, kind in (("BadGateway", 502, Transient), ("SlowDown", 503, Transient),
+                               ("AccessDenied", 403, Forbidden)):
+        def answer(*args, **kwargs):
+            raise translate_boto_error(_client_error(code, status))
+        monkeypatch.setattr(store.fs, "cat_file", answer)
+        with pytest.raises(kind, match="manifest.json"):
             store.read("manifest.json")
 
 

@@ -7,23 +7,22 @@ run, one given the right key follows the manifest and uploads shards. ~40 s on 2
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.config import PACKAGE_DATA
+from volunteer_rl.launch import vrl_command, vrl_env
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
-from volunteer_rl.storage.base import open_storage
-from volunteer_rl.task.calculator import load_csv
+from volunteer_rl.storage import open_storage
+from volunteer_rl.task.dataset import load_csv
 
 STEPS = 3
 K = 4
@@ -70,10 +69,8 @@ def run(tmp_path_factory):
     right = Proc([*volunteer, "--id", "trusting", "--trust-key", str(pub_file)],
                  root / "right.log", root)
     wrong = subprocess.Popen(  # stdout and stderr apart: the refusal must be one stderr line
-        [sys.executable, "-m", "volunteer_rl_cli", *volunteer, "--id", "foreign",
-         "--trust-key", FOREIGN, "--max-seconds", "60"],
-        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        vrl_command(*volunteer, "--id", "foreign", "--trust-key", FOREIGN, "--max-seconds", "60"),
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=vrl_env())
     try:
         wait_for(lambda: (bucket / layout.MANIFEST).exists(), 120, "v0")
         useful_shard(bucket, STEPS)

@@ -33,10 +33,11 @@ def by_id(doc: dict) -> dict[str, dict]:
     return {r["id"]: r for r in doc["volunteers"]}
 
 
-FINISHED_RUN: dict = {}  # the bucket the run below left, for the browser test after it
-
-
-def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory) -> dict:
+    """The live scenario, run once for the tests that look at it: what `vrl status` said at
+    each stage, and the bucket the run left behind (for the browser test)."""
+    tmp_path = tmp_path_factory.mktemp("status-run")
     started = time.time()
     bucket = tmp_path / "bucket"
     eval_csv = tmp_path / "eval20.csv"
@@ -54,6 +55,7 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
                        "--prompts-per-batch", "8", "--shard-groups", "8", "--shard-seconds", "2",
                        "--work-dir", str(tmp_path / "vw")], tmp_path / f"{vid}.log", tmp_path)
             for i, vid in enumerate(("vol-1", "vol-2"))}
+    run = {"bucket": bucket, "volunteers": sorted(vols)}
     try:
         wait_for(lambda: (bucket / layout.manifest_history_key(4)).exists(), 240, "v4")
         print(f"v4 after {time.time() - started:.0f}s")
@@ -66,45 +68,59 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(tmp_path):
                      and rows[v]["acceptance_rate"] is not None for v in vols)
             return doc if ok else None
 
-        doc = wait_for(both_producing, 60, "both volunteers producing, accepted by the trainer", 0.5)
-        rows = by_id(doc)
-        assert doc["trainer"]["version"] >= 4 and doc["trainer"]["step"] >= 4
-        assert doc["trainer"]["evals"] and doc["trainer"]["reward_mean"] is not None
-        for vid in vols:
-            assert rows[vid]["heartbeat_seconds"] == PERIOD
-            assert rows[vid]["host"]["device"] == "cpu" and rows[vid]["groups_trained"] > 0
-        table = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
-        assert table.returncode == 0 and "vol-1" in table.stdout and "producing" in table.stdout
-        (tmp_path / "status.txt").write_text(table.stdout)  # a real sample for the docs
+        run["producing"] = wait_for(both_producing, 60,
+                                    "both volunteers producing, accepted by the trainer", 0.5)
+        run["table"] = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
+        (tmp_path / "status.txt").write_text(run["table"].stdout)  # a real sample for the docs
 
         # Time one status call, then kill a volunteer as hard as possible.
-        _, cli_seconds = status(bucket, tmp_path)
+        _, run["cli_seconds"] = status(bucket, tmp_path)
         vols["vol-2"].kill()
         killed = time.time()
         while True:
             doc, _ = status(bucket, tmp_path)
-            if by_id(doc)["vol-2"]["state"] == "offline":
+            if by_id(doc)["vol-2"]["state"] == "offline" or time.time() - killed > 30:
                 break
-            assert time.time() - killed < 30, doc
-        seen_offline = time.time() - killed
-        print(f"offline seen after {seen_offline:.2f}s; one status call takes {cli_seconds:.2f}s")
-        # The last heartbeat was at most one period old when it died: offline after 2 periods,
-        # seen by the first status call that starts after that (each call takes cli_seconds).
-        assert seen_offline <= offline_bound(cli_seconds), (seen_offline, cli_seconds)
-        rows = by_id(doc)
-        assert rows["vol-1"]["state"] == "producing", rows["vol-1"]
-        assert rows["vol-2"]["reported_state"] == "running"  # no goodbye after SIGKILL
-
-        assert vols["vol-1"].terminate() == 0
-        rows = by_id(status(bucket, tmp_path)[0])
-        assert rows["vol-1"]["state"] == "offline" and rows["vol-1"]["reported_state"] == "stopped"
-        assert rows["vol-1"]["shards_uploaded"] >= 1
-        page = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
-        assert "<td>vol-1</td>" in page and (bucket / "dashboard" / "reward.png").exists()
-        FINISHED_RUN["bucket"] = bucket
+        run["seen_offline"], run["after_kill"] = time.time() - killed, by_id(doc)
+        print(f"offline seen after {run['seen_offline']:.2f}s; "
+              f"one status call takes {run['cli_seconds']:.2f}s")
+        run["vol-1 exit"] = vols["vol-1"].terminate()
+        run["after_stop"] = by_id(status(bucket, tmp_path)[0])
+        run["page"] = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
+        return run
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\ntrainer log:\n{trainer.text()[-3000:]}") from None
     finally:
         for p in [trainer, *vols.values()]:
             p.kill()
+
+
+def test_status_sees_producers_and_a_killed_volunteer_goes_offline(live_run):
+    doc = live_run["producing"]
+    rows = by_id(doc)
+    assert doc["trainer"]["version"] >= 4 and doc["trainer"]["step"] >= 4
+    assert doc["trainer"]["evals"] and doc["trainer"]["reward_mean"] is not None
+    for vid in live_run["volunteers"]:
+        assert rows[vid]["heartbeat_seconds"] == PERIOD
+        assert rows[vid]["host"]["device"] == "cpu" and rows[vid]["groups_trained"] > 0
+    table = live_run["table"]
+    assert table.returncode == 0 and "vol-1" in table.stdout and "producing" in table.stdout
+
+    rows = live_run["after_kill"]
+    assert rows["vol-2"]["state"] == "offline", rows["vol-2"]
+    # The last heartbeat was at most one period old when it died: offline after 2 periods,
+    # seen by the first status call that starts after that (each call takes cli_seconds).
+    seen_offline, cli_seconds = live_run["seen_offline"], live_run["cli_seconds"]
+    assert seen_offline <= offline_bound(cli_seconds), (seen_offline, cli_seconds)
+    assert rows["vol-1"]["state"] == "producing", rows["vol-1"]
+    assert rows["vol-2"]["reported_state"] == "running"  # no goodbye after SIGKILL
+
+    assert live_run["vol-1 exit"] == 0
+    rows = live_run["after_stop"]
+    assert rows["vol-1"]["state"] == "offline" and rows["vol-1"]["reported_state"] == "stopped"
+    assert rows["vol-1"]["shards_uploaded"] >= 1
+    page = live_run["page"]
+    assert "<td>vol-1</td>" in page and (live_run["bucket"] / "dashboard" / "reward.png").exists()
 
 
 def offline_bound(cli_seconds: float) -> float:
@@ -117,13 +133,11 @@ ARTIFACTS = Path(os.environ.get("VRL_TEST_ARTIFACTS", Path(__file__).resolve().p
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
-def test_dashboard_renders_in_headless_chromium(tmp_path):
-    """The dashboard the run above left, opened in a real browser from the bucket served as
+def test_dashboard_renders_in_headless_chromium(live_run, tmp_path):
+    """The dashboard the live run left, opened in a real browser from the bucket served as
     a static site: the fleet table lists the run's volunteers and every plot image loads.
     The screenshot is kept in test-artifacts/."""
-    if "bucket" not in FINISHED_RUN:
-        pytest.skip("needs the status run above to have finished")
-    seen = inspect_dashboard(FINISHED_RUN["bucket"], tmp_path, ARTIFACTS / "dashboard.png")
+    seen = inspect_dashboard(live_run["bucket"], tmp_path, ARTIFACTS / "dashboard.png")
     assert set(seen["volunteers"]) >= {"vol-1", "vol-2"}, seen
     assert [i["src"] for i in seen["images"]] == [f"{p}.png" for p in PLOTS], seen
     assert all(i["loaded"] for i in seen["images"]), seen

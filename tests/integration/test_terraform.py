@@ -151,7 +151,7 @@ def test_minio_policies_are_the_tested_aws_policies():
 # S3 guide's "Enforce conditional writes". MinIO: IAMActionConditionKeyMap in minio/pkg
 # policy/action.go (MinIO refuses a policy with any other key for the action). A condition that
 # a provider ignored would silently grant or deny nothing, so a new key must be added here on
-# evidence, with a test of its effect in tests/test_iam_policy.py.
+# evidence, with a test of its effect in tests/integration/test_iam_policy.py.
 CONDITION_KEYS = {
     "aws": {
         "s3:PutObject": {

@@ -22,7 +22,7 @@ from conftest import TEMPLATE_VERSION
 from helpers.bucket_objects import assert_manifest_complete
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 from volunteer_rl.trainer.stopping import Stopped, StopSignal
 
 STOP_SECONDS = 10.0

@@ -1,7 +1,7 @@
 """The volunteer's prompt picker: pure logic, no model."""
 import random
 
-from volunteer_rl.task.calculator import Problem
+from volunteer_rl.task.dataset import Problem
 from volunteer_rl.volunteer.curriculum import FLOOR, PromptPicker, stratum
 
 

@@ -4,12 +4,13 @@ import pytest
 from helpers.recording_storage import RecordingStorage
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import read_denylist
+from volunteer_rl.protocol.layout import window
 from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
-from volunteer_rl.storage.base import open_storage
-from volunteer_rl.task.calculator import Problem
+from volunteer_rl.storage import open_storage
+from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.fleet import Fleet
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window, window
+from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
 
 # token id t decodes to str(t): "12" is a completion whose text is 12
 PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]

@@ -76,3 +76,56 @@ def test_every_object_under_a_volunteer_folder_has_an_author_and_a_quarantine_na
     assert layout.quarantine_key(layout.shard_key(3, "vol", "s1")) == "quarantine/v000003/vol/s1.json"
     with pytest.raises(ValueError):
         layout.quarantine_key("rollouts/v000003/x.txt")
+
+
+# --- the staleness window --------------------------------------------------------------------
+
+@pytest.mark.parametrize("current, max_staleness, versions", [
+    (5, 2, [3, 4, 5]),
+    (2, 2, [0, 1, 2]),     # the window just reaches v0
+    (1, 3, [0, 1]),        # cut short by v0
+    (0, 0, [0]),
+    (7, 0, [7]),           # no staleness: the current version only
+    (3, -1, []),           # nonsense settings accept nothing
+])
+def test_window_is_current_and_the_max_staleness_before_it(current, max_staleness, versions):
+    assert list(layout.window(current, max_staleness)) == versions
+
+
+@pytest.mark.parametrize("lag, max_staleness, accepted", [
+    (0, 2, True), (2, 2, True), (3, 2, False),    # the edge is inside
+    (-1, 2, False), (-100, 2, False),             # from a version the trainer has not reached
+    (0, 0, True), (1, 0, False), (0, -1, False),
+    (10 ** 9, 10 ** 9, True), (10 ** 9 + 1, 10 ** 9, False),
+])
+def test_in_window_at_its_edges(lag, max_staleness, accepted):
+    assert layout.in_window(lag, max_staleness) is accepted
+
+
+def test_in_window_agrees_with_window_wherever_v0_does_not_cut_it():
+    for current in range(0, 12):
+        for s in range(0, 5):
+            for version in range(0, 15):
+                assert (version in layout.window(current, s)) == layout.in_window(current - version, s)
+
+
+# --- metrics and dashboard keys --------------------------------------------------------------
+
+def test_metrics_key_round_trip():
+    for v in (0, 42, 10 ** 6):
+        assert layout.parse_metrics_key(layout.metrics_key(v)) == v
+    for bad in ("metrics/v000042.json", "metrics/v42.jsonl", "metrics/v000042/x.jsonl",
+                "ledger/v000042.jsonl", "metrics/v000042.jsonl\n", "metrics/v\u0661\u0662.jsonl",
+                "metrics/x/v000042.jsonl"):
+        assert layout.parse_metrics_key(bad) is None, bad
+
+
+def test_dashboard_key_round_trip():
+    assert layout.dashboard_key("index.html") == "dashboard/index.html"
+    for name in ("index.html", "accuracy.png"):
+        assert layout.parse_dashboard_key(layout.dashboard_key(name)) == name
+    for bad in ("dashboard/a/b.png", "dashboard/..png", "plots/a.png", "dashboard/"):
+        assert layout.parse_dashboard_key(bad) is None, bad
+    for bad in ("../index.html", "a/b.png", ""):
+        with pytest.raises(ValueError):
+            layout.dashboard_key(bad)

@@ -5,7 +5,7 @@ import torch
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, group_digest, rebuild
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 from volunteer_rl.trainer.state import STATE_FILE, load_state, prune_states, save_state, state_dir
 
 

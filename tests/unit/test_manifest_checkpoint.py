@@ -13,7 +13,7 @@ from volunteer_rl.protocol.manifest import (
     write_manifest,
 )
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 
 KEY = Ed25519PrivateKey.generate()
 TRUST = Trust(public_key_text(KEY))

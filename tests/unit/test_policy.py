@@ -4,22 +4,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from volunteer_rl.model.policy import (
-    TORCH_DEFAULT_THREADS,
-    Policy,
-    build_tiny_model,
-    build_tokenizer,
-    draw,
-    encode_prompts,
-    load_policy,
-    load_weights,
-    sample,
-    sampling_threads,
-    save_policy,
-    set_sampling_threads,
-    token_logprobs,
-)
-from volunteer_rl.task.calculator import generate_problems
+from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, sampling_threads, set_sampling_threads
+from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.sampling import draw, sample
+from volunteer_rl.model.scoring import token_logprobs
+from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
+from volunteer_rl.model.weights import load_weights, save_policy
+from volunteer_rl.task.generate import generate_problems
 
 
 @pytest.fixture(scope="module")

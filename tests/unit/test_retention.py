@@ -5,14 +5,10 @@ from helpers.recording_storage import RecordingStorage
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.storage.base import (
-    LocalStorage,
-    NotFound,
-    Retrying,
-    StorageError,
-    is_missing,
-    open_storage,
-)
+from volunteer_rl.storage import open_storage
+from volunteer_rl.storage.base import Forbidden, NotFound, StorageError, is_missing
+from volunteer_rl.storage.local import LocalStorage
+from volunteer_rl.storage.retry import Retrying
 from volunteer_rl.trainer.retention import (
     BELOW_RANGE,
     UNCOMMITTED,
@@ -207,7 +203,7 @@ class DenyDelete:
 
     def delete(self, key):
         if any(d in key for d in self.deny):
-            raise PermissionError(f"{key}: access denied (delete)")
+            raise Forbidden(f"{key}: access denied (delete)")
         self.inner.delete(key)
 
 
@@ -233,9 +229,7 @@ def test_objects_already_gone_are_not_failures(tmp_path):
 
 def test_is_missing():
     assert is_missing(NotFound("k: not found"))
-    wrapped = StorageError("k: read failed")
-    wrapped.__cause__ = PermissionError("access denied")  # S3 403 through Retrying
-    assert is_missing(wrapped)
+    assert is_missing(Forbidden("k: access denied (read)"))  # S3 403, also through Retrying
     assert not is_missing(StorageError("k: read failed: timeout"))
 
 
@@ -280,13 +274,13 @@ def test_trainer_pass_failures_never_stop_the_trainer(tmp_path):
 def test_gc_command_names_each_failed_object_and_exits_1(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import volunteer_rl.storage.base
+    import volunteer_rl.storage
     from volunteer_rl_cli.main import app
 
     s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
     fill(s, range(6))
     set_current(s, 5)
-    monkeypatch.setattr(volunteer_rl.storage.base, "open_storage", lambda uri, endpoint=None: s)
+    monkeypatch.setattr(volunteer_rl.storage, "open_storage", lambda uri, endpoint=None: s)
     r = CliRunner().invoke(app, ["gc", "--bucket", str(tmp_path), "--keep-versions", "2",
                                  "--allow-unsigned"])
     assert r.exit_code == 1, r.output

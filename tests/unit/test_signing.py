@@ -33,7 +33,7 @@ from volunteer_rl.protocol.signing import (
     sign,
     signer,
 )
-from volunteer_rl.storage.base import open_storage
+from volunteer_rl.storage import open_storage
 
 KEY = Ed25519PrivateKey.generate()
 PUB = public_key_text(KEY)
@@ -172,7 +172,7 @@ def test_trust_key_from_text_or_file(tmp_path):
 
 def test_trainer_refuses_a_signing_key_inside_a_folder_bucket(tmp_path):
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.trainer.loop import TrainerError, signing_key
+    from volunteer_rl.trainer.publish import TrainerError, signing_key
 
     bucket = str((tmp_path / "bucket").resolve())
     cfg = TrainerConfig(bucket=bucket, signing_key=str(tmp_path / "bucket" / "keys" / "k.pem"))
@@ -235,18 +235,18 @@ def test_volunteer_refuses_a_foreign_key_at_start_and_a_key_change_mid_run(tmp_p
     cfg = VolunteerConfig(bucket=s.uri, volunteer_id="me", work_dir=str(tmp_path / "vw"),
                           trust_key=public_key_text(OTHER))
     with pytest.raises(ForeignKey):
-        Volunteer(cfg, log=lambda m: None)._poll_manifest()
+        Volunteer(cfg, log=lambda m: None).poll()
 
     logs: list[str] = []
     cfg.trust_key = None                                   # trust on first use
     v = Volunteer(cfg, log=logs.append)
-    assert v._poll_manifest().version == 3
+    assert v.poll().version == 3
     # The key changes mid-run: the new manifest is refused, once, and never becomes `latest`.
     (tmp_path / "bucket" / "manifest.json").write_bytes(manifest(4).to_signed_json(OTHER))
-    assert v._poll_manifest() is None and v._poll_manifest() is None
+    assert v.poll() is None and v.poll() is None
     assert v.latest.version == 3
     warnings = [m for m in logs if m.startswith("warning:")]
     assert len(warnings) == 1 and "signed by" in warnings[0] and "still polling" in warnings[0]
     # The rightful trainer publishes again: followed as usual.
     (tmp_path / "bucket" / "manifest.json").write_bytes(manifest(5).to_signed_json(KEY))
-    assert v._poll_manifest().version == 5
+    assert v.poll().version == 5

@@ -17,7 +17,9 @@ from volunteer_rl.observe.status import (
     version_at,
 )
 from volunteer_rl.protocol import layout
-from volunteer_rl.storage.base import StorageError, open_storage
+from volunteer_rl.protocol.metrics import parse_lines
+from volunteer_rl.storage import open_storage
+from volunteer_rl.storage.base import StorageError
 from volunteer_rl.trainer.fleet import Counts, Fleet
 from volunteer_rl.trainer.fleet_summary import (
     TIMELINE_POINTS,
@@ -189,9 +191,10 @@ def step(n, sources):
 
 def test_absorb_steps_counts_groups_and_newest_version_per_volunteer():
     vols: dict = {}
-    absorb_steps(vols, [step(1, {layout.shard_key(4, "a", "s1"): 5, layout.shard_key(5, "b", "s2"): 3}),
-                        step(2, {layout.shard_key(3, "a", "s0"): 2, "not/a/shard": 9}),
-                        {"kind": "eval", "version": 5}])
+    absorb_steps(vols, parse_lines([
+        step(1, {layout.shard_key(4, "a", "s1"): 5, layout.shard_key(5, "b", "s2"): 3}),
+        step(2, {layout.shard_key(3, "a", "s0"): 2, "not/a/shard": 9}),
+        {"kind": "eval", "version": 5}]))
     assert vols["a"] == {"groups_trained": 7, "last_version": 4, "last_trained_at": NOW + 2}
     assert vols["b"]["groups_trained"] == 3 and vols["b"]["last_version"] == 5
 
@@ -236,7 +239,7 @@ def test_build_status_joins_heartbeats_summary_and_metrics():
             {"kind": "eval", "version": 40, "eval/accuracy_sampled": 0.35, "eval/accuracy_greedy": 0.45}]
     doc = build_status("/b", manifest(), {"a": beat(), "b": beat(updated_at=NOW - 100),
                                          "broken": {"unreadable": "bad json"}},
-                       summary, ["b"], rows, NOW)
+                       summary, ["b"], parse_lines(rows), NOW)
     by_id = {r["id"]: r for r in doc["volunteers"]}
     assert [r["id"] for r in doc["volunteers"]] == ["a", "b", "broken", "old-build"]
     assert by_id["a"]["state"] == "producing" and by_id["a"]["acceptance_rate"] == 0.9

@@ -14,7 +14,8 @@ import torch
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup
-from volunteer_rl.trainer.loop import Trainer, non_finite_groups, train_step
+from volunteer_rl.trainer.loop import Trainer
+from volunteer_rl.trainer.step import non_finite_groups, train_step
 
 
 @pytest.fixture(scope="module")

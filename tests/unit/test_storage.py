@@ -1,31 +1,29 @@
 
+"""What is each backend's own (the folder's atomic writes and walks), open_storage, and how
+failures are classified; the contract every backend keeps is in
+tests/integration/test_storage_contract.py."""
+import errno
 import os
+import subprocess
+import sys
+from unittest import mock
 
 import pytest
 
-from helpers.storage_contract import check_bounded_listing_and_one_level
+from volunteer_rl.storage import local, open_storage
 from volunteer_rl.storage.base import (
-    LocalStorage,
+    Forbidden,
     NotFound,
-    Retrying,
+    ShortObject,
     StorageError,
     TooLarge,
-    open_storage,
+    Transient,
+    is_missing,
+    is_transient_os_error,
 )
-
-
-def test_local_write_read_list_delete(tmp_path):
-    s = open_storage(str(tmp_path / "b"))
-    s.write("a/b/c.txt", b"hello")
-    s.write("a/d.txt", b"x")
-    assert s.read("a/b/c.txt") == b"hello"
-    assert s.size("a/b/c.txt") == 5
-    assert s.list("a") == ["a/b/c.txt", "a/d.txt"]
-    assert s.list("nothing/here") == []
-    s.delete("a/d.txt")
-    assert not s.exists("a/d.txt")
-    with pytest.raises(NotFound, match="a/d.txt"):
-        s.read("a/d.txt")
+from volunteer_rl.storage.fsspec import FsspecStorage
+from volunteer_rl.storage.local import LocalStorage
+from volunteer_rl.storage.retry import Retrying
 
 
 def test_local_write_is_atomic_and_hides_temp_files(tmp_path):
@@ -38,30 +36,10 @@ def test_local_write_is_atomic_and_hides_temp_files(tmp_path):
     assert s.list("") == ["k.bin"]
 
 
-def test_read_cap(tmp_path):
-    s = open_storage(str(tmp_path))
-    s.write("big", b"x" * 100)
-    assert s.read("big", max_bytes=100) == b"x" * 100
-    with pytest.raises(TooLarge, match="big"):
-        s.read("big", max_bytes=99)
-
-
 def test_key_cannot_escape_folder(tmp_path):
     s = LocalStorage(tmp_path / "b")
     with pytest.raises(StorageError, match="escapes"):
         s.write("../outside", b"x")
-
-
-def test_memory_backend_round_trip():
-    s = open_storage("memory://vrl-test-bucket/pre")
-    s.write("x/y.json", b"{}")
-    assert s.read("x/y.json") == b"{}"
-    assert s.list("x") == ["x/y.json"]
-    with pytest.raises(TooLarge):
-        s.read("x/y.json", max_bytes=1)
-    s.delete("x/y.json")
-    with pytest.raises(NotFound):
-        s.read("x/y.json")
 
 
 def test_file_uri_and_bad_scheme(tmp_path):
@@ -85,78 +63,89 @@ class Flaky:
         return b"ok"
 
 
-def test_retry_recovers_from_transient_errors():
-    inner = Flaky(2, ConnectionError("connection reset"))
-    r = Retrying(inner, attempts=3, sleep=lambda s: None)
-    assert r.read("k") == b"ok"
-    assert inner.calls == 3
-
-
-def test_retry_gives_up_with_the_object_name():
-    inner = Flaky(10, TimeoutError("read timed out"))
-    r = Retrying(inner, attempts=3, sleep=lambda s: None)
-    with pytest.raises(StorageError, match="rollouts/x: read failed"):
-        r.read("rollouts/x")
-    assert inner.calls == 3
-
-
 def test_permanent_errors_are_not_retried():
+    """An exception no backend classified (a bare PermissionError here) is not retried: it is
+    raised once, as a StorageError naming the object."""
     inner = Flaky(10, PermissionError("access denied"))
     r = Retrying(inner, attempts=5, sleep=lambda s: None)
-    with pytest.raises(StorageError, match="access denied"):
+    with pytest.raises(StorageError, match="access denied") as caught:
         r.read("manifest.json")
     assert inner.calls == 1
+    assert str(caught.value).startswith("manifest.json: read failed in flaky://")
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
-def test_create_is_write_once(tmp_path, kind):
-    from volunteer_rl.storage.base import AlreadyExists
-    s = open_storage(str(tmp_path) if kind == "local" else f"memory://create-{tmp_path.name}")
-    s.create("ck/a", b"first")
-    with pytest.raises(AlreadyExists, match="ck/a"):
-        s.create("ck/a", b"second")
-    assert s.read("ck/a") == b"first"
-    assert s.list("ck") == ["ck/a"]
+def test_is_missing_means_not_found_or_forbidden():
+    assert is_missing(NotFound("k: not found"))
+    assert is_missing(Forbidden("k: access denied (read)"))  # 403: missing, to a non-lister
+    for exc in (Transient("k: read failed: timed out"), TooLarge("k: larger than the limit"),
+                ShortObject("k: 1 bytes"), StorageError("k: read failed"),
+                PermissionError("access denied")):
+        assert not is_missing(exc), exc
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
-def test_compare_and_swap_and_conditional_read(tmp_path, kind):
-    from volunteer_rl.storage.base import PreconditionFailed
-    s = open_storage(str(tmp_path) if kind == "local" else f"memory://cas-{tmp_path.name}")
-    e1 = s.write_if_match("manifest.json", b"v1", None)      # None: must not exist yet
-    with pytest.raises(PreconditionFailed):
-        s.write_if_match("manifest.json", b"v1-again", None)
-    data, etag = s.read_if_changed("manifest.json", None)
-    assert data == b"v1" and etag == e1
-    assert s.read_if_changed("manifest.json", etag) == (None, etag)   # unchanged: no body
-    e2 = s.write_if_match("manifest.json", b"v2", e1)
-    with pytest.raises(PreconditionFailed):                 # a second trainer with the old etag
-        s.write_if_match("manifest.json", b"v2-other", e1)
-    assert s.read_if_changed("manifest.json", etag) == (b"v2", e2)
-    with pytest.raises(NotFound):
-        s.read_if_changed("missing", None)
+def test_which_os_errors_are_transient():
+    for exc in (TimeoutError("timed out"), ConnectionResetError("reset by peer"),
+                ConnectionRefusedError("refused"),
+                OSError(errno.EAGAIN, "Resource temporarily unavailable"),
+                OSError(errno.EBUSY, "Please reduce your request rate."),  # s3fs: 503, SlowDown
+                OSError(errno.EREMOTEIO, "We encountered an internal error")):  # s3fs: 500
+        assert is_transient_os_error(exc), exc
+    for exc in (FileNotFoundError("k"), PermissionError("k"), OSError(errno.ENOSPC, "full"),
+                OSError(errno.EINVAL, "Invalid range"), ValueError("k")):
+        assert not is_transient_os_error(exc), exc
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
-def test_streamed_create_and_read_into(tmp_path, kind):
-    from volunteer_rl.storage.base import AlreadyExists, ShortObject
+@pytest.mark.parametrize("error, kind", [
+    (OSError(errno.EACCES, "Permission denied"), Forbidden),
+    (OSError(errno.ETIMEDOUT, "Connection timed out"), Transient),  # a share that stopped answering
+    (OSError(errno.EAGAIN, "Resource temporarily unavailable"), Transient),
+])
+def test_local_os_errors_become_forbidden_or_transient(tmp_path, monkeypatch, error, kind):
+    s = LocalStorage(tmp_path)
+    s.write("k", b"1")
+    monkeypatch.setattr(local, "open", mock.Mock(side_effect=error), raising=False)
+    with pytest.raises(kind, match=f"^k: .* in {tmp_path}") as caught:
+        s.read("k")
+    assert caught.value.__cause__ is error and "\n" not in str(caught.value)
 
-    s = open_storage(str(tmp_path / "b") if kind == "local" else "memory://streamed")
-    s.create_from("ck/w.bin", lambda f: [f.write(bytes([i]) * 1000) for i in range(5)])
-    data = b"".join(bytes([i]) * 1000 for i in range(5))
-    assert s.read("ck/w.bin") == data
-    with pytest.raises(AlreadyExists):
-        s.create_from("ck/w.bin", lambda f: f.write(b"other"))
-    assert s.read("ck/w.bin") == data
-    buf, seen = bytearray(len(data)), []
-    s.read_into("ck/w.bin", memoryview(buf), lambda off, piece: seen.append((off, len(piece))))
-    assert bytes(buf) == data and sum(n for _, n in seen) == len(data) and seen[0][0] == 0
-    with pytest.raises(TooLarge):
-        s.read_into("ck/w.bin", memoryview(bytearray(len(data) - 1)))
-    with pytest.raises(ShortObject):
-        s.read_into("ck/w.bin", memoryview(bytearray(len(data) + 1)))
-    with pytest.raises(NotFound):
-        s.read_into("ck/none", memoryview(bytearray(1)))
+
+def test_an_unclassified_local_failure_is_reported_once(tmp_path, monkeypatch):
+    s, opened = LocalStorage(tmp_path), []
+
+    def disk_full(tmp):
+        opened.append(tmp)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(LocalStorage, "_open_new", staticmethod(disk_full))
+    with pytest.raises(OSError) as caught:
+        s.write("k", b"1")
+    assert not isinstance(caught.value, StorageError)
+    with pytest.raises(StorageError, match="k: write failed in .*No space left on device"):
+        Retrying(s, sleep=lambda t: None).write("k", b"1")
+    assert len(opened) == 2
+
+
+def test_a_busy_file_system_is_transient_and_retried(monkeypatch):
+    s = FsspecStorage("memory://busy/pre")
+    s.write("k", b"data")
+    real, calls = s.fs.cat_file, []
+
+    def busy(*args, **kwargs):
+        calls.append(args)
+        if len(calls) <= 2:
+            raise OSError(errno.EBUSY, "Please reduce your request rate.")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(s.fs, "cat_file", busy)
+    with pytest.raises(Transient, match="k: read failed in memory://busy/pre: .*request rate"):
+        s.read("k")
+    assert Retrying(s, sleep=lambda t: None).read("k") == b"data" and len(calls) == 3
+
+
+def test_a_folder_bucket_loads_no_remote_backend(tmp_path):
+    code = ("import sys; from volunteer_rl.storage import open_storage; "
+            f"open_storage({str(tmp_path)!r}).write('k', b'1'); "
+            "loaded = {'fsspec', 's3fs', 'boto3', 'botocore'} & set(sys.modules); "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_a_failed_local_streamed_create_leaves_nothing(tmp_path):
@@ -168,12 +157,6 @@ def test_a_failed_local_streamed_create_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         s.create_from("w.bin", write)
     assert not s.exists("w.bin") and list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("kind", ["local", "memory"])
-def test_bounded_listing_and_one_level(tmp_path, kind):
-    check_bounded_listing_and_one_level(
-        open_storage(str(tmp_path / "b") if kind == "local" else f"memory://lvl-{tmp_path.name}"))
 
 
 def test_local_bounded_listing_stops_walking(tmp_path, monkeypatch):

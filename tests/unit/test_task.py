@@ -1,4 +1,5 @@
-"""Tests for volunteer_rl/task.py: safe evaluator, reward, generator, CSV files, shipped splits."""
+"""The calculator task (volunteer_rl/task/): safe evaluator, reward, generator, CSV files, shipped
+splits."""
 
 import ast
 import re
@@ -7,22 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from volunteer_rl.task.calculator import (
-    MAX_EXPRESSION_CHARS,
-    DatasetError,
-    Problem,
-    canonicalize,
-    extract_expression,
-    file_sha256,
+from volunteer_rl.task.calculator import MAX_EXPRESSION_CHARS, canonicalize, safe_eval
+from volunteer_rl.task.dataset import DatasetError, Problem, file_sha256, load_csv, write_csv
+from volunteer_rl.task.generate import (
     generate_labelled,
     generate_problems,
-    load_csv,
     make_splits,
-    reward,
-    safe_eval,
     template_names,
-    write_csv,
 )
+from volunteer_rl.task.reward import extract_expression, reward
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 

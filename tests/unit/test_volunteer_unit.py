@@ -1,8 +1,9 @@
 """Volunteer logic that needs no model: shard buffering and the per-version cap."""
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, decode_shard
-from volunteer_rl.storage.base import open_storage
-from volunteer_rl.volunteer.loop import ShardWriter, default_volunteer_id
+from volunteer_rl.storage import open_storage
+from volunteer_rl.volunteer.loop import default_volunteer_id
+from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
 def groups(n, version):
@@ -67,13 +68,13 @@ def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
     w.add(groups(8, 3), 3)
     clock = [1000.0]
     monkeypatch.setattr("volunteer_rl.volunteer.loop.time.time", lambda: clock[0])
-    assert v._at_cap(w)            # at the cap: pause
+    assert v.at_cap(w)            # at the cap: pause
     clock[0] += 4.9
-    assert v._at_cap(w)            # still within its patience
+    assert v.at_cap(w)            # still within its patience
     clock[0] += 0.2
-    assert not v._at_cap(w)        # patience over: one more batch is allowed
+    assert not v.at_cap(w)        # patience over: one more batch is allowed
     w.add(groups(4, 3), 3)
-    assert v._at_cap(w)            # and then it pauses again
+    assert v.at_cap(w)            # and then it pauses again
 
 
 def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
@@ -100,7 +101,7 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
             logs = []
             v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", threads=threads,
                                           device="cpu"), log=logs.append)
-            v._switch(M())
+            v.switch(M())
             assert torch.get_num_threads() == expected == v.threads
             assert f"sampling with {expected} torch thread" in logs[0] and f"({how})" in logs[0]
     finally:

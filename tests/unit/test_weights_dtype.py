@@ -9,13 +9,15 @@ from safetensors import safe_open
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
-from volunteer_rl.model.policy import encode_prompts, load_policy, load_weights, sample
+from volunteer_rl.model.policy import encode_prompts, load_policy
+from volunteer_rl.model.sampling import sample
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
-from volunteer_rl.task.calculator import reward
+from volunteer_rl.task.reward import reward
 from volunteer_rl.trainer.ingest import IngestStats
-from volunteer_rl.trainer.loop import Trainer, audit_logprobs
+from volunteer_rl.trainer.loop import Trainer
+from volunteer_rl.trainer.step import audit_logprobs
 from volunteer_rl.volunteer.loop import swap_weights
 
 

@@ -56,7 +56,7 @@ class CheckpointRefused(CheckpointError):
     """A checkpoint refused for what it is, not for bytes that failed to arrive: a file it
     may not hold, a config that asks for code or kernels or describes a model out of bounds,
     weights of another size than the config's. Fetching it again cannot help, so a volunteer
-    that holds no model yet stops on it (Volunteer._try_switch)."""
+    that holds no model yet stops on it (Volunteer.try_switch)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,12 +353,12 @@ def check_checkpoint(storage: Storage, manifest: Manifest,
                                 f"not a model checkpoint")
     if config is None:
         return None
-    key = f"{manifest.checkpoint}/{CONFIG_FILE}"
+    key = layout.checkpoint_key(manifest.version, CONFIG_FILE)
     shape = _shape(_verdict(config.sha256, lambda: bytes(read_verified(storage, key, config))),
                    key, require_model)
     if shape is not None and weights is not None:
         check_weights_size(shape, weights, manifest.weights_dtype,
-                           f"{manifest.checkpoint}/{WEIGHTS_FILE}")
+                           layout.checkpoint_key(manifest.version, WEIGHTS_FILE))
     return shape
 
 
@@ -553,7 +553,7 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     with progress(f"fetch v{manifest.version}", sum(e.size for e in wanted.values()),
                   unit_bytes=True) as advance:
         for name, entry in wanted.items():
-            _fetch_file(storage, f"{manifest.checkpoint}/{name}", entry, dest / name)
+            _fetch_file(storage, layout.checkpoint_key(manifest.version, name), entry, dest / name)
             advance(entry.size)
     if only is None:
         for path in dest.iterdir():
@@ -594,13 +594,14 @@ def read_verified(storage: Storage, key: str, entry: FileEntry,
 def fetch_weights(storage: Storage, manifest: Manifest, name: str,
                   reuse: memoryview | None = None) -> memoryview:
     """One file of the manifest's checkpoint (the weights), verified, in memory only: what a
-    volunteer swapping weights needs, with no copy on disk (see policy.load_weights). The
+    volunteer swapping weights needs, with no copy on disk (see weights.load_weights). The
     checkpoint is checked first as a model's (check_checkpoint, require_model): no buffer is
     allocated for weights of another size than its config.json describes."""
     check_checkpoint(storage, manifest, require_model=True)
     if name not in manifest.files:
         raise CheckpointError(f"{layout.MANIFEST}: v{manifest.version} names no {name}")
-    return read_verified(storage, f"{manifest.checkpoint}/{name}", manifest.files[name], reuse)
+    return read_verified(storage, layout.checkpoint_key(manifest.version, name),
+                         manifest.files[name], reuse)
 
 
 def _fetch_file(storage: Storage, key: str, entry: FileEntry, path: Path) -> None:

@@ -24,17 +24,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from volunteer_rl.observe.status import READ_WORKERS, read_metrics_lines, read_status
+from volunteer_rl.observe.status import READ_WORKERS, read_status
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, parse_lines, read_metrics
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.storage.base import Storage
 
-DASHBOARD = "dashboard"
 PLOTS = ("accuracy", "reward", "throughput", "staleness")
+PAGE = "index.html"
 REFRESH_SECONDS = 30
 COST_RATIO = 50
 """A trainer's write starts no sooner than this many times the last one's duration after the
 last one started: at most 1/50 = 2 % of the trainer's time, however slow rendering gets."""
+
+
+def plot_file(plot: str) -> str:
+    """`accuracy.png` for "accuracy": the plot's object name under dashboard/, and its link."""
+    return f"{plot}.png"
 
 
 @dataclass
@@ -44,35 +50,30 @@ class History:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
 
-    def add(self, metrics: list[dict]) -> None:
-        """Keep what the plots use of each metrics line (a few numbers per step)."""
-        for m in metrics:
-            if m.get("kind") == "step":
+    def add(self, records: list[Record]) -> None:
+        """Keep what the plots use of each metrics record (a few numbers per step)."""
+        for r in records:
+            if isinstance(r, StepRecord):
                 volunteers = Counter()
-                for key, n in (m.get("rollout/sources") or {}).items():
-                    parsed = layout.parse_shard_key(key)
-                    if parsed:
-                        volunteers[parsed[1]] += n
-                self.steps.append({"step": m.get("step"), "version": m.get("version"),
-                                   "time": m.get("time"), "reward": m.get("rollout/reward_mean"),
-                                   "lags": m.get("rollout/staleness_hist") or {},
-                                   "received": m.get("ingest/groups") or 0,
-                                   "trained": m.get("rollout/groups") or 0,
+                for source in r.sources:
+                    volunteers[source.volunteer] += source.groups
+                self.steps.append({"step": r.step, "version": r.version, "time": r.time,
+                                   "reward": r.reward_mean, "lags": dict(r.staleness),
+                                   "received": r.received, "trained": r.groups,
                                    "volunteers": dict(volunteers)})
-            elif m.get("kind") == "eval":
-                self.evals.append({"version": m.get("version"), "time": m.get("time"),
-                                   "greedy": m.get("eval/accuracy_greedy"),
-                                   "sampled": m.get("eval/accuracy_sampled")})
+            elif isinstance(r, EvalRecord):
+                self.evals.append({"version": r.version, "time": r.time,
+                                   "greedy": r.accuracy_greedy, "sampled": r.accuracy_sampled})
 
 
 def read_history(storage: Storage) -> History:
     """Every metrics object of the run (one listing of metrics/, reads in parallel)."""
-    keys = [k for k in storage.list(layout.METRICS) if layout.split_versioned_key(k)]
+    keys = [k for k in storage.list(layout.METRICS) if layout.parse_metrics_key(k) is not None]
 
     history = History()
     with ThreadPoolExecutor(READ_WORKERS) as pool:
-        for rows in pool.map(lambda key: read_metrics_lines(storage, key), sorted(keys)):
-            history.add(rows)
+        for records in pool.map(lambda key: read_metrics(storage, key), sorted(keys)):
+            history.add(records)
     return history
 
 
@@ -178,7 +179,7 @@ def staleness_counts(history: History) -> dict[int, int]:
     total: Counter = Counter()
     for s in history.steps:
         for lag, n in s["lags"].items():
-            total[int(lag)] += n
+            total[lag] += n
     return dict(sorted(total.items()))
 
 
@@ -228,7 +229,7 @@ def index_html(status: dict, now: float) -> str:
     reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
     head = ("volunteer", "state", "seen", "version", "lag", "compl/min", "completions",
             "accepted shards", "groups trained", "device")
-    plots = "\n".join(f'<img src="{p}.png" alt="{p}">' for p in PLOTS)
+    plots = "\n".join(f'<img src="{plot_file(p)}" alt="{p}">' for p in PLOTS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
@@ -255,11 +256,10 @@ evaluation {html.escape(last_eval)}. Written {stamp}; reloads every {REFRESH_SEC
 
 def render_dashboard(history: History, status: dict, now: float) -> dict[str, bytes]:
     """{key: bytes} of every dashboard object, index.html last."""
-    out = {f"{DASHBOARD}/accuracy.png": accuracy_plot(history),
-           f"{DASHBOARD}/reward.png": reward_plot(history),
-           f"{DASHBOARD}/throughput.png": throughput_plot(history),
-           f"{DASHBOARD}/staleness.png": staleness_plot(history)}
-    out[f"{DASHBOARD}/index.html"] = index_html(status, now).encode()
+    draw = {"accuracy": accuracy_plot, "reward": reward_plot, "throughput": throughput_plot,
+            "staleness": staleness_plot}
+    out = {layout.dashboard_key(plot_file(p)): draw[p](history) for p in PLOTS}
+    out[layout.dashboard_key(PAGE)] = index_html(status, now).encode()
     return out
 
 
@@ -296,37 +296,38 @@ class TrainerDashboard:
         return now - self.last_start >= max(self.every, COST_RATIO * self.last_duration)
 
     def after_publish(self, metrics: list[dict], final: bool = False) -> None:
-        """Take in one publish's metrics; write dashboard/ if due, or if `final`."""
+        """Take in one publish's metric lines; write dashboard/ if due, or if `final`."""
         if self.every <= 0:
             return
         start = self.clock()
         try:
+            records = parse_lines(metrics)
             if self.history is not None:
-                self.history.add(metrics)
+                self.history.add(records)
             if final or self.due(start):
-                self._write(metrics, start)
+                self._write(records, start)
         finally:
             self.seconds += self.clock() - start
 
-    def _write(self, metrics: list[dict], start: float) -> None:
+    def _write(self, records: list[Record], start: float) -> None:
         self.last_start = start
         try:
             if self.history is None:
                 # Once, at the first write: what earlier runs and publishes wrote. This
                 # publish's metrics are not in the bucket yet; they come after.
                 history = read_history(self.storage)
-                history.add(metrics)
+                history.add(records)
                 self.history = history
             write_dashboard(self.storage, self.history)
         except Exception as exc:  # plots are for people: never stop training for them
             if not self.failing:
-                self.log(f"warning: {DASHBOARD}/ not written ({type(exc).__name__}: {exc})")
+                self.log(f"warning: {layout.DASHBOARD}/ not written ({type(exc).__name__}: {exc})")
             self.failing = True
             return
         finally:
             self.last_duration = self.clock() - start
         self.failing = False
-        self.log(f"wrote {DASHBOARD}/ in {self.last_duration:.2f}s; next one in "
+        self.log(f"wrote {layout.DASHBOARD}/ in {self.last_duration:.2f}s; next one in "
                  f"{max(self.every, COST_RATIO * self.last_duration):.0f}s at the earliest")
 
     def take_seconds(self) -> float:

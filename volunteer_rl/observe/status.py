@@ -27,7 +27,6 @@ States, judged with the reader's clock (keep clocks NTP-synced):
 from __future__ import annotations
 
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
@@ -36,6 +35,14 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES, read_denylist
 from volunteer_rl.protocol.heartbeat import MAX_HEARTBEAT_BYTES
 from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, decode
+from volunteer_rl.protocol.metrics import (
+    EvalRecord,
+    Record,
+    StepRecord,
+    json_int,
+    json_number,
+    read_metrics,
+)
 from volunteer_rl.protocol.printable import markup_safe, printable
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 
@@ -47,7 +54,6 @@ PERIOD_BOUNDS = (0.1, 3600.0)
 called offline after two hours."""
 MAX_VOLUNTEERS = 1000
 METRICS_VERSIONS = 10
-MAX_METRICS_BYTES = 4 << 20
 READ_WORKERS = 8
 STATES = ("producing", "idle", "stale-version", "offline", "unknown")
 
@@ -55,21 +61,9 @@ STATES = ("producing", "idle", "stale-version", "offline", "unknown")
 # ---------------------------------------------------------------------------------------------
 # Pure: judging heartbeats and joining the sources.
 
-def _num(x) -> float | None:
-    """A finite number from untrusted JSON, else None (bools are not numbers here)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return None
-    return float(x)
-
-
-def _int(x) -> int | None:
-    n = _num(x)
-    return int(n) if n is not None and n == int(n) else None
-
-
 def heartbeat_period(hb: dict) -> float:
     """The period the volunteer reports, clamped to PERIOD_BOUNDS (default 30 s)."""
-    period = _num(hb.get("heartbeat_seconds"))
+    period = json_number(hb.get("heartbeat_seconds"))
     if period is None or period <= 0:
         period = DEFAULT_PERIOD
     return min(max(period, PERIOD_BOUNDS[0]), PERIOD_BOUNDS[1])
@@ -77,7 +71,7 @@ def heartbeat_period(hb: dict) -> float:
 
 def seconds_since(hb: dict, now: float) -> float | None:
     """Age of the heartbeat by its `updated_at` (a clock ahead of ours counts as 0)."""
-    updated = _num(hb.get("updated_at"))
+    updated = json_number(hb.get("updated_at"))
     return None if updated is None else max(0.0, now - updated)
 
 
@@ -87,10 +81,11 @@ def timeline_points(summary_timeline, published_at: float | None, version: int) 
     points = []
     if isinstance(summary_timeline, list):
         for p in summary_timeline[:4 * 256]:
-            if isinstance(p, list) and len(p) == 2 and _num(p[0]) is not None and _int(p[1]) is not None:
-                points.append((_num(p[0]), _int(p[1])))
-    if _num(published_at) is not None:
-        points.append((_num(published_at), version))
+            if (isinstance(p, list) and len(p) == 2 and json_number(p[0]) is not None
+                    and json_int(p[1]) is not None):
+                points.append((json_number(p[0]), json_int(p[1])))
+    if json_number(published_at) is not None:
+        points.append((json_number(published_at), version))
     return sorted(points)
 
 
@@ -107,7 +102,7 @@ def version_at(points: list[tuple[float, int]], when: float) -> int | None:
 def heartbeat_lag(hb: dict, now: float, points: list[tuple[float, int]]) -> int | None:
     """Versions the heartbeat's own version was behind the trainer's when it was written
     (clamped at 0; None when either is unknown)."""
-    used, written = _int(hb.get("version")), _num(hb.get("updated_at"))
+    used, written = json_int(hb.get("version")), json_number(hb.get("updated_at"))
     if used is None or written is None:
         return None
     current = version_at(points, min(written, now))
@@ -117,7 +112,7 @@ def heartbeat_lag(hb: dict, now: float, points: list[tuple[float, int]]) -> int 
 def recently_trained(trained: dict | None, now: float, period: float) -> bool:
     """The trainer stepped on this volunteer's groups within two of its heartbeat periods
     (at least a minute): hard evidence it makes usable work, whatever the heartbeat says."""
-    at = _num((trained or {}).get("last_trained_at"))
+    at = json_number((trained or {}).get("last_trained_at"))
     return at is not None and now - at <= max(60.0, OFFLINE_PERIODS * period)
 
 
@@ -130,11 +125,11 @@ def classify(hb: dict | None, now: float, run_id: str, max_staleness: int,
     age = seconds_since(hb, now)
     if hb.get("state") == "stopped" or age is None or age > OFFLINE_PERIODS * heartbeat_period(hb):
         return "offline"
-    if _int(hb.get("version")) is not None and hb.get("run_id") != run_id:
+    if json_int(hb.get("version")) is not None and hb.get("run_id") != run_id:
         return "stale-version"
     if lag is not None and not layout.in_window(lag, max_staleness) and not trained_lately:
         return "stale-version"
-    return "producing" if (_num(hb.get("completions_per_minute")) or 0) > 0 else "idle"
+    return "producing" if (json_number(hb.get("completions_per_minute")) or 0) > 0 else "idle"
 
 
 def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool, now: float,
@@ -143,10 +138,11 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
     """One volunteer as `vrl status --json` shows it: its claims (heartbeat) next to the
     trainer's figures (fleet.json)."""
     hb_ok = hb if isinstance(hb, dict) and "unreadable" not in hb else None
-    used = _int(hb_ok.get("version")) if hb_ok else None
+    used = json_int(hb_ok.get("version")) if hb_ok else None
     t = trained if isinstance(trained, dict) else {}
-    accepted, rejected = _int(t.get("accepted_shards")) or 0, _int(t.get("rejected_shards")) or 0
-    last = _int(t.get("last_version"))
+    accepted = json_int(t.get("accepted_shards")) or 0
+    rejected = json_int(t.get("rejected_shards")) or 0
+    last = json_int(t.get("last_version"))
     lag = heartbeat_lag(hb_ok, now, list(points)) if hb_ok else None
     trained_lately = recently_trained(t, now, heartbeat_period(hb_ok) if hb_ok else DEFAULT_PERIOD)
     row = {"id": vid, "state": classify(hb_ok, now, run_id, max_staleness, lag, trained_lately),
@@ -157,41 +153,38 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
            "version_lag_now": None if used is None else version - used,
            "accepted_shards": accepted, "rejected_shards": rejected,
            "acceptance_rate": accepted / (accepted + rejected) if accepted + rejected else None,
-           "groups_trained": _int(t.get("groups_trained")) or 0,
+           "groups_trained": json_int(t.get("groups_trained")) or 0,
            "trainer_last_version": last,
            "trainer_version_lag": None if last is None else version - last,
            "denied": denied or bool(t.get("denied")),
            "heartbeat_error": hb.get("unreadable") if isinstance(hb, dict) else None}
     for k in ("completions_per_minute", "completions_total", "groups_total", "shards_uploaded",
               "groups_uploaded", "last_upload_at", "started_at"):
-        row[k] = _num(hb_ok.get(k)) if hb_ok else None
+        row[k] = json_number(hb_ok.get(k)) if hb_ok else None
     host = hb_ok.get("host") if hb_ok else None
     row["host"] = host if isinstance(host, dict) else None
     return row
 
 
-def metric_trends(rows: Iterable[dict], summary_evals: Iterable[dict]) -> dict:
-    """Last step, reward per recent step, and held-out evaluations by version (metrics lines
-    of the newest versions, plus the evaluations fleet.json keeps)."""
+def metric_trends(records: Iterable[Record], summary_evals: Iterable[dict]) -> dict:
+    """Last step, reward per recent step, and held-out evaluations by version (metrics
+    records of the newest versions, plus the evaluations fleet.json keeps)."""
     steps, evals = [], {}
     for e in summary_evals:
-        if isinstance(e, dict) and _int(e.get("version")) is not None:
-            evals[_int(e["version"])] = e
-    for m in rows:
-        if m.get("kind") == "step" and _num(m.get("rollout/reward_mean")) is not None:
-            steps.append({"step": _int(m.get("step")), "version": _int(m.get("version")),
-                          "time": _num(m.get("time")), "reward_mean": m["rollout/reward_mean"]})
-        elif m.get("kind") == "eval" and _int(m.get("version")) is not None:
-            evals[_int(m["version"])] = {
-                "version": _int(m["version"]), "time": _num(m.get("time")),
-                **{k.split("/", 1)[1]: m.get(k) for k in
-                   ("eval/accuracy_greedy", "eval/accuracy_sampled", "eval/prompts")}}
+        if isinstance(e, dict) and json_int(e.get("version")) is not None:
+            evals[json_int(e["version"])] = e
+    for r in records:
+        if isinstance(r, StepRecord) and r.reward_mean is not None:
+            steps.append({"step": r.step, "version": r.version, "time": r.time,
+                          "reward_mean": r.reward_mean})
+        elif isinstance(r, EvalRecord):
+            evals[r.version] = r.short()
     steps.sort(key=lambda s: (s["step"] is None, s["step"]))
     return {"rewards": steps, "evals": [evals[v] for v in sorted(evals)]}
 
 
 def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None],
-                 summary: dict | None, denied: Iterable[str], metrics_rows: list[dict],
+                 summary: dict | None, denied: Iterable[str], metrics: list[Record],
                  now: float) -> dict:
     """The document `vrl status --json` prints (its fields are listed in README.md)."""
     summary = summary if isinstance(summary, dict) else {}
@@ -202,7 +195,7 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
     points = timeline_points(summary.get("timeline"), manifest.created_at, version)
     rows = [volunteer_row(vid, heartbeats.get(vid), trained.get(vid), vid in denied, now,
                           version, window, run_id, points) for vid in ids]
-    trends = metric_trends(metrics_rows, summary.get("evals") or [])
+    trends = metric_trends(metrics, summary.get("evals") or [])
     trainer = summary.get("trainer") if isinstance(summary.get("trainer"), dict) else {}
     steps = [s["step"] for s in trends["rewards"] if s["step"] is not None]
     last = trends["rewards"][-1] if trends["rewards"] else (summary.get("last_step") or {})
@@ -214,9 +207,9 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
                         "published_at": manifest.created_at,
                         "manifest_age_seconds": age, "manifest_old": age > OLD_MANIFEST_SECONDS,
                         "manifest_old_after_seconds": OLD_MANIFEST_SECONDS,
-                        "step": max(steps + [_int(trainer.get("step")) or 0]),
+                        "step": max(steps + [json_int(trainer.get("step")) or 0]),
                         "reward_mean": last.get("reward_mean"),
-                        "summary_updated_at": _num(summary.get("updated_at")),
+                        "summary_updated_at": json_number(summary.get("updated_at")),
                         "rewards": trends["rewards"], "evals": trends["evals"]},
             "counts": counts, "volunteers": rows}
 
@@ -235,23 +228,6 @@ def _read_json(storage: Storage, key: str, cap: int) -> dict | None:
     return raw if isinstance(raw, dict) else {"unreadable": f"{key}: not a JSON object"}
 
 
-def read_metrics_lines(storage: Storage, key: str) -> list[dict]:
-    """The JSON objects of one metrics object; [] if it cannot be read, bad lines skipped."""
-    try:
-        data = storage.read(key, max_bytes=MAX_METRICS_BYTES)
-    except StorageError:
-        return []  # not written yet, removed, or too large: the trend just has a gap
-    rows = []
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def read_manifest_unverified(storage: Storage) -> Manifest:
     """The current manifest, signature not checked: status only displays it. Raises
     StorageError (not found: nothing published, or a wrong --bucket) or ManifestError."""
@@ -267,15 +243,15 @@ def read_status(storage: Storage, now: float | None = None,
     versions = range(manifest.version, max(-1, manifest.version - metrics_versions), -1)
     with ThreadPoolExecutor(READ_WORKERS) as pool:
         beats = pool.map(lambda v: _read_json(storage, layout.heartbeat_key(v), MAX_HEARTBEAT_BYTES), ids)
-        metrics = pool.map(lambda v: read_metrics_lines(storage, layout.metrics_key(v)), versions)
+        chunks = pool.map(lambda v: read_metrics(storage, layout.metrics_key(v)), versions)
         heartbeats = dict(zip(ids, beats))
-        rows = [r for chunk in metrics for r in chunk]
+        records = [r for chunk in chunks for r in chunk]
     summary = _read_json(storage, layout.FLEET, MAX_SUMMARY_BYTES)
     try:
         denied, _ = read_denylist(storage)
     except Exception:  # a broken denylist is the trainer's warning to give, not ours
         denied = {}
-    return build_status(storage.uri, manifest, heartbeats, summary, denied, rows,
+    return build_status(storage.uri, manifest, heartbeats, summary, denied, records,
                         time.time() if now is None else now)
 
 
@@ -297,7 +273,7 @@ def _ago(seconds: float | None) -> str:
 
 
 def _pct(x) -> str:
-    return "-" if _num(x) is None else f"{x:.1%}"
+    return "-" if json_number(x) is None else f"{x:.1%}"
 
 
 def _count(x) -> str:
@@ -313,7 +289,7 @@ def eval_trend(evals: list[dict], last: int = 4) -> str:
 
 def trainer_lines(status: dict) -> list[str]:
     t = status["trainer"]
-    age = status["time"] - t["published_at"] if _num(t.get("published_at")) else None
+    age = status["time"] - t["published_at"] if json_number(t.get("published_at")) else None
     reward = t.get("reward_mean")
     recent = [r["reward_mean"] for r in t["rewards"][-20:]]
     avg = f", mean of last {len(recent)} steps {sum(recent) / len(recent):.3f}" if recent else ""

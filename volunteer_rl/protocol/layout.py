@@ -15,6 +15,9 @@ relative to the bucket root (the storage object adds any prefix from the URI).
     denylist.json                                   volunteers whose shards are skipped (overwritten)
     volunteers/<volunteer_id>.json                  each volunteer's heartbeat (overwritten by it)
     fleet.json                                      the trainer's summary of the fleet (overwritten)
+    dashboard/index.html, dashboard/<plot>.png      a page and its plots for people (overwritten)
+
+The staleness window, which rollouts/v*/ prefixes are still live, is defined here too.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ QUARANTINE = "quarantine"
 DENYLIST = "denylist.json"
 VOLUNTEERS = "volunteers"
 FLEET = "fleet.json"
+DASHBOARD = "dashboard"
 
 # Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
 # can climb out of its prefix ("../") or collide with another after normalisation. Every
@@ -44,11 +48,23 @@ _VERSION_DIR = re.compile(r"v([0-9]{6,})")
 SHARD_SUFFIX = ".jsonl.gz"
 
 
-def in_window(lag: int, max_staleness: int) -> bool:
-    """The staleness rule: groups sampled `lag` versions behind the trainer may be trained on.
+def window(current: int, max_staleness: int) -> range:
+    """The staleness rule: the policy versions whose rollouts a trainer at version `current`
+    takes, oldest to newest: `current` and the `max_staleness` before it, none below v0.
 
-    It decides which rollouts/v*/ prefixes are still live, so it sits with the keys."""
-    return 0 <= lag <= max_staleness
+    It decides which rollouts/v*/ prefixes are still live, so it sits with the keys. Every
+    other form of the rule (in_window, the trainer's intake, retention, `vrl status`, the
+    volunteer's check of its weights) is read off this range."""
+    return range(max(0, current - max_staleness), current + 1)
+
+
+def in_window(lag: int, max_staleness: int) -> bool:
+    """Groups sampled `lag` versions behind the trainer may be trained on (`lag` < 0: from a
+    version the trainer has not reached, never).
+
+    The window of a trainer at version `max_staleness` is the one v0 does not cut short, so
+    the lags it accepts are the lags of any window."""
+    return max_staleness - lag in window(max_staleness, max_staleness)
 
 
 def is_safe_name(name: str) -> bool:
@@ -161,6 +177,14 @@ def metrics_key(version: int) -> str:
     return f"{METRICS}/{version_dir(version)}.jsonl"
 
 
+def parse_metrics_key(key: str) -> int | None:
+    """The version of a well-formed metrics key (`metrics/v000042.jsonl`), else None."""
+    parts = key.strip("/").split("/")
+    if len(parts) != 2 or parts[0] != METRICS or not parts[1].endswith(".jsonl"):
+        return None
+    return parse_version_dir(parts[1][: -len(".jsonl")])
+
+
 def ledger_key(version: int) -> str:
     """The trainer's record of every shard outcome in the steps that led to `version`."""
     return f"{LEDGER}/{version_dir(version)}.jsonl"
@@ -196,3 +220,18 @@ def parse_heartbeat_key(key: str) -> str | None:
         return None
     volunteer = parts[1][: -len(".json")]
     return volunteer if is_safe_name(volunteer) else None
+
+
+def dashboard_key(name: str) -> str:
+    """`dashboard/<name>`: one object of the dashboard, which its page links by `name` alone."""
+    if not is_safe_name(name):
+        raise ValueError(f"unsafe dashboard file name: {name!r}")
+    return f"{DASHBOARD}/{name}"
+
+
+def parse_dashboard_key(key: str) -> str | None:
+    """The file name of a well-formed dashboard key, else None."""
+    parts = key.strip("/").split("/")
+    if len(parts) != 2 or parts[0] != DASHBOARD or not is_safe_name(parts[1]):
+        return None
+    return parts[1]

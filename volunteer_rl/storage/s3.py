@@ -34,11 +34,15 @@ from typing import BinaryIO, Callable, Iterator
 
 from volunteer_rl.storage.base import (
     AlreadyExists,
+    Forbidden,
     NotFound,
     PreconditionFailed,
     ShortObject,
     StorageError,
     TooLarge,
+    Transient,
+    classify_errors,
+    is_transient_os_error,
 )
 
 MiB = 1024 * 1024
@@ -95,6 +99,33 @@ def _code(exc) -> str:
 def _retried(exc) -> bool:
     """True if botocore retried the request that failed: an earlier attempt may have landed."""
     return exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
+
+
+RETRY_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                         "TooManyRequests", "RequestTimeout", "InternalError",
+                         "ServiceUnavailable"})
+"""S3 error codes of answers worth another try whatever their HTTP status."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Is this a fault worth another try? A ClientError with a 5xx or 429 status or one of
+    RETRY_CODES; botocore's and urllib3's connection errors and timeouts (not a failed TLS
+    handshake, which a retry repeats); a body cut short; a socket's own timeout or reset.
+    botocore has spent its own retries on these before they reach us; Retrying spaces out a
+    few more. Also the rule for s3:// through s3fs (storage/fsspec.py)."""
+    import http.client
+
+    from botocore import exceptions as boto
+    from urllib3 import exceptions as urllib3
+
+    if isinstance(exc, boto.ClientError):
+        status = _status(exc)
+        return status >= 500 or status == 429 or _code(exc) in RETRY_CODES
+    if isinstance(exc, boto.SSLError):
+        return False
+    return is_transient_os_error(exc) or isinstance(exc, (
+        boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError,
+        urllib3.ProtocolError, urllib3.TimeoutError, http.client.IncompleteRead))
 
 
 def _is_conflict(exc) -> bool:
@@ -160,11 +191,12 @@ def _socket_reader(body) -> Callable[[memoryview], int]:
 
 def _fill(key: str, readinto: Callable[[memoryview], int], view: memoryview,
           got: int, stop: int) -> int:
-    """Read view[got:stop] from a stream; returns stop. StorageError if it ends early."""
+    """Read view[got:stop] from a stream; returns stop. Transient if it ends early
+    (the connection dropped: the read is worth another try)."""
     while got < stop:
         n = readinto(view[got:stop])
         if not n:
-            raise StorageError(f"{key}: connection closed after {got} of {len(view)} bytes")
+            raise Transient(f"{key}: connection closed after {got} of {len(view)} bytes")
         got += n
     return got
 
@@ -257,25 +289,27 @@ class S3Storage:
     def _errors(self, key: str, what: str) -> Iterator[None]:
         """Translate S3's answers into the Storage exceptions every backend raises.
 
-        404 → NotFound, 403 → PermissionError (permanent for Retrying), a missing bucket →
-        StorageError. Anything else propagates: botocore has already retried the transient
-        ones and Retrying classifies what is left.
+        404 → NotFound, 403 → Forbidden, a missing bucket → StorageError, a fault worth
+        another try (is_transient) → Transient (base.classify_errors). Anything else
+        propagates, and Retrying reports it once as a StorageError.
         """
         from botocore.exceptions import ClientError
 
-        try:
-            yield
-        except ClientError as exc:
-            status, code = _status(exc), _code(exc)
-            if code == "NoSuchBucket":
-                raise StorageError(f"{key}: bucket {self.bucket} does not exist ({self.uri})") from None
-            if status == 404 or code in ("NoSuchKey", "NotFound"):
-                raise NotFound(f"{key}: not found in {self.uri}") from None
-            if status == 403 or code == "AccessDenied":
-                raise PermissionError(
-                    f"{key}: access denied ({what}) in bucket {self.bucket}; check the "
-                    "credentials and the bucket policy") from None
-            raise
+        with classify_errors(key, what, self.uri, transient=is_transient):
+            try:
+                yield
+            except ClientError as exc:
+                status, code = _status(exc), _code(exc)
+                if code == "NoSuchBucket":
+                    raise StorageError(
+                        f"{key}: bucket {self.bucket} does not exist ({self.uri})") from None
+                if status == 404 or code in ("NoSuchKey", "NotFound"):
+                    raise NotFound(f"{key}: not found in {self.uri}") from None
+                if status == 403 or code == "AccessDenied":
+                    raise Forbidden(
+                        f"{key}: access denied ({what}) in bucket {self.bucket}; check the "
+                        "credentials and the bucket policy") from None
+                raise
 
     # --- reads -------------------------------------------------------------------------
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint
-from volunteer_rl.model.policy import Policy, encode_prompts, load_policy, sample
-from volunteer_rl.protocol import layout
+from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.sampling import sample
+from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import StorageError, is_missing
-from volunteer_rl.task.calculator import Problem, reward
+from volunteer_rl.task.dataset import Problem
+from volunteer_rl.task.reward import reward
 
 
 def accuracy(policy: Policy, problems: list[Problem], temperature: float, samples: int = 1,
@@ -34,8 +36,8 @@ def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: flo
                        samples: int = 4, max_new_tokens: int = 32) -> dict[str, float]:
     """Both accuracies under the metric names the trainer logs."""
     return {
-        "eval/accuracy_greedy": accuracy(policy, problems, 0.0, 1, max_new_tokens),
-        "eval/accuracy_sampled": accuracy(policy, problems, temperature, samples, max_new_tokens),
+        metrics.ACCURACY_GREEDY: accuracy(policy, problems, 0.0, 1, max_new_tokens),
+        metrics.ACCURACY_SAMPLED: accuracy(policy, problems, temperature, samples, max_new_tokens),
     }
 
 

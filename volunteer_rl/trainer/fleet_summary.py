@@ -22,6 +22,7 @@ from typing import Callable
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest
+from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, parse_lines
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 from volunteer_rl.trainer.fleet import Fleet
 
@@ -33,25 +34,21 @@ TIMELINE_SECONDS = 900.0
 TIMELINE_SECONDS: one point per TIMELINE_SECONDS / TIMELINE_POINTS (3.5 s) at most, the first
 publish of each such slot, so a version read off it is never newer than the true one."""
 EVALS_KEPT = 10
-EVAL_FIELDS = ("eval/accuracy_greedy", "eval/accuracy_sampled", "eval/prompts")
 
 
-def absorb_steps(volunteers: dict[str, dict], metrics: list[dict]) -> None:
-    """Add the groups of each step line's `rollout/sources` to their volunteers' totals, and
-    move each one's `last_version` (newest policy version of its groups trained on) up."""
-    for m in metrics:
-        if m.get("kind") != "step":
+def absorb_steps(volunteers: dict[str, dict], records: list[Record]) -> None:
+    """Add the groups of each step's sources to their volunteers' totals, and move each
+    one's `last_version` (newest policy version of its groups trained on) up."""
+    for r in records:
+        if not isinstance(r, StepRecord):
             continue
-        for key, groups in m.get("rollout/sources", {}).items():
-            parsed = layout.parse_shard_key(key)
-            if parsed is None:
-                continue
-            version, volunteer, _ = parsed
-            v = volunteers.setdefault(volunteer, {"groups_trained": 0, "last_version": None,
-                                                  "last_trained_at": None})
-            v["groups_trained"] += int(groups)
-            v["last_version"] = version if v["last_version"] is None else max(v["last_version"], version)
-            v["last_trained_at"] = m.get("time")
+        for source in r.sources:
+            v = volunteers.setdefault(source.volunteer, {"groups_trained": 0, "last_version": None,
+                                                         "last_trained_at": None})
+            v["groups_trained"] += source.groups
+            last = v["last_version"]
+            v["last_version"] = source.version if last is None else max(last, source.version)
+            v["last_trained_at"] = r.time
 
 
 def add_point(timeline: list[list[float]], now: float, version: int) -> None:
@@ -62,12 +59,6 @@ def add_point(timeline: list[list[float]], now: float, version: int) -> None:
     timeline.append([now, version])
     while timeline and (len(timeline) > TIMELINE_POINTS or now - timeline[0][0] > TIMELINE_SECONDS):
         timeline.pop(0)
-
-
-def eval_record(m: dict) -> dict:
-    """The short form of an eval metrics line kept in fleet.json."""
-    return {"version": m.get("version"), "time": m.get("time"),
-            **{k.split("/", 1)[1]: m.get(k) for k in EVAL_FIELDS}}
 
 
 def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
@@ -126,17 +117,19 @@ class FleetSummary:
 
     def after_publish(self, manifest: Manifest, step: int, metrics: list[dict], fleet: Fleet,
                       final: bool = False) -> None:
-        """Take in the metrics of the steps that led to `manifest`; write fleet.json if due."""
+        """Take in the metric lines of the steps that led to `manifest`; write fleet.json if
+        due."""
         if not self.loaded:
             self._load_previous(manifest.run_id)
-        absorb_steps(self.volunteers, metrics)
-        steps = [m for m in metrics if m.get("kind") == "step"]
+        records = parse_lines(metrics)
+        absorb_steps(self.volunteers, records)
+        steps = [r for r in records if isinstance(r, StepRecord)]
         if steps:
             s = steps[-1]
-            self.last_step = {"step": s.get("step"), "version": s.get("version"),
-                              "time": s.get("time"), "reward_mean": s.get("rollout/reward_mean")}
-        self.evals = (self.evals + [eval_record(m) for m in metrics
-                                    if m.get("kind") == "eval"])[-EVALS_KEPT:]
+            self.last_step = {"step": s.step, "version": s.version, "time": s.time,
+                              "reward_mean": s.reward_mean}
+        self.evals = (self.evals + [r.short() for r in records
+                                    if isinstance(r, EvalRecord)])[-EVALS_KEPT:]
         now = self.clock()
         add_point(self.timeline, now, manifest.version)
         if final or now - self.last_write >= self.interval:

@@ -30,7 +30,8 @@ from volunteer_rl.protocol.shards import (
     iter_groups,
 )
 from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError, TooLarge
-from volunteer_rl.task.calculator import Problem, reward
+from volunteer_rl.task.dataset import Problem
+from volunteer_rl.task.reward import reward
 from volunteer_rl.trainer.fleet import Fleet
 
 Audit = Callable[[list["ScoredGroup"]], "str | None"]
@@ -98,7 +99,7 @@ class Window:
     """Committed versions inside the window (a crashed publish leaves gaps)."""
 
     def versions(self) -> range:
-        return window(self.version, self.max_staleness)
+        return layout.window(self.version, self.max_staleness)
 
     @property
     def low(self) -> int:
@@ -129,11 +130,6 @@ class Rules:
             value = reward(self.decode(token_ids), self.problems[prompt_id].expression)
             self.cache[key] = value
         return value
-
-
-def window(version: int, max_staleness: int) -> range:
-    """Policy versions whose groups may still be trained on."""
-    return range(max(0, version - max_staleness), version + 1)
 
 
 def split_fresh(groups: list[ScoredGroup], version: int,
@@ -212,11 +208,6 @@ def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[Scored
         check_group(g, version, volunteer, rules, win)  # stop paying at the first bad line
         groups.append(g)
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
-
-
-def read_shard(storage: Storage, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
-    """Download, decode, check and rescore one shard (fetch_shard, then check_shard)."""
-    return check_shard(fetch_shard(storage, key), key, rules, win)
 
 
 def _key_version(key: str) -> int:

@@ -13,72 +13,49 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-from volunteer_rl.errors import VrlError
-from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import (
-    clear_folder,
     fetch_checkpoint,
-    publish_checkpoint,
-    sha256_bytes,
 )
-from volunteer_rl.model.policy import (
-    WEIGHTS_DTYPES,
-    WEIGHTS_FILE,
-    Policy,
-    build_tiny_model,
-    build_tokenizer,
-    encode_prompts,
-    load_policy,
-    load_weights,
-    pick_device,
-    save_policy,
-    token_logprobs,
-    weights_writer,
-)
+from volunteer_rl.model.devices import pick_device
+from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
+from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.observe.dashboard import TrainerDashboard
-from volunteer_rl.protocol import layout
+from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.manifest import (
-    Dataset,
     Manifest,
-    Sampling,
     poll_manifest,
-    write_manifest,
 )
-from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
-from volunteer_rl.protocol.signing import Trust, key_path, load_or_create_key, public_key_text
-from volunteer_rl.storage.base import AlreadyExists, PreconditionFailed, Storage, open_storage
-from volunteer_rl.task.calculator import Problem, file_sha256, load_csv
+from volunteer_rl.protocol.signing import Trust, public_key_text
+from volunteer_rl.storage import open_storage
+from volunteer_rl.storage.base import AlreadyExists
+from volunteer_rl.task.dataset import Problem, file_sha256, load_csv
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
-from volunteer_rl.trainer.losses import (
-    grpo_advantages,
-    grpo_loss,
-    reinforce_advantages,
-    reinforce_loss,
+from volunteer_rl.trainer.publish import (
+    TrainerError,
+    publish,
+    published_or_started,
+    signing_key,
+    upload_dataset,
 )
 from volunteer_rl.trainer.retention import TrainerRetention
 from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
+from volunteer_rl.trainer.step import StepResult, audit_logprobs, non_finite_groups, train_step
 from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
-
-
-class TrainerError(VrlError):
-    """A condition the trainer cannot run under (named object, one line)."""
 
 
 def dataset_paths(cfg: TrainerConfig) -> tuple[Path, Path]:
@@ -106,194 +83,6 @@ def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.de
         log(f"warm start: {cfg.warm_start_steps} steps in {seconds:.0f}s")
     return policy
 
-
-def signing_key(cfg: TrainerConfig, bucket_uri: str, log: Callable[[str], None]) -> Ed25519PrivateKey:
-    """The key that signs this trainer's manifests, made on the first run. It is refused
-    inside a folder bucket: whoever can read the bucket could then sign manifests."""
-    path = key_path(cfg.signing_key, cfg.work_dir)
-    if "://" not in bucket_uri and path.is_relative_to(Path(bucket_uri)):
-        raise TrainerError(f"--signing-key {path}: inside the bucket folder {bucket_uri}; keep "
-                           "the private key out of the bucket")
-    key, created = load_or_create_key(path)
-    log(f"{'created' if created else 'loaded'} manifest signing key {path}; public key "
-        f"{public_key_text(key)} (give volunteers --trust-key with it, or {path.name}.pub)")
-    return key
-
-
-def upload_dataset(storage: Storage, path: Path) -> Dataset:
-    data = path.read_bytes()
-    sha = sha256_bytes(data)
-    key = layout.dataset_key(path.stem, sha)
-    try:
-        storage.create(key, data)
-    except AlreadyExists:
-        pass  # content-addressed: an existing object of this name holds these very bytes
-    rows = max(0, data.count(b"\n") - 1)
-    return Dataset(name=path.stem, key=key, sha256=sha, size=len(data), rows=rows)
-
-
-def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
-            dataset: Dataset, etag: str | None, key: Ed25519PrivateKey,
-            before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
-    """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
-    commit it all with the signed manifest: in that order, so a crash anywhere before the
-    manifest leaves the previous version standing, complete.
-
-    `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
-    manifest and its etag."""
-    dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
-    staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
-    clear_folder(staging)
-    try:
-        # The small files are staged; the weights go from the tensors straight into the
-        # bucket object, hashed on the way (no staged copy, no second read).
-        save_policy(policy, staging, dtype, weights=False)
-        files = publish_checkpoint(storage, version, staging,
-                                   {WEIGHTS_FILE: weights_writer(policy.model, dtype)})
-    finally:
-        clear_folder(staging)
-    manifest = Manifest(
-        run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
-        dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
-        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
-        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT)
-    before_commit()
-    crash_point("before_manifest")
-    try:
-        return manifest, write_manifest(storage, manifest, etag, key)
-    except PreconditionFailed:
-        raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
-                           "being published; is a second trainer running on this bucket?") from None
-
-
-def published_or_started(storage: Storage) -> list[int]:
-    """Every version with a checkpoint file or a kept manifest, complete or not. Read once at
-    start-up, so it may walk the whole history."""
-    versions = []
-    for prefix in (layout.CHECKPOINTS, layout.MANIFESTS):
-        for key in storage.list(prefix):
-            v = layout.parse_version_dir(key.split("/")[1].removesuffix(".json"))
-            if v is not None:
-                versions.append(v)
-    return versions
-
-
-# ---------------------------------------------------------------------------------------------
-# One optimizer step.
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    tokens: int
-    stats: dict[str, float] = field(default_factory=dict)
-    applied: bool = True
-    """False when the loss or the gradient norm was not finite: the optimizer was not stepped."""
-
-
-def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), device=device)
-    for i, lp in enumerate(rows):
-        out[i, : len(lp)] = torch.tensor(lp)
-    return out
-
-
-def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-              version: int, cfg: TrainerConfig) -> tuple[float, int, Counter]:
-    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics)."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
-    adv = adv_fn(rewards).to(policy.device)  # [G, K]
-    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
-    per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
-    loss_sum, stats = 0.0, Counter()
-    for s in range(0, len(groups), per_micro):
-        chunk = groups[s:s + per_micro]
-        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in chunk],
-                                    [g.token_ids for g in chunk], cfg.temperature)
-        a = adv[s:s + per_micro].flatten()
-        # Token-level mean over the whole step: scale each micro-batch by its share of tokens.
-        share = mask.sum().item() / total_tokens
-        if cfg.algo == "grpo":
-            behav = _behavior_tensor([lp for g in chunk for lp in g.behavior_logprobs],
-                                     logp.shape[1], policy.device)
-            stale = torch.tensor([g.policy_version < version for g in chunk for _ in g.token_ids],
-                                 device=policy.device)
-            loss, st = grpo_loss(logp, behav, mask, a, stale)
-            stats.update({k: v.item() * share for k, v in st.items()})
-        else:
-            loss = reinforce_loss(logp, mask, a)
-        (loss * share).backward()
-        loss_sum += loss.item() * share
-    return loss_sum, total_tokens, stats
-
-
-def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
-               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
-    """One update on `groups` (all with reward variance), accumulating over micro-batches.
-
-    The update is not applied when the loss or the gradient norm is not finite: intake floors
-    logprobs and the loss clamps every ratio, so that should never happen, and if it does
-    (a bug, a shape nobody foresaw) one step's NaN must not reach the weights, the optimizer's
-    moments or the next publish. The caller finds the groups to blame (`non_finite_groups`).
-
-    One group's weight in an applied step is bounded by construction: every token's weight is
-    |A| x min(ratio, RATIO_CAP) (GRPO) or |A| (REINFORCE), |A| <= (K-1)/sqrt(K) for rewards in
-    [0, 1], the loss is a token mean over the step, and the whole gradient is clipped to norm 1.
-    """
-    policy.model.train()
-    opt.zero_grad(set_to_none=True)
-    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
-    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-        opt.zero_grad(set_to_none=True)
-        policy.model.eval()
-        return StepResult(loss_sum, grad_norm, total_tokens, dict(stats), applied=False)
-    crash_point("optimizer_step")
-    opt.step()
-    policy.model.eval()
-    return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
-
-
-def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-                      version: int, cfg: TrainerConfig) -> list[ScoredGroup]:
-    """The groups whose own loss or gradient is not finite (one backward pass each; only run
-    after a step was refused, so its cost does not matter). Leaves no gradient behind."""
-    bad = []
-    policy.model.train()
-    for g in groups:
-        policy.model.zero_grad(set_to_none=True)
-        loss, _, _ = _backward(policy, [g], prompt_ids, version, cfg)
-        grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
-        if not math.isfinite(loss) or not all(bool(torch.isfinite(x).all()) for x in grads):
-            bad.append(g)
-    policy.model.zero_grad(set_to_none=True)
-    policy.model.eval()
-    return bad
-
-
-def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-                   temperature: float, tolerance: float) -> str | None:
-    """Score the submitted tokens under the weights in memory; a description if any token's
-    claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
-
-    Catches a volunteer that runs other weights or samples at another temperature: its
-    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5. `policy`
-    must hold the weights volunteers run: with bf16 publishing, the bf16-rounded copy
-    (Trainer.published_policy), not the fp32 master, which differs by more than the tolerance."""
-    with torch.no_grad():
-        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
-                                    [g.token_ids for g in groups], temperature)
-    claimed = _behavior_tensor([lp for g in groups for lp in g.behavior_logprobs],
-                               logp.shape[1], policy.device)
-    worst = ((logp - claimed).abs() * mask).max().item()
-    if worst > tolerance:
-        return f"behavior logprobs differ from the trainer's by up to {worst:.3f} (tolerance {tolerance:g})"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop.
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print,
@@ -462,10 +251,11 @@ class Trainer:
         res = greedy_and_sampled(self.published_policy, problems, self.cfg.temperature,
                                  self.cfg.eval_samples, self.cfg.max_new_tokens)
         self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
-                 f"{res['eval/accuracy_greedy']:.1%}, sampled (T={self.cfg.temperature}) "
-                 f"{res['eval/accuracy_sampled']:.1%}")
-        self.metrics_buffer.append({"kind": "eval", "version": version, "time": time.time(),
-                                    "eval/prompts": len(problems), **res})
+                 f"{res[metrics.ACCURACY_GREEDY]:.1%}, sampled (T={self.cfg.temperature}) "
+                 f"{res[metrics.ACCURACY_SAMPLED]:.1%}")
+        self.metrics_buffer.append({metrics.KIND: metrics.EVAL_LINE, metrics.VERSION: version,
+                                    metrics.TIME: time.time(), metrics.EVAL_PROMPTS: len(problems),
+                                    **res})
         return res
 
     def _evaluate_unless_stopping(self, version: int, full: bool = False) -> None:
@@ -598,15 +388,16 @@ class Trainer:
         rewards = [r for g in batch for r in g.rewards]
         lags = Counter(self.version - g.policy_version for g in batch)
         m = {
-            "kind": "step", "step": step, "version": self.version, "time": time.time(),
-            "rollout/reward_mean": sum(rewards) / len(rewards),
+            metrics.KIND: metrics.STEP_LINE, metrics.STEP: step, metrics.VERSION: self.version,
+            metrics.TIME: time.time(),
+            metrics.REWARD_MEAN: sum(rewards) / len(rewards),
             # None when nothing new arrived since the last step (the batch came from the buffer)
             "rollout/frac_reward_zero_std": stats.zero_variance / stats.groups if stats.groups else None,
-            "rollout/staleness_hist": {str(k): v for k, v in sorted(lags.items())},
+            metrics.STALENESS_HIST: {str(k): v for k, v in sorted(lags.items())},
             "rollout/stale_dropped": stale_dropped,
-            "rollout/groups": len(batch), "rollout/tokens": result.tokens,
-            "rollout/sources": dict(Counter(g.key for g in batch)),
-            "ingest/shards": stats.shards, "ingest/groups": stats.groups,
+            metrics.GROUPS: len(batch), "rollout/tokens": result.tokens,
+            metrics.SOURCES: dict(Counter(g.key for g in batch)),
+            "ingest/shards": stats.shards, metrics.INGEST_GROUPS: stats.groups,
             "ingest/rejected": dict(stats.rejected),
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
             "ingest/over_cap": stats.over_cap,
@@ -617,7 +408,7 @@ class Trainer:
         }
         self.metrics_buffer.append(m)
         zero = m["rollout/frac_reward_zero_std"]
-        self.log(f"step {step} v{self.version} reward {m['rollout/reward_mean']:.3f} "
+        self.log(f"step {step} v{self.version} reward {m[metrics.REWARD_MEAN]:.3f} "
                  f"lag {dict(sorted(lags.items()))} zero-std {'-' if zero is None else f'{zero:.2f}'} "
                  f"dropped {stale_dropped} loss {result.loss:+.4f} ({timing['train/step_time']:.2f}s)")
 

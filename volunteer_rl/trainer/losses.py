@@ -34,11 +34,6 @@ def grpo_advantages(rewards: Tensor) -> Tensor:
     return (rewards - mean) / (std + STD_EPS)
 
 
-def zero_variance(rewards: Tensor) -> Tensor:
-    """[G, K] -> [G] bool: groups whose completions all got the same reward (no signal)."""
-    return (rewards.max(dim=1).values - rewards.min(dim=1).values) == 0
-
-
 def _token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable
 
+from volunteer_rl.config import TrainerConfig, check
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.protocol.signing import Trust
@@ -50,7 +51,7 @@ UNCOMMITTED = "never committed"
 def kept_from(current: int, max_staleness: int, keep_versions: int) -> int:
     """The lowest version retention keeps: the staleness window and the newest
     `keep_versions` version numbers, whichever reaches further back."""
-    return max(0, min(current - max_staleness, current - keep_versions + 1))
+    return min(layout.window(current, max_staleness).start, max(0, current - keep_versions + 1))
 
 
 def committed_versions(manifest_keys: Iterable[str]) -> set[int]:
@@ -89,8 +90,7 @@ class Plan:
 
 def check_rules(keep_versions: int, prefixes: Collection[str]) -> None:
     """ValueError for settings that would keep too little or touch protected objects."""
-    if keep_versions < 1:
-        raise ValueError(f"--keep-versions must be at least 1, got {keep_versions}")
+    check(TrainerConfig, "keep_versions", keep_versions)
     if PROTECTED & set(prefixes):
         raise ValueError(f"retention never deletes {sorted(PROTECTED & set(prefixes))}")
 
@@ -127,7 +127,7 @@ def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: i
     if current < 0 or max_staleness < 0:
         raise ValueError(f"bad manifest version {current} or max_staleness {max_staleness}")
     low = kept_from(current, max_staleness, keep_versions)
-    window_from = max(0, current - max_staleness)
+    window_from = layout.window(current, max_staleness).start
     groups: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
     for key in keys:
         why = _reason(key, current, low, window_from, committed, prefixes, debris_prefixes)
@@ -276,8 +276,7 @@ class TrainerRetention:
     def __init__(self, storage: Storage, keep_versions: int, every: int,
                  log: Callable[[str], None] = print,
                  prefixes: Collection[str] = DEFAULT_PREFIXES):
-        if every < 0:
-            raise ValueError(f"--gc-every must be 0 (off) or more, got {every}")
+        check(TrainerConfig, "gc_every", every)
         if every:
             check_rules(keep_versions, prefixes)
         self.storage, self.keep_versions, self.every, self.log = storage, keep_versions, every, log

@@ -57,7 +57,7 @@ def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
     tensors["__rng__"] = rng
     save_file(tensors, str(folder / OPTIMIZER_FILE))
     if master is not None:
-        from volunteer_rl.model.policy import write_weights
+        from volunteer_rl.model.weights import write_weights
 
         with open(folder / MASTER_FILE, "wb") as f:
             write_weights(master, f, torch.float32)

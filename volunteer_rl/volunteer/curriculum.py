@@ -28,7 +28,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from volunteer_rl.task.calculator import Problem
+from volunteer_rl.task.dataset import Problem
 
 _OPERATOR = re.compile(r"\*\*|//|[-+*/%]")
 MAX_STRATUM = 8

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from volunteer_rl.config import VolunteerConfig
+from volunteer_rl.errors import ConfigError
 from volunteer_rl.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
@@ -39,29 +40,21 @@ from volunteer_rl.model.checkpoint import (
     fetch_weights,
     sha256_bytes,
 )
-from volunteer_rl.model.policy import (
-    Policy,
-    encode_prompts,
-    load_policy,
-    load_weights,
-    pick_device,
-    sample,
-    set_sampling_threads,
-)
+from volunteer_rl.model.devices import pick_device, set_sampling_threads
+from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.sampling import sample
+from volunteer_rl.model.weights import load_weights
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
-from volunteer_rl.protocol.shards import (
-    MAX_GROUPS_PER_SHARD,
-    Completion,
-    Group,
-    encode_shard,
-    new_shard_name,
-)
+from volunteer_rl.protocol.shards import Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
-from volunteer_rl.storage.base import Storage, StorageError, is_missing, open_storage
-from volunteer_rl.task.calculator import DatasetError, Problem, load_csv, reward
+from volunteer_rl.storage import open_storage
+from volunteer_rl.storage.base import Storage, StorageError, is_missing
+from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
+from volunteer_rl.task.reward import reward
 from volunteer_rl.volunteer.curriculum import PromptPicker
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
+from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
 def default_volunteer_id() -> str:
@@ -83,59 +76,14 @@ def swap_weights(storage: Storage, m: Manifest, policy: Policy,
     return buf
 
 
-class ShardWriter:
-    """Buffers groups of one policy version; uploads a shard every N groups or T seconds.
-    `limit` is the manifest's max_shard_groups: no shard holds more, whatever N is."""
-
-    def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
-                 log: Callable[[str], None], on_upload: Callable[[int], None] | None = None):
-        self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
-        self.on_upload = on_upload  # told the group count of each uploaded shard
-        self.max_groups, self.max_seconds = max_groups, max_seconds
-        self.limit = MAX_GROUPS_PER_SHARD
-        self.groups: list[Group] = []
-        self.version: int | None = None
-        self.opened = 0.0
-        self.seq = 0
-        self.uploaded_groups = 0
-        self.per_version: dict[int, int] = {}
-
-    def add(self, groups: list[Group], version: int) -> None:
-        if self.version is not None and version != self.version:
-            self.flush()  # a shard holds one version: it lives under that version's prefix
-        if not self.groups:
-            self.opened = time.time()
-        self.version = version
-        self.groups.extend(groups)
-        self.per_version[version] = self.per_version.get(version, 0) + len(groups)
-        if len(self.groups) >= min(self.max_groups, self.limit) or time.time() - self.opened >= self.max_seconds:
-            self.flush()
-
-    def version_groups(self, manifest: Manifest | None) -> int:
-        """Groups made so far with the manifest's version."""
-        return self.per_version.get(manifest.version, 0) if manifest is not None else 0
-
-    def flush(self) -> None:
-        """Upload what is buffered, as several shards if it is more than `limit` groups."""
-        while self.groups:
-            shard, self.groups = self.groups[:self.limit], self.groups[self.limit:]
-            key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
-            self.storage.create(key, encode_shard(shard))
-            rewards = [c.reward for g in shard for c in g.completions]
-            self.log(f"uploaded {key}: {len(shard)} groups, reward {sum(rewards) / len(rewards):.3f}")
-            self.uploaded_groups += len(shard)
-            if self.on_upload is not None:
-                self.on_upload(len(shard))
-            self.seq += 1
-
-
 class Volunteer:
     def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print):
         self.cfg = cfg
         self.log = log
         self.id = cfg.volunteer_id or default_volunteer_id()
         if not layout.is_safe_name(self.id):
-            raise ValueError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting with . or -)")
+            raise ConfigError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - "
+                              "(not starting with . or -)")
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
                                   cfg.allow_unsigned, log)
@@ -152,7 +100,7 @@ class Volunteer:
         self.warned: dict[str, str] = {}
         self.manifest_etag: str | None = None
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
-        self.extra_groups = 0  # groups allowed past the per-version cap (see _at_cap)
+        self.extra_groups = 0  # groups allowed past the per-version cap (see at_cap)
         self.capped_since: float | None = None
         self.tally = Tally(started_at=time.time())
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
@@ -160,7 +108,7 @@ class Volunteer:
 
     # -- following the manifest ---------------------------------------------------------------
 
-    def _poll_manifest(self) -> Manifest | None:
+    def poll(self) -> Manifest | None:
         """The newest manifest (the one already held when unchanged); None if none is readable."""
         try:
             m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
@@ -199,7 +147,7 @@ class Volunteer:
         path.write_bytes(data)
         return load_csv(path)
 
-    def _switch(self, m: Manifest) -> None:
+    def switch(self, m: Manifest) -> None:
         """Move to the manifest's version: swap weights in place when only they changed.
 
         The swap reads the weights into memory, checks their sha256, and only then copies
@@ -251,7 +199,7 @@ class Volunteer:
             groups.append(Group(p.id, m.version, self.id, completions))
         return groups
 
-    def _try_switch(self, m: Manifest) -> bool:
+    def try_switch(self, m: Manifest) -> bool:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
 
         A checkpoint that is gone was removed by retention after we read its manifest (the
@@ -261,7 +209,7 @@ class Volunteer:
         fatal: the bucket names nothing this volunteer will ever load."""
         while True:
             try:
-                self._switch(m)
+                self.switch(m)
             except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
                 if isinstance(exc, CheckpointRefused) and self.policy is None:
                     raise
@@ -277,7 +225,7 @@ class Volunteer:
 
     def _moved_on(self, m: Manifest) -> Manifest | None:
         """The manifest as it is now, if it names another version than `m`; else None."""
-        now = self._poll_manifest()
+        now = self.poll()
         if now is None or (now.run_id, now.version) == (m.run_id, m.version):
             return None
         return now
@@ -294,15 +242,18 @@ class Volunteer:
             self.log(f"warning: {message}")
             self.warned[topic] = message
 
-    def _usable(self, m: Manifest | None) -> bool:
+    def usable(self, m: Manifest | None) -> bool:
         """May we generate with the weights we hold, given the newest manifest we could read?"""
         if self.manifest is None:
             return False
         if m is None:  # no fresh manifest: trust ours only for a grace period
             return time.time() - self.last_manifest_ok <= self.cfg.manifest_grace_seconds
-        return m.run_id == self.manifest.run_id and m.version - self.manifest.version <= m.max_staleness
+        # Only the bottom of the window counts here: weights of a version above the manifest's
+        # are not too old.
+        return (m.run_id == self.manifest.run_id
+                and self.manifest.version >= layout.window(m.version, m.max_staleness).start)
 
-    def _at_cap(self, writer: ShardWriter) -> bool:
+    def at_cap(self, writer: ShardWriter) -> bool:
         """Has this version had its share of groups? The cap pauses, it never stops: if no
         new version comes within cap_patience_seconds, the trainer may need more groups than
         the cap allows (too few with reward variance, say), so one more batch is made."""
@@ -340,12 +291,12 @@ class Volunteer:
             while not self.stop.is_set():
                 if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
                     break
-                m = self._poll_manifest()
+                m = self.poll()
                 if m is not None and (self.manifest is None or m.version != self.manifest.version
                                       or m.run_id != self.manifest.run_id):
                     writer.flush()  # its groups belong to the version we are leaving
-                    self._try_switch(m)
-                if not self._usable(m) or self._at_cap(writer):
+                    self.try_switch(m)
+                if not self.usable(m) or self.at_cap(writer):
                     # Nothing published yet, our weights fell out of the staleness window and
                     # the new ones did not load, or this version has had its share of groups:
                     # groups made now would only be dropped.

@@ -1,0 +1,80 @@
+"""`vrl gc` (retention by hand) and `vrl public-key`: the operator's chores."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from volunteer_rl.config import VolunteerConfig
+from volunteer_rl_cli.options import (
+    ALLOW_UNSIGNED,
+    BUCKET,
+    ENDPOINT_URL,
+    KEEP_VERSIONS,
+    SIGNING_KEY,
+    TRAINER_WORK_DIR,
+    log,
+    option,
+)
+
+app = typer.Typer()
+
+GC_REPORTED_FAILURES = 20  # `vrl gc` names this many objects it could not delete, then counts
+
+# gc runs with the trainer's credentials, and whoever can replace the manifest can delete
+# anyway: without --trust-key any validly signed manifest will do, and no key is pinned.
+GC_TRUST_KEY = option(
+    VolunteerConfig, "trust_key",
+    help="The trainer's public key (ed25519:... or a file); without it any validly signed "
+         "manifest is accepted.")
+
+
+@app.command()
+def gc(
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    keep_versions: int = KEEP_VERSIONS,
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Show what would be removed; delete nothing."),
+    trust_key: Optional[str] = GC_TRUST_KEY,
+    allow_unsigned: bool = ALLOW_UNSIGNED,
+):
+    """Retention: delete checkpoints and rollout shards of versions older than the newest
+    --keep-versions and the staleness window. The manifest's version, manifest.json,
+    manifests/, metrics/ and datasets/ are never deleted. Run it with the trainer's
+    credentials; it is safe while the trainer runs.
+
+    Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
+    """
+    from volunteer_rl.protocol.signing import Trust, resolve_trust_key
+    from volunteer_rl.storage import open_storage
+    from volunteer_rl.trainer.retention import collect, summary_lines
+
+    trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
+    plan, outcome = collect(open_storage(bucket, endpoint_url), keep_versions, dry_run,
+                            trust=trust)
+    for line in summary_lines(plan, outcome, dry_run):
+        log(line)
+    for _, message in outcome.failed[:GC_REPORTED_FAILURES]:
+        print(f"error: could not delete {message}", file=sys.stderr)
+    if outcome.failed:
+        more = len(outcome.failed) - GC_REPORTED_FAILURES
+        print(f"error: {len(outcome.failed)} objects could not be deleted"
+              + (f" ({more} not shown)" if more > 0 else "") + "; run vrl gc again to retry",
+              file=sys.stderr)
+        raise typer.Exit(1)
+
+
+@app.command("public-key")
+def public_key(signing_key: Optional[str] = SIGNING_KEY, work_dir: str = TRAINER_WORK_DIR):
+    """Print the trainer's manifest signing key (public half), creating the key pair if there
+    is none yet, so it can be handed to volunteers before the trainer starts.
+
+    Example: vrl public-key --work-dir .vrl/trainer
+    """
+    from volunteer_rl.protocol.signing import key_path, load_or_create_key, public_key_text
+
+    key, _ = load_or_create_key(key_path(signing_key, work_dir))
+    print(public_key_text(key))

@@ -1,0 +1,106 @@
+"""`vrl status`, `vrl dashboard` and `vrl eval`: looking at a run from its bucket."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from volunteer_rl.config import TrainerConfig
+from volunteer_rl_cli.options import (
+    ALLOW_UNSIGNED,
+    BUCKET,
+    DEVICE,
+    ENDPOINT_URL,
+    TRUST_KEY,
+    log,
+    option,
+)
+
+app = typer.Typer()
+
+
+@app.command("eval")
+def eval_(
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    version: Optional[int] = typer.Option(
+        None, min=0, help="Published version (default: the current one)."),
+    dataset: Optional[str] = option(TrainerConfig, "eval_dataset", flags=("--dataset",)),
+    samples: int = option(TrainerConfig, "eval_samples", flags=("--samples",)),
+    device: str = DEVICE,
+    work_dir: str = typer.Option(".vrl/eval", help="Local cache for checkpoints."),
+    trust_key: Optional[str] = TRUST_KEY,
+    allow_unsigned: bool = ALLOW_UNSIGNED,
+):
+    """Held-out accuracy of a published version, greedy and at its sampling temperature.
+
+    Example: vrl eval --bucket ./bucket --version 0
+    """
+    from volunteer_rl.config import PACKAGE_DATA
+    from volunteer_rl.model.devices import pick_device
+    from volunteer_rl.protocol.signing import reader_trust
+    from volunteer_rl.storage import open_storage
+    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
+
+    problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
+    storage = open_storage(bucket, endpoint_url)
+    trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
+    m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
+    res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
+                             m.sampling.max_new_tokens)
+    log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
+        f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} "
+        f"on {len(problems)} prompts")
+
+
+@app.command()
+def status(
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    json_: bool = typer.Option(
+        False, "--json", help="Print one JSON document (for scripts) instead of tables."),
+    watch: bool = typer.Option(
+        False, "--watch", help="Redraw in place every --interval seconds until Ctrl-C."),
+    interval: float = typer.Option(5.0, min=0.5, help="Seconds between redraws with --watch."),
+):
+    """The fleet and the trainer at a glance: each volunteer's state (producing, idle,
+    stale-version, offline) from its heartbeat, its rate, totals and acceptance by the
+    trainer; the trainer's version, step, reward and held-out accuracy trend.
+
+    Example: vrl status --bucket s3://my-bucket/run1 --watch
+    """
+    from volunteer_rl.observe.status import read_status, render
+    from volunteer_rl.observe.status import watch as watch_status
+    from volunteer_rl.storage import open_storage
+
+    storage = open_storage(bucket, endpoint_url)
+    if json_:
+        import json
+
+        print(json.dumps(read_status(storage), indent=1, sort_keys=True))
+        return
+    from rich.console import Console
+
+    console = Console()
+    if watch:
+        watch_status(storage, interval, console)
+    else:
+        console.print(render(read_status(storage)))
+
+
+@app.command()
+def dashboard(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
+    """Write dashboard/index.html and its plots (held-out accuracy and reward against version
+    and time, fleet throughput, staleness) into the bucket, from all of metrics/ and the
+    fleet's heartbeats. Open dashboard/index.html of a folder bucket in a browser.
+
+    Example: vrl dashboard --bucket ./bucket
+    """
+    from volunteer_rl.observe.dashboard import read_history, write_dashboard
+    from volunteer_rl.storage import open_storage
+
+    storage = open_storage(bucket, endpoint_url)
+    keys = write_dashboard(storage, read_history(storage))
+    log(f"wrote {len(keys)} objects; open {storage.uri.rstrip('/')}/{keys[-1]}")

@@ -1,0 +1,90 @@
+"""Command-line options made from the settings dataclasses, and the options several commands
+share.
+
+`option(cls, name)` is the typer option of the field `name` of the dataclass `cls`: its flag is
+config.flag(name), its default the field's default, its help the first sentence of the
+docstring under the field, its range the field's bounds (config.setting). So a setting's
+default, meaning and limits are written once, in volunteer_rl/config.py. Reading the
+docstrings parses config.py with ast (a few milliseconds); nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import sys
+from dataclasses import MISSING, fields
+from functools import cache
+
+import typer
+from typer.models import OptionInfo
+
+from volunteer_rl.config import TrainerConfig, VolunteerConfig, flag
+
+# Short flags and environment variables, by setting name, on every command that has them.
+_SHORT = {"bucket": "-b", "k": "-k"}
+_ENVVARS = {"endpoint_url": "VRL_ENDPOINT_URL", "trust_key": "VRL_TRUST_KEY"}
+
+
+@cache
+def _module_docs(module: str) -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} of every class in `module`: the string literal right
+    after an annotated field (PEP 257's attribute docstrings)."""
+    tree = ast.parse(inspect.getsource(sys.modules[module]))
+    docs: dict[str, dict[str, str]] = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        docs[cls.name] = {
+            field.target.id: inspect.cleandoc(doc.value.value)
+            for field, doc in zip(cls.body, cls.body[1:])
+            if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)}
+    return docs
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The docstring under the field `name` of the dataclass `cls`."""
+    return _module_docs(cls.__module__)[cls.__name__][name]
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop that ends the text or precedes a space, on one line: the
+    help of an option."""
+    text = " ".join(text.split())
+    match = re.match(r".+?\.(?=\s|$)", text)
+    return match.group(0) if match else text
+
+
+def option(cls: type, name: str, *, flags: tuple[str, ...] = (), help: str | None = None
+           ) -> OptionInfo:
+    """The typer option of the field `name` of the dataclass `cls` (see the module docstring).
+    `flags` replaces the flag for a command that spells it otherwise; `help` replaces the help
+    where the command gives the setting another meaning."""
+    field = next(f for f in fields(cls) if f.name == name)
+    default = ... if field.default is MISSING else field.default
+    long = flags[0] if flags else flag(name)
+    decls = [*flags] or [long, *([_SHORT[name]] if name in _SHORT else [])]
+    if default is True:  # a setting that is on by default can be turned off
+        decls = [f"{long}/--no-{long[2:]}", *decls[1:]]
+    return typer.Option(default, *decls, help=help or first_sentence(field_doc(cls, name)),
+                        envvar=_ENVVARS.get(name), min=field.metadata.get("at_least"),
+                        max=field.metadata.get("at_most"))
+
+
+def log(line: str) -> None:
+    """How every command logs (the `log` the library takes): stdout, flushed at once, so a
+    parent process (the demo, a test) sees each line as it happens."""
+    print(line, flush=True)
+
+
+# Options with the same flag, default and help on every command that has them.
+BUCKET = option(TrainerConfig, "bucket")
+ENDPOINT_URL = option(TrainerConfig, "endpoint_url")
+DEVICE = option(TrainerConfig, "device")
+SIGNING_KEY = option(TrainerConfig, "signing_key")
+TRAINER_WORK_DIR = option(TrainerConfig, "work_dir")
+KEEP_VERSIONS = option(TrainerConfig, "keep_versions")
+# A reader of the bucket (volunteer, eval) and the key it trusts; gc trusts otherwise.
+TRUST_KEY = option(VolunteerConfig, "trust_key")
+ALLOW_UNSIGNED = option(VolunteerConfig, "allow_unsigned")

@@ -1,0 +1,91 @@
+"""`vrl trainer`: the central trainer, its flags made from TrainerConfig."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import typer
+
+from volunteer_rl.config import TrainerConfig
+from volunteer_rl_cli.errors import usage_errors
+from volunteer_rl_cli.options import (
+    BUCKET,
+    DEVICE,
+    ENDPOINT_URL,
+    SIGNING_KEY,
+    TRAINER_WORK_DIR,
+    log,
+    option,
+)
+
+app = typer.Typer()
+T = partial(option, TrainerConfig)  # T("lr"): the --lr option, from TrainerConfig.lr
+
+
+@app.command()
+def trainer(
+    ctx: typer.Context,
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    model: str = T("model"),
+    dataset: Optional[str] = T("dataset"),
+    eval_dataset: Optional[str] = T("eval_dataset"),
+    algo: str = T("algo"),
+    lr: float = T("lr"),
+    k: int = T("k"),
+    temperature: float = T("temperature"),
+    max_new_tokens: int = T("max_new_tokens"),
+    max_staleness: int = T("max_staleness"),
+    groups_per_step: int = T("groups_per_step"),
+    publish_every: int = T("publish_every"),
+    keep_versions: int = T("keep_versions"),
+    gc_every: int = T("gc_every"),
+    eval_every: int = T("eval_every"),
+    warm_start_steps: int = T("warm_start_steps"),
+    max_steps: int = T("max_steps"),
+    max_seconds: float = T("max_seconds"),
+    seed: int = T("seed"),
+    poll_seconds: float = T("poll_seconds"),
+    threads: int = T("threads"),
+    device: str = DEVICE,
+    work_dir: str = TRAINER_WORK_DIR,
+    signing_key: Optional[str] = SIGNING_KEY,
+    allow_unsigned: bool = T("allow_unsigned"),
+    weights_dtype: str = T("weights_dtype"),
+    audit_tolerance: float = T("audit_tolerance"),
+    deny_after: int = T("deny_after"),
+    deny_rate: float = T("deny_rate"),
+    log_shards: bool = T("log_shards"),
+    dashboard_every: float = T("dashboard_every"),
+):
+    """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
+    rollout shards, publish a new version every --publish-every steps. Ctrl-C or SIGTERM,
+    also to a trainer started in the background (`vrl trainer ... &`), finishes the current
+    step, publishes the steps not yet published (without the final evaluation), writes their
+    metrics, fleet.json and dashboard/, and exits 0; before the first step it stops at once,
+    leaving no half-made version. A second signal while stopping exits at once.
+
+    Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
+    """
+    from volunteer_rl.trainer.stopping import Stopped, StopSignal
+
+    with usage_errors():
+        cfg = TrainerConfig(**ctx.params)
+    # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
+    # importing torch takes seconds, and a signal then must stop the process too.
+    stop = StopSignal(log).install()
+    trainer_ = None
+    try:
+        with stop.abortable():
+            from volunteer_rl.trainer.loop import Trainer
+
+            trainer_ = Trainer(cfg, log=log, stop=stop)
+        trainer_.start()
+        manifest = trainer_.run()
+    except Stopped as exc:
+        published = getattr(trainer_, "manifest", None)
+        log(f"trainer stopped by signal {exc.signum} before its first step; "
+             + (f"the bucket stands at v{published.version}" if published else "nothing published"))
+        return
+    log(f"trainer stopped at v{manifest.version}")

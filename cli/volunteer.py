@@ -1,0 +1,135 @@
+"""`vrl volunteer` (its flags made from VolunteerConfig) and `vrl volunteers`, the denylist."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Annotated, Optional
+
+import typer
+
+from volunteer_rl.config import VolunteerConfig
+from volunteer_rl_cli.errors import usage_errors
+from volunteer_rl_cli.options import (
+    ALLOW_UNSIGNED,
+    BUCKET,
+    DEVICE,
+    ENDPOINT_URL,
+    TRUST_KEY,
+    log,
+    option,
+)
+
+app = typer.Typer()
+V = partial(option, VolunteerConfig)  # V("nice"): the --nice option, from VolunteerConfig.nice
+
+
+@app.command()
+def volunteer(
+    ctx: typer.Context,
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    volunteer_id: Optional[str] = V("volunteer_id"),
+    prompts_per_batch: int = V("prompts_per_batch"),
+    shard_groups: int = V("shard_groups"),
+    shard_seconds: float = V("shard_seconds"),
+    max_groups_per_version: int = V("max_groups_per_version"),
+    poll_seconds: float = V("poll_seconds"),
+    max_seconds: float = V("max_seconds"),
+    heartbeat_seconds: float = V("heartbeat_seconds"),
+    seed: Optional[int] = V("seed"),
+    threads: int = V("threads"),
+    curriculum: bool = V("curriculum"),
+    nice: int = V("nice"),
+    device: str = DEVICE,
+    work_dir: str = V("work_dir"),
+    trust_key: Optional[str] = TRUST_KEY,
+    allow_unsigned: bool = ALLOW_UNSIGNED,
+):
+    """Donate compute: follow the bucket's manifest, sample rollouts with the newest weights,
+    upload shards. Ctrl-C or SIGTERM uploads the partial shard and exits 0.
+
+    Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
+    """
+    with usage_errors():
+        cfg = VolunteerConfig(**ctx.params)
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    v = Volunteer(cfg, log=log)
+    v.install_signal_handlers()
+    groups = v.run()
+    log(f"volunteer {v.id} stopped after uploading {groups} groups")
+
+
+denylist = typer.Typer(help="See and edit the denylist of volunteers (denylist.json).",
+                       no_args_is_help=True)
+app.add_typer(denylist, name="volunteers")
+VolunteerId = Annotated[str, typer.Argument(metavar="ID")]
+
+
+@denylist.command("list")
+def volunteers_list(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
+    """Print the denied volunteers, why and since when.
+
+    Example: vrl volunteers list --bucket s3://my-bucket/run1
+    """
+    from volunteer_rl.protocol.fleet import read_denylist
+    from volunteer_rl.storage import open_storage
+
+    entries, _ = read_denylist(open_storage(bucket, endpoint_url))
+    if not entries:
+        print("no volunteer is denied")
+    for vid, e in sorted(entries.items()):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.get("since", 0)))
+        print(f"{vid}\tdenied {since} UTC by {e.get('by', '?')}: {e.get('reason', '')}")
+
+
+def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, deny: bool,
+                   reason: str = "") -> bool:
+    """Add or remove one id with a compare-and-swap; True if the list changed."""
+    from volunteer_rl.protocol.fleet import update_denylist
+    from volunteer_rl.protocol.layout import is_safe_name
+    from volunteer_rl.storage import open_storage
+
+    if not is_safe_name(volunteer_id):
+        raise typer.BadParameter(f"{volunteer_id!r} is not a volunteer id", param_hint="ID")
+    changed = []
+
+    def change(entries: dict) -> bool:
+        if deny and volunteer_id not in entries:
+            entries[volunteer_id] = {"since": time.time(), "by": "operator", "reason": reason}
+        elif not deny and volunteer_id in entries:
+            del entries[volunteer_id]
+        else:
+            return False
+        changed.append(True)
+        return True
+
+    update_denylist(open_storage(bucket, endpoint_url), change)
+    return bool(changed)
+
+
+@denylist.command("allow")
+def volunteers_allow(volunteer_id: VolunteerId, bucket: str = BUCKET,
+                     endpoint_url: Optional[str] = ENDPOINT_URL):
+    """Lift a denial: the trainer reads this volunteer's shards again, counts reset.
+
+    Example: vrl volunteers allow laptop-3f2a --bucket s3://my-bucket/run1
+    """
+    changed = _edit_denylist(bucket, endpoint_url, volunteer_id, deny=False)
+    print(f"{volunteer_id}: {'allowed again' if changed else 'was not denied'}")
+
+
+@denylist.command("deny")
+def volunteers_deny(
+    volunteer_id: VolunteerId,
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    reason: str = typer.Option("denied by an operator", help="Why, for the record."),
+):
+    """Stop the trainer from reading a volunteer's shards until `vrl volunteers allow`.
+
+    Example: vrl volunteers deny laptop-3f2a --bucket s3://my-bucket/run1 --reason "spam"
+    """
+    changed = _edit_denylist(bucket, endpoint_url, volunteer_id, deny=True, reason=reason)
+    print(f"{volunteer_id}: {'denied' if changed else 'was already denied'}")

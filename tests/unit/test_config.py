@@ -1,0 +1,112 @@
+"""The settings dataclasses: each rule refuses with a ConfigError naming its flag, and the
+CLI's flags carry the fields' defaults and docstrings, not copies of them."""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, fields
+
+import pytest
+import typer
+
+from volunteer_rl.config import TrainerConfig, VolunteerConfig, check, flag
+from volunteer_rl.demo import DemoSettings
+from volunteer_rl.errors import ConfigError
+from volunteer_rl_cli.main import app
+from volunteer_rl_cli.options import field_doc, first_sentence
+
+T, V = TrainerConfig, VolunteerConfig
+REQUIRED = {"bucket": "b"}
+
+# (settings class, field, a value the rule refuses, the one-line message, an edge it accepts)
+RULES = [
+    (T, "algo", "ppo", "--algo: use reinforce or grpo, not 'ppo'", "reinforce"),
+    (T, "weights_dtype", "fp16", "--weights-dtype: use fp32 or bf16, not 'fp16'", "bf16"),
+    (T, "lr", 0.0, "--lr: must be more than 0, not 0.0", 1e-9),
+    (T, "k", 0, "--k: must be at least 1, not 0", 1),
+    (T, "temperature", -1.0, "--temperature: must be more than 0, not -1.0", 0.01),
+    (T, "max_new_tokens", 0, "--max-new-tokens: must be at least 1, not 0", 1),
+    (T, "max_staleness", -1, "--max-staleness: must be at least 0, not -1", 0),
+    (T, "groups_per_step", 0, "--groups-per-step: must be at least 1, not 0", 1),
+    (T, "publish_every", 0, "--publish-every: must be at least 1, not 0", 1),
+    (T, "keep_versions", 0, "--keep-versions: must be at least 1, not 0", 1),
+    (T, "gc_every", -1, "--gc-every: must be at least 0, not -1", 0),
+    (T, "eval_samples", 0, "--eval-samples: must be at least 1, not 0", 1),
+    (T, "micro_batch", 0, "--micro-batch: must be at least 1, not 0", 1),
+    (T, "dashboard_every", -1.0, "--dashboard-every: must be at least 0, not -1.0", 0.0),
+    (V, "prompts_per_batch", 0, "--prompts-per-batch: must be at least 1, not 0", 1),
+    (V, "shard_groups", 0, "--shard-groups: must be at least 1, not 0", 1),
+    (V, "heartbeat_seconds", -0.5, "--heartbeat-seconds: must be at least 0, not -0.5", 0.0),
+    (V, "nice", -1, "--nice: must be at least 0, not -1", 0),
+    (V, "nice", 20, "--nice: must be at most 19, not 20", 19),
+]
+
+
+@pytest.mark.parametrize("cls,name,bad,message,edge", RULES,
+                         ids=[f"{c.__name__}.{n}={b!r}" for c, n, b, _, _ in RULES])
+def test_each_rule_refuses_in_one_line_naming_its_flag(cls, name, bad, message, edge):
+    with pytest.raises(ConfigError) as e:
+        cls(**REQUIRED, **{name: bad})
+    assert str(e.value) == message
+    assert cls(**REQUIRED, **{name: edge})  # the edge of the range is allowed
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        check(cls, name, bad)  # the same rule, for code that takes one setting on its own
+
+
+def test_every_rule_is_tested():
+    ruled = {(c, f.name) for c in (T, V) for f in fields(c) if f.metadata}
+    assert ruled == {(c, n) for c, n, *_ in RULES}
+
+
+def test_nan_is_refused_wherever_a_number_has_a_bound():
+    with pytest.raises(ConfigError, match=r"^--lr: must be more than 0, not nan$"):
+        T(bucket="b", lr=math.nan)
+    with pytest.raises(ConfigError, match=r"^--heartbeat-seconds: must be at least 0, not nan$"):
+        V(bucket="b", heartbeat_seconds=math.nan)
+
+
+def test_defaults_pass_their_own_rules_and_flags_are_spelled_as_typed():
+    assert T(bucket="") and V(bucket="") and DemoSettings()
+    assert flag("volunteer_id") == "--id" and flag("max_new_tokens") == "--max-new-tokens"
+
+
+def test_demo_takes_the_trainers_defaults_and_rules():
+    d, t = DemoSettings(), T(bucket="b")
+    assert (d.warm_start_steps, d.algo, d.lr, d.groups_per_step) == \
+        (t.warm_start_steps, t.algo, t.lr, t.groups_per_step)
+    with pytest.raises(ConfigError, match=r"^--algo: use reinforce or grpo, not 'ppo'$"):
+        DemoSettings(algo="ppo")
+
+
+def test_every_setting_has_a_docstring_whose_first_sentence_is_the_help():
+    for cls in (T, V, DemoSettings):
+        for f in fields(cls):
+            help_ = first_sentence(field_doc(cls, f.name))
+            assert help_.endswith((".", "...")) and "\n" not in help_, (cls, f.name, help_)
+    assert first_sentence("One (0: off). Two.\n  Three.") == "One (0: off)."
+    assert first_sentence("Upload once it holds this many groups...") == \
+        "Upload once it holds this many groups..."
+
+
+# --- the flags of `vrl trainer` and `vrl volunteer` are the dataclasses' fields --------------
+
+NOT_FLAGS = {T: {"eval_prompts", "eval_samples", "micro_batch"},
+             V: {"cap_patience_seconds", "manifest_grace_seconds"}}
+SHARED = {"bucket", "endpoint_url", "device"}  # one option on every command, from TrainerConfig
+
+
+@pytest.mark.parametrize("command,cls", [("trainer", T), ("volunteer", V)])
+def test_defaults_and_help_shown_in_help_are_the_dataclass_defaults(command, cls):
+    click_command = typer.main.get_command(app).commands[command]
+    params = {p.name: p for p in click_command.params if p.name != "ctx"}
+    assert set(params) == {f.name for f in fields(cls)} - NOT_FLAGS[cls]
+    for f in fields(cls):
+        if f.name not in params:
+            continue
+        p = params[f.name]
+        assert p.opts[0] == flag(f.name)
+        assert p.required == (f.default is MISSING)
+        if f.default is not MISSING:
+            assert p.default == f.default and type(p.default) is type(f.default), f.name
+        assert p.help == first_sentence(field_doc(T if f.name in SHARED else cls, f.name))
+        bounds = (f.metadata.get("at_least"), f.metadata.get("at_most"))
+        assert (p.min, p.max) == bounds, f.name

@@ -1,0 +1,41 @@
+"""Starting and stopping `vrl` processes: the demo, the benchmarks and the tests all run the
+trainer and volunteers as real processes, and do it the same way.
+
+A child is the same `vrl` this process runs (same interpreter, same install), unbuffered so
+its log lines arrive as they happen, with the tokenizers' thread pool off (it warns, and
+competes for the cores, once a process that used it forks).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def vrl_command(*args: str) -> list[str]:
+    """`vrl <args>` as a subprocess command line."""
+    return [sys.executable, "-m", "volunteer_rl_cli", *args]
+
+
+def vrl_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus what every `vrl` child needs, plus `extra`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+            **(extra or {})}
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
+    """SIGTERM each (volunteers upload their partial shard, a trainer publishes what it has),
+    then wait up to `timeout` for each; SIGKILL stragglers. The exit codes, in order."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes

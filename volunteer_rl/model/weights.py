@@ -1,0 +1,153 @@
+"""The policy's weights on disk and on the wire: safetensors written straight from the tensors
+(`write_weights`, `weights_writer` for a published checkpoint), a model folder saved
+(`save_policy`), and new weights swapped into a live model in place (`load_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from volunteer_rl import config
+from volunteer_rl.errors import VrlError
+from volunteer_rl.model.checkpoint import VRL_CONFIG, WEIGHTS_FILE
+from volunteer_rl.model.policy import Policy, quiet_transformers
+
+WEIGHTS_DTYPES = dict(zip(config.WEIGHTS_DTYPES, (torch.float32, torch.bfloat16), strict=True))
+"""The torch dtype of each `--weights-dtype` name (config.WEIGHTS_DTYPES lists the names)."""
+
+
+class WeightsError(VrlError, ValueError):
+    """A weights file that is not safetensors or does not fit the model (names the file)."""
+"""What `--weights-dtype` accepts, and the dtype each name publishes."""
+
+
+def save_policy(policy: Policy, folder: Path, weights_dtype: torch.dtype = torch.float32,
+                weights: bool = True) -> Path:
+    """Write an HF model folder: config (with `dtype` set to the weights' dtype), generation
+    config, tokenizer, vrl.json and, unless `weights` is False (the trainer streams them
+    straight to the bucket instead, see trainer.publish), model.safetensors in
+    `weights_dtype` with tied tensors saved once."""
+    import copy
+
+    quiet_transformers()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = policy.model
+    config = copy.deepcopy(model.config)  # the live model's config stays as it is
+    config.dtype = str(weights_dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    policy.tokenizer.save_pretrained(folder)
+    (folder / VRL_CONFIG).write_text(json.dumps({"prompt_format": policy.prompt_format}))
+    if weights:
+        with open(folder / WEIGHTS_FILE, "wb") as f:
+            write_weights(model, f, weights_dtype)
+    return folder
+
+
+# safetensors, by hand: the format is 8 bytes of header length, a JSON header naming each
+# tensor's dtype, shape and byte range, then the raw bytes. Writing it ourselves lets the
+# bytes go from the tensors straight into the sink (a bucket object, being hashed on the
+# way) with no second copy in memory; `save_pretrained` took 12 s for Qwen3-0.6B here,
+# this takes the time of the write.
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+_PIECE = 16 << 20
+
+
+def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as a checkpoint stores it: a tensor shared under several names (a tied
+    lm_head) is kept under its first name only, as transformers saves it."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if ident not in seen:
+            seen.add(ident)
+            out[name] = t
+    return out
+
+
+def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float32) -> int:
+    """Write the model's weights to `out` as safetensors, floating tensors cast to `dtype`
+    (round-to-nearest-even for bf16, the same rounding `Tensor.to` gives everywhere), one
+    tensor at a time. Returns the bytes written."""
+    tensors = published_tensors(model)
+    cast = lambda t: t.detach().to(dtype) if t.is_floating_point() else t.detach()  # noqa: E731
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        dt = dtype if t.is_floating_point() else t.dtype
+        size = t.numel() * dt.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)  # the data starts 8-byte aligned, as safetensors does
+    out.write(len(head).to_bytes(8, "little") + head)
+    with torch.no_grad():
+        for t in tensors.values():
+            data = cast(t).contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            for start in range(0, len(data), _PIECE):
+                out.write(memoryview(data[start:start + _PIECE]))
+    return 8 + len(head) + offset
+
+
+def weights_writer(model: torch.nn.Module, dtype: torch.dtype):
+    """A `publish_checkpoint` stream that serializes the model's weights as they are now."""
+    return lambda out: write_weights(model, out, dtype)
+
+
+def load_weights(policy: Policy, source) -> None:
+    """Swap new weights into the live model in place (no rebuild, no re-allocation).
+
+    `source` is a safetensors file's path or its bytes already in memory (a verified buffer
+    from checkpoint.fetch_weights): each tensor is copied straight from those bytes into the
+    model's own tensor, cast to its dtype (bf16 weights into an fp32 model are upcast
+    exactly), with no intermediate state dict. A tied lm_head is saved once under the
+    embedding's name, so it may be missing here. Every tensor's shape and byte range is
+    checked before the first one is copied: weights that do not fit (WeightsError) leave the
+    model as it was."""
+    import math
+
+    import numpy as np
+
+    if isinstance(source, (str, Path)):
+        name = Path(source).name
+        source = memoryview(np.fromfile(source, dtype=np.uint8))
+    else:
+        name = WEIGHTS_FILE
+    buf = memoryview(source).cast("B")
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8:8 + n]))
+        header.pop("__metadata__", None)
+        header = {k: (_ST_TORCH[v["dtype"]], [int(d) for d in v["shape"]],
+                      [int(o) for o in v["data_offsets"]]) for k, v in header.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise WeightsError(f"{name}: not a safetensors file ({type(exc).__name__}: {exc})") from None
+    targets = policy.model.state_dict()
+    tied = {"lm_head.weight"} if policy.model.config.tie_word_embeddings else set()
+    missing = set(targets) - set(header) - tied
+    unexpected = sorted(set(header) - set(targets))
+    if missing or unexpected:
+        raise WeightsError(f"{name}: weights do not fit the model "
+                         f"(missing {sorted(missing)[:3]}, unexpected {unexpected[:3]})")
+    base = 8 + n
+    for key, (dtype, shape, (begin, end)) in header.items():
+        target = targets[key]
+        if list(target.shape) != shape or end - begin != math.prod(shape) * dtype.itemsize \
+                or begin < 0 or base + end > len(buf):
+            raise WeightsError(f"{name}: {key} has shape {shape} (bytes {begin}-{end}), "
+                             f"the model {list(target.shape)}")
+    with torch.no_grad():
+        for key, (dtype, shape, (begin, end)) in header.items():
+            count = math.prod(shape)
+            src = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count \
+                else torch.empty(0, dtype=dtype)
+            targets[key].copy_(src.view(shape))

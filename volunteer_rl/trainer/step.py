@@ -1,0 +1,140 @@
+"""One optimizer step on a batch of scored groups: advantages and the loss per micro-batch
+(losses.py, pure), gradients accumulated over the step's rows, and no update at all if the
+loss or a gradient is not finite (the step is refused and its groups blamed). Also the
+logprob audit, which recomputes behavior logprobs of sampled groups with the weights the
+trainer holds."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from volunteer_rl.config import TrainerConfig
+from volunteer_rl.faults import crash_point
+from volunteer_rl.model.policy import Policy
+from volunteer_rl.model.scoring import token_logprobs
+from volunteer_rl.trainer.ingest import ScoredGroup
+from volunteer_rl.trainer.losses import (
+    grpo_advantages,
+    grpo_loss,
+    reinforce_advantages,
+    reinforce_loss,
+)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+    """False when the loss or the gradient norm was not finite: the optimizer was not stepped."""
+
+
+def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), device=device)
+    for i, lp in enumerate(rows):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out
+
+
+def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+              version: int, cfg: TrainerConfig) -> tuple[float, int, Counter]:
+    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
+    adv = adv_fn(rewards).to(policy.device)  # [G, K]
+    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
+    per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
+    loss_sum, stats = 0.0, Counter()
+    for s in range(0, len(groups), per_micro):
+        chunk = groups[s:s + per_micro]
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in chunk],
+                                    [g.token_ids for g in chunk], cfg.temperature)
+        a = adv[s:s + per_micro].flatten()
+        # Token-level mean over the whole step: scale each micro-batch by its share of tokens.
+        share = mask.sum().item() / total_tokens
+        if cfg.algo == "grpo":
+            behav = _behavior_tensor([lp for g in chunk for lp in g.behavior_logprobs],
+                                     logp.shape[1], policy.device)
+            stale = torch.tensor([g.policy_version < version for g in chunk for _ in g.token_ids],
+                                 device=policy.device)
+            loss, st = grpo_loss(logp, behav, mask, a, stale)
+            stats.update({k: v.item() * share for k, v in st.items()})
+        else:
+            loss = reinforce_loss(logp, mask, a)
+        (loss * share).backward()
+        loss_sum += loss.item() * share
+    return loss_sum, total_tokens, stats
+
+
+def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
+               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
+    """One update on `groups` (all with reward variance), accumulating over micro-batches.
+
+    The update is not applied when the loss or the gradient norm is not finite: intake floors
+    logprobs and the loss clamps every ratio, so that should never happen, and if it does
+    (a bug, a shape nobody foresaw) one step's NaN must not reach the weights, the optimizer's
+    moments or the next publish. The caller finds the groups to blame (`non_finite_groups`).
+
+    One group's weight in an applied step is bounded by construction: every token's weight is
+    |A| x min(ratio, RATIO_CAP) (GRPO) or |A| (REINFORCE), |A| <= (K-1)/sqrt(K) for rewards in
+    [0, 1], the loss is a token mean over the step, and the whole gradient is clipped to norm 1.
+    """
+    policy.model.train()
+    opt.zero_grad(set_to_none=True)
+    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        opt.zero_grad(set_to_none=True)
+        policy.model.eval()
+        return StepResult(loss_sum, grad_norm, total_tokens, dict(stats), applied=False)
+    crash_point("optimizer_step")
+    opt.step()
+    policy.model.eval()
+    return StepResult(loss_sum, grad_norm, total_tokens, dict(stats))
+
+
+def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                      version: int, cfg: TrainerConfig) -> list[ScoredGroup]:
+    """The groups whose own loss or gradient is not finite (one backward pass each; only run
+    after a step was refused, so its cost does not matter). Leaves no gradient behind."""
+    bad = []
+    policy.model.train()
+    for g in groups:
+        policy.model.zero_grad(set_to_none=True)
+        loss, _, _ = _backward(policy, [g], prompt_ids, version, cfg)
+        grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
+        if not math.isfinite(loss) or not all(bool(torch.isfinite(x).all()) for x in grads):
+            bad.append(g)
+    policy.model.zero_grad(set_to_none=True)
+    policy.model.eval()
+    return bad
+
+
+def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                   temperature: float, tolerance: float) -> str | None:
+    """Score the submitted tokens under the weights in memory; a description if any token's
+    claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
+
+    Catches a volunteer that runs other weights or samples at another temperature: its
+    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5. `policy`
+    must hold the weights volunteers run: with bf16 publishing, the bf16-rounded copy
+    (Trainer.published_policy), not the fp32 master, which differs by more than the tolerance."""
+    with torch.no_grad():
+        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
+                                    [g.token_ids for g in groups], temperature)
+    claimed = _behavior_tensor([lp for g in groups for lp in g.behavior_logprobs],
+                               logp.shape[1], policy.device)
+    worst = ((logp - claimed).abs() * mask).max().item()
+    if worst > tolerance:
+        return f"behavior logprobs differ from the trainer's by up to {worst:.3f} (tolerance {tolerance:g})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
