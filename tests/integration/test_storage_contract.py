@@ -75,40 +75,23 @@ def backend(request, tmp_path) -> Backend:
     return Backend(make, lambda store: contract.iam_denies_everything(endpoint))
 
 
-def test_write_read_size_exists_delete(backend):
-    contract.check_write_read_size_exists_delete(backend.make)
+CHECKS = [
+    contract.check_write_read_size_exists_delete,
+    contract.check_missing_objects_are_not_found,
+    contract.check_create_is_write_once,
+    contract.check_compare_and_swap,
+    contract.check_read_if_changed,
+    contract.check_capped_reads,
+    contract.check_streamed_create_and_read_into,
+    contract.check_listing_is_recursive_relative_sorted_under_the_prefix,
+    contract.check_bounded_listing_and_one_level,
+]
+"""The checks every backend passes with nothing but a factory of fresh stores."""
 
 
-def test_missing_objects_are_not_found(backend):
-    contract.check_missing_objects_are_not_found(backend.make)
-
-
-def test_create_is_write_once(backend):
-    contract.check_create_is_write_once(backend.make)
-
-
-def test_compare_and_swap(backend):
-    contract.check_compare_and_swap(backend.make)
-
-
-def test_read_if_changed(backend):
-    contract.check_read_if_changed(backend.make)
-
-
-def test_capped_reads(backend):
-    contract.check_capped_reads(backend.make)
-
-
-def test_streamed_create_and_read_into(backend):
-    contract.check_streamed_create_and_read_into(backend.make)
-
-
-def test_listing_is_recursive_relative_sorted_under_the_prefix(backend):
-    contract.check_listing_is_recursive_relative_sorted_under_the_prefix(backend.make)
-
-
-def test_bounded_listing_and_one_level(backend):
-    contract.check_bounded_listing_and_one_level(backend.make)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_contract(backend, check):
+    check(backend.make)
 
 
 def test_refused_reads_are_forbidden(backend):
