@@ -52,7 +52,7 @@ def template(tmp_path_factory) -> Template:
     trainer = Trainer(cfg, log=lambda m: None)
     trainer.start()
     for _ in range(TEMPLATE_VERSION):
-        trainer._publish_next()
+        trainer.publish_next()
     assert trainer.version == TEMPLATE_VERSION
     torch.manual_seed(1)
     problems = trainer.problems[:400]

@@ -114,7 +114,7 @@ def test_trainer_dashboard_reads_history_once_and_is_never_fatal():
     clock = Clock()
     d = TrainerDashboard(s, 60, print, clock=clock)
 
-    def publish(version: int, final: bool = False) -> None:  # as Trainer._publish_next does
+    def publish(version: int, final: bool = False) -> None:  # as Trainer.publish_next does
         d.after_publish(metrics_lines(version), final)
         body = "".join(json.dumps(m) + "\n" for m in metrics_lines(version))
         s.create(layout.metrics_key(version), body.encode())

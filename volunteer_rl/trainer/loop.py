@@ -312,7 +312,7 @@ class Trainer:
             stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
             if unpublished == cfg.publish_every and not self._done(steps, started):
                 t0 = time.time()
-                self._publish_next()
+                self.publish_next()
                 last_publish = time.time() - t0
                 unpublished = 0
         self._finish(unpublished)
@@ -341,7 +341,7 @@ class Trainer:
         pending: step lines and evals go out with the publish that follows them, in its
         write-once metrics object, so the buffer is empty here."""
         if unpublished:
-            self._publish_next(final=True)
+            self.publish_next(final=True)
         else:
             self._write_views(final=True)
 
@@ -359,7 +359,10 @@ class Trainer:
         return bool(self.stop.is_set() or (cfg.max_steps and steps >= cfg.max_steps)
                     or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
 
-    def _publish_next(self, final: bool = False) -> None:
+    def publish_next(self, final: bool = False) -> None:
+        """Publish the weights in hand as the next version (trainer.publish.publish), then what
+        follows each publish: retention, ledger and state pruning, evaluation on its cadence,
+        fleet.json and dashboard/, and the metrics of the steps that led to it."""
         self.last_used += 1
         version = self.last_used
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
