@@ -115,7 +115,7 @@ def manifest_history_key(version: int) -> str:
 
 
 def checkpoint_prefix(version: int) -> str:
-    return f"{CHECKPOINTS}/{version_dir(version)}"
+    return versioned_prefix(CHECKPOINTS, version)
 
 
 def checkpoint_key(version: int, filename: str) -> str:
@@ -131,7 +131,7 @@ def dataset_key(name: str, sha256: str) -> str:
 
 
 def rollout_version_prefix(version: int) -> str:
-    return f"{ROLLOUTS}/{version_dir(version)}"
+    return versioned_prefix(ROLLOUTS, version)
 
 
 def rollout_volunteer_prefix(version: int, volunteer_id: str) -> str:

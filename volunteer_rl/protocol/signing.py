@@ -216,6 +216,17 @@ def signer(obj: dict, where: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Whom a reader trusts.
 
+
+def _read_state_file(path: Path, what: str) -> object:
+    """The JSON of one of the volunteer's local trust files (None if there is none yet);
+    KeyFileError naming the file if it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"{path}: unreadable {what} file ({exc}); fix or delete it") from None
+
 class Trust:
     """The signer a reader accepts for one bucket.
 
@@ -265,12 +276,9 @@ class PinFile:
         self.path = Path(path).expanduser()
 
     def load(self) -> dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        data = _read_state_file(self.path, "pin")
+        if data is None:
             return {}
-        except (OSError, ValueError) as exc:
-            raise KeyFileError(f"{self.path}: unreadable pin file ({exc}); fix or delete it") from None
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise KeyFileError(f"{self.path}: not a JSON object of bucket: key; fix or delete it")
         return data
@@ -373,12 +381,9 @@ class HighWater:
         self._write_error: str | None = None
 
     def _load(self) -> dict[str, Seen]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        data = _read_state_file(self.path, "mark")
+        if data is None:
             return {}
-        except (OSError, ValueError) as exc:
-            raise KeyFileError(f"{self.path}: unreadable mark file ({exc}); fix or delete it") from None
         if not isinstance(data, dict):
             raise KeyFileError(f"{self.path}: not a JSON object of bucket: mark; fix or delete it")
         return {bucket: Seen.from_json(entry, f"{self.path}: {bucket}") for bucket, entry in data.items()}
