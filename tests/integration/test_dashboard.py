@@ -115,7 +115,7 @@ def test_trainer_dashboard_reads_history_once_and_is_never_fatal():
     d = TrainerDashboard(s, 60, print, clock=clock)
 
     def publish(version: int, final: bool = False) -> None:  # as Trainer.publish_next does
-        d.after_publish(metrics_lines(version), final)
+        d.after_publish(parse_lines(metrics_lines(version)), final)
         body = "".join(json.dumps(m) + "\n" for m in metrics_lines(version))
         s.create(layout.metrics_key(version), body.encode())
 
@@ -141,8 +141,8 @@ def test_dashboard_every_0_writes_nothing():
     s = open_storage("memory://dash-off")
     bucket_with_run(s, 2)
     d = TrainerDashboard(s, 0, print)
-    d.after_publish(metrics_lines(3))
-    d.after_publish(metrics_lines(4), final=True)
+    d.after_publish(parse_lines(metrics_lines(3)))
+    d.after_publish(parse_lines(metrics_lines(4)), final=True)
     assert s.list("dashboard") == [] and d.take_seconds() == 0.0
 
 

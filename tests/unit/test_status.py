@@ -204,12 +204,12 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     clock = [NOW]
     fleet = Fleet(counts={"a": Counts(3, 1)}, denied={"c": {}})
     summary = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
-    summary.after_publish(manifest(5), 10, [step(1, {layout.shard_key(5, "a", "s1"): 4})], fleet)
+    summary.after_publish(manifest(5), 10, parse_lines([step(1, {layout.shard_key(5, "a", "s1"): 4})]), fleet)
     first = json.loads(s.read(layout.FLEET))
     clock[0] += 1
-    summary.after_publish(manifest(6), 11, [step(2, {layout.shard_key(6, "a", "s2"): 4}),
-                                            {"kind": "eval", "version": 6, "time": NOW,
-                                             "eval/accuracy_sampled": 0.4}], fleet)
+    summary.after_publish(manifest(6), 11, parse_lines([
+        step(2, {layout.shard_key(6, "a", "s2"): 4}),
+        {"kind": "eval", "version": 6, "time": NOW, "eval/accuracy_sampled": 0.4}]), fleet)
     assert json.loads(s.read(layout.FLEET)) == first  # not due yet
     clock[0] += 5
     summary.after_publish(manifest(7), 12, [], fleet)
@@ -221,7 +221,8 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     assert doc["volunteers"]["c"]["denied"] and doc["evals"][0]["accuracy_sampled"] == 0.4
     restarted = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
     clock[0] += 5
-    restarted.after_publish(manifest(8), 13, [step(3, {layout.shard_key(8, "a", "s3"): 1})], fleet)
+    restarted.after_publish(manifest(8), 13, parse_lines([step(3, {layout.shard_key(8, "a", "s3"): 1})]),
+                            fleet)
     doc = json.loads(s.read(layout.FLEET))
     assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 2
     assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot

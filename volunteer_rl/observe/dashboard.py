@@ -26,7 +26,7 @@ from typing import Callable
 
 from volunteer_rl.observe.status import READ_WORKERS, read_status
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, parse_lines, read_metrics
+from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, read_metrics
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.storage.base import Storage
 
@@ -295,13 +295,12 @@ class TrainerDashboard:
     def due(self, now: float) -> bool:
         return now - self.last_start >= max(self.every, COST_RATIO * self.last_duration)
 
-    def after_publish(self, metrics: list[dict], final: bool = False) -> None:
-        """Take in one publish's metric lines; write dashboard/ if due, or if `final`."""
+    def after_publish(self, records: list[Record], final: bool = False) -> None:
+        """Take in one publish's metric records; write dashboard/ if due, or if `final`."""
         if self.every <= 0:
             return
         start = self.clock()
         try:
-            records = parse_lines(metrics)
             if self.history is not None:
                 self.history.add(records)
             if final or self.due(start):

@@ -22,7 +22,7 @@ from typing import Callable
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest
-from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, parse_lines
+from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 from volunteer_rl.trainer.fleet import Fleet
 
@@ -115,13 +115,12 @@ class FleetSummary:
         except (StorageError, ValueError, TypeError, AttributeError) as exc:
             self.log(f"warning: {layout.FLEET}: not carried over ({exc})")
 
-    def after_publish(self, manifest: Manifest, step: int, metrics: list[dict], fleet: Fleet,
+    def after_publish(self, manifest: Manifest, step: int, records: list[Record], fleet: Fleet,
                       final: bool = False) -> None:
-        """Take in the metric lines of the steps that led to `manifest`; write fleet.json if
+        """Take in the metric records of the steps that led to `manifest`; write fleet.json if
         due."""
         if not self.loaded:
             self._load_previous(manifest.run_id)
-        records = parse_lines(metrics)
         absorb_steps(self.volunteers, records)
         steps = [r for r in records if isinstance(r, StepRecord)]
         if steps:

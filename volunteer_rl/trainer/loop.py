@@ -383,8 +383,9 @@ class Trainer:
     def _write_views(self, final: bool) -> None:
         """fleet.json and dashboard/, for people: each written when its cadence says so, and
         at the end. Neither can fail the trainer."""
-        self.fleet_summary.after_publish(self.manifest, self.steps, self.metrics_buffer, self.fleet, final)
-        self.dashboard.after_publish(self.metrics_buffer, final)
+        records = metrics.parse_lines(self.metrics_buffer)  # once, for both
+        self.fleet_summary.after_publish(self.manifest, self.steps, records, self.fleet, final)
+        self.dashboard.after_publish(records, final)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
                      stats: IngestStats, stale_dropped: int, timing: dict[str, float]) -> None:
