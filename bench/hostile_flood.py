@@ -103,9 +103,10 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import load_policy
     from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.task.reward import reward
+    from volunteer_rl.task.reward import completion_reward
 
-    tok = load_policy(model_dir, "cpu").tokenizer
+    policy = load_policy(model_dir, "cpu")
+    tok = policy.tokenizer
     problems = load_csv(PACKAGE_DATA / "train.csv")
     rng = random.Random(seed)
     out = []
@@ -116,8 +117,11 @@ def _groups(model_dir: Path, n: int, k: int, tokens: int, seed: int) -> list[dic
             ids = [rng.randrange(3, len(tok)) for _ in range(tokens)]
             text = tok.decode(ids, skip_special_tokens=True)
             comps.append({"token_ids": ids, "logprobs": [-rng.uniform(0.01, 6.0) for _ in ids],
-                          "text": text, "reward": reward(text, p.expression)})
-        out.append({"prompt_id": p.id, "policy_version": 0, "volunteer_id": "", "completions": comps})
+                          "text": text,
+                          "reward": completion_reward(ids, p.expression, policy.decode_all,
+                                                      policy.eos_id, policy.special_ids)})
+        out.append({"prompt_id": p.id, "policy_version": 0, "volunteer_id": "", "seq": len(out),
+                    "completions": comps})
     return out
 
 
@@ -130,7 +134,7 @@ def _late_shard(pool: list[dict], volunteer: str, version: int, forge_last: bool
     lines = []
     for i in range(n):
         g = pool[i * len(pool) // n]
-        lines.append(json.dumps({**g, "policy_version": version, "volunteer_id": volunteer}))
+        lines.append(json.dumps({**g, "policy_version": version, "volunteer_id": volunteer, "seq": i}))
     if forge_last:
         last = json.loads(lines[-1])
         last["completions"][0]["reward"] = 1.0 - last["completions"][0]["reward"]

@@ -92,7 +92,7 @@ def make_policy_and_pool(sizes: Sizes):
     from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.sampling import sample
     from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.task.reward import reward
+    from volunteer_rl.task.reward import completion_reward
     from volunteer_rl.trainer.ingest import Rules
     from volunteer_rl.trainer.loop import dataset_paths, initial_policy
 
@@ -104,13 +104,14 @@ def make_policy_and_pool(sizes: Sizes):
     torch.manual_seed(1)
     out = sample(policy, encode_prompts(policy, [p.prompt for p in picked]), cfg.k,
                  cfg.temperature, cfg.max_new_tokens)
-    pool = [(p.id, [Completion(s.token_ids, s.logprobs, s.text, reward(s.text, p.expression))
+    pool = [(p.id, [Completion(s.token_ids, s.logprobs, s.text,
+                               completion_reward(s.token_ids, p.expression, policy.decode_all,
+                                                 policy.eos_id, policy.special_ids))
                     for s in samples]) for p, samples in zip(picked, out)]
-    tok = policy.tokenizer
 
     def rules() -> Rules:
-        return Rules(problems, len(tok), cfg.k, cfg.max_new_tokens,
-                     lambda ids: tok.decode(ids, skip_special_tokens=True))
+        return Rules(problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
+                     policy.decode_all, policy.eos_id, policy.special_ids)
     return rules, pool
 
 
@@ -118,8 +119,8 @@ def shard_bytes(pool, version: int, volunteer: int, seq: int, per_shard: int) ->
     """(key, encoded shard) of volunteer number `volunteer`'s shard `seq` of `version`."""
     vid = f"vol-{volunteer:04d}"
     start = ((volunteer + seq * 7919) * per_shard) % len(pool)
-    groups = [Group(pid, version, vid, comps)
-              for pid, comps in (pool[(start + j) % len(pool)] for j in range(per_shard))]
+    groups = [Group(pid, version, vid, seq * per_shard + j, comps)
+              for j, (pid, comps) in enumerate(pool[(start + j) % len(pool)] for j in range(per_shard))]
     return layout.shard_key(version, vid, new_shard_name(seq)), encode_shard(groups)
 
 
@@ -197,7 +198,7 @@ def new_ingest(storage, rules):
     from volunteer_rl.trainer.fleet import Fleet
     from volunteer_rl.trainer.ingest import Ingest
 
-    return Ingest(storage, rules, Ledger(), Fleet(), audit=None, log=lambda m: None)
+    return Ingest(storage, rules, Ledger(), Fleet(), auditor=None, log=lambda m: None)
 
 
 def vrl_poll(ingest, win) -> tuple[int, int, int]:

@@ -19,12 +19,12 @@ the tiny model, 900 warm-start steps, seed 0, cached under runs/bench/).
   trainer's own evaluations off.
 - the prototype's recipe: one process, 2 threads, on-policy. Each step draws P training
   prompts uniformly, samples K = 8 completions of each (`sampling.sample`, T = 1, 32 new tokens),
-  scores them (`task.reward`), and takes one AdamW step (no weight decay, gradient
-  clipping at 1.0) on REINFORCE with advantage r − group mean over the generated tokens up to
-  and including EOS (`losses.reinforce_loss`, logprobs from `scoring.token_logprobs`). Groups
-  whose rewards are all equal stay in the batch, as in the prototype. Two settings (SETTINGS):
-  8 prompts per step at lr 3e-4 (the run the issue quotes) and 32 at lr 1e-4 (the best of three
-  tried here).
+  scores them (`task.reward.completion_reward`), and takes one AdamW step (no weight decay,
+  gradient clipping at 1.0) on REINFORCE with advantage r − group mean over the generated
+  tokens up to and including EOS (`losses.reinforce_loss`, logprobs from
+  `scoring.token_logprobs`). Groups whose rewards are all equal stay in the batch, as in the
+  prototype. Two settings (SETTINGS): 8 prompts per step at lr 3e-4 (the run the issue
+  quotes) and 32 at lr 1e-4 (the best of three tried here).
 
 **Clocks, snapshots, scoring** as in bench.trl_time_to_accuracy: each clock starts when the
 contender's processes are launched (imports and model loading count); weights are kept on a
@@ -125,7 +125,7 @@ def recipe_child(spec: dict) -> None:
     from volunteer_rl.model.sampling import sample
     from volunteer_rl.model.scoring import token_logprobs
     from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.task.reward import reward
+    from volunteer_rl.task.reward import completion_reward
     from volunteer_rl.trainer.losses import reinforce_advantages, reinforce_loss
 
     torch.set_num_threads(THREADS)
@@ -142,7 +142,9 @@ def recipe_child(spec: dict) -> None:
         prompts = encode_prompts(policy, [p.prompt for p in batch])
         policy.model.eval()
         groups = sample(policy, prompts, K, TEMPERATURE, MAX_NEW_TOKENS)
-        rewards = torch.tensor([[reward(s.text, p.expression) for s in g] for p, g in zip(batch, groups)])
+        rewards = torch.tensor([[completion_reward(s.token_ids, p.expression, policy.decode_all,
+                                                   policy.eos_id, policy.special_ids) for s in g]
+                                for p, g in zip(batch, groups)])
         policy.model.train()
         logp, mask = token_logprobs(policy, prompts, [[s.token_ids for s in g] for g in groups], TEMPERATURE)
         # Before the step: grid times up to now get the weights this step started from.

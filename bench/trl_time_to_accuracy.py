@@ -16,10 +16,12 @@ builds them (`initial_policy`, the same warm-start steps and seed), once, and sa
 `save_policy` to a folder (cached under runs/bench/ by steps, seed, data and source hashes).
 Both contenders start from that folder: `vrl trainer --model FOLDER` and GRPOTrainer on the
 model and tokenizer `load_policy(FOLDER)` returns. Same train prompts (data/train.csv in the
-plain "Q: ...\\nA: " template vrl.json names), same reward (`volunteer_rl.task.reward.reward`), K = 8,
-temperature 1.0 with no top-k / top-p, 32 new tokens at most, AdamW at lr 3e-4 with constant
-schedule, no weight decay, gradient clipping at 1.0, clip range 0.2 / 0.28, no KL term,
-token-level ("dapo") loss normalisation and group-std-scaled advantages on both sides.
+plain "Q: ...\\nA: " template vrl.json names), same reward rule (`volunteer_rl.task.reward`: vrl
+scores the sampled tokens with `completion_reward`, TRL the text its trainer decodes with
+`reward`; that text has EOS and other special tokens dropped), K = 8, temperature 1.0 with
+no top-k / top-p, 32 new tokens at most, AdamW at lr 3e-4 with constant schedule, no weight
+decay, gradient clipping at 1.0, clip range 0.2 / 0.28, no KL term, token-level ("dapo") loss
+normalisation and group-std-scaled advantages on both sides.
 
 **Per step.** vrl: 16 prompt groups per optimizer step (`--groups-per-step 16`, as `vrl demo`);
 the trainer steps only on groups whose rewards differ. TRL: 16 prompts x 8 completions per
@@ -330,6 +332,8 @@ def trl_child(spec: dict) -> None:
     data = Dataset.from_dict({"prompt": prompts, "expression": [p.expression for p in problems]})
 
     def calculator_reward(prompts, completions, expression, **_):
+        # GRPOTrainer decodes each completion up to its EOS with skip_special_tokens=True:
+        # the text `reward` needs, the expression alone.
         return [reward(c, e) for c, e in zip(completions, expression)]
 
     config = GRPOConfig(

@@ -1,8 +1,10 @@
 """Shared fixtures: a published run to start trainers from, and real rollouts of its policy."""
 from __future__ import annotations
 
+import os
 import shutil
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -11,21 +13,61 @@ from volunteer_rl.protocol import layout
 
 TEMPLATE_VERSION = 2
 
+# Hypothesis's own files go to the system's temp folder, not into the repository.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), "volunteer_rl-hypothesis"))
+
 
 @dataclass
 class Template:
     bucket: Path
     """A folder bucket at v2 (v0 warm-started; v1 and v2 republish the same weights)."""
-    groups: list
-    """shards.Group objects sampled from those weights, each with reward variance."""
+    policy: object
+    """The published weights (v0, v1 and v2 are the same), to sample honest groups with."""
+    run_id: str
     eval_csv: Path
     """A 10-row held-out CSV, so a trainer's final eval takes a moment."""
     key: Path
     """The signing key that signed its manifests: trainers resuming it need --signing-key."""
+    problems: list
+    made: dict = field(default_factory=dict)
 
     def copy(self, dest: Path) -> Path:
         shutil.copytree(self.bucket, dest)
         return dest
+
+    def groups(self, volunteer: str, version: int = TEMPLATE_VERSION) -> list:
+        """shards.Group objects `volunteer` would make with the template's weights labelled
+        `version`, each with reward variance: sampled with their committed draws (seq i for
+        the i-th of the first 400 train prompts, so no number repeats), so they pass a replay
+        audit as that volunteer's and no other's."""
+        if (volunteer, version) not in self.made:
+            self.made[volunteer, version] = honest_groups(self, volunteer, version)
+        return self.made[volunteer, version]
+
+
+def honest_groups(t: Template, volunteer: str, version: int) -> list:
+    from volunteer_rl.model.policy import encode_prompts
+    from volunteer_rl.model.sampling import sample
+    from volunteer_rl.protocol.draws import completion_uniforms
+    from volunteer_rl.protocol.shards import Completion, Group
+    from volunteer_rl.task.reward import completion_reward
+
+    k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
+    policy = t.policy
+    streams = [[completion_uniforms(t.run_id, version, volunteer, i, p.id, j, max_new)
+                for j in range(k)] for i, p in enumerate(t.problems)]
+    out = sample(policy, encode_prompts(policy, [p.prompt for p in t.problems]), k, temperature,
+                 max_new, uniforms=streams)
+    groups = []
+    for i, (p, samples) in enumerate(zip(t.problems, out)):
+        rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all, policy.eos_id,
+                                     policy.special_ids) for x in samples]
+        if max(rewards) != min(rewards):
+            groups.append(Group(p.id, version, volunteer, i, [
+                Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+    assert len(groups) >= 24, f"only {len(groups)} groups with reward variance"
+    return groups
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +75,7 @@ def template(tmp_path_factory) -> Template:
     """Built in-process with the library (set-up, not the thing under test): a trainer
     publishes v0 after a short warm start, then v1 and v2 with no step in between; the
     policy then samples real groups the way a volunteer does."""
-    import torch
-
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-    from volunteer_rl.model.policy import encode_prompts
-    from volunteer_rl.model.sampling import sample
-    from volunteer_rl.protocol.shards import Completion, Group
-    from volunteer_rl.task.reward import reward
     from volunteer_rl.trainer.loop import Trainer
 
     root = tmp_path_factory.mktemp("template")
@@ -54,17 +90,9 @@ def template(tmp_path_factory) -> Template:
     for _ in range(TEMPLATE_VERSION):
         trainer.publish_next()
     assert trainer.version == TEMPLATE_VERSION
-    torch.manual_seed(1)
-    problems = trainer.problems[:400]
-    out = sample(trainer.policy, encode_prompts(trainer.policy, [p.prompt for p in problems]),
-                 cfg.k, cfg.temperature, cfg.max_new_tokens)
-    groups = []
-    for p, samples in zip(problems, out):
-        rewards = [reward(x.text, p.expression) for x in samples]
-        if max(rewards) != min(rewards):
-            groups.append(Group(p.id, TEMPLATE_VERSION, "tbd", [
-                Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
-    assert len(groups) >= 32, f"only {len(groups)} groups with reward variance"
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
-    return Template(root / "bucket", groups, eval_csv, root / "signing-key.pem")
+    t = Template(root / "bucket", trainer.policy, trainer.run_id, eval_csv,
+                 root / "signing-key.pem", trainer.problems[:400])
+    assert len(t.groups("tbd")) >= 32
+    return t

@@ -142,10 +142,22 @@ class TrainerConfig(_Checked):
     audits behavior logprobs and evaluates against the bf16-rounded weights volunteers run
     (held in a second fp32 copy of the model), and saves its fp32 master in its state so a
     resume does not lose the low bits. Volunteers upcast bf16 weights to fp32 exactly."""
-    audit_tolerance: float = 0.05
+    audit_tolerance: float = setting(0.05, at_least=0)
     """Largest gap (nats) allowed between a volunteer's behavior logprob of a token and the
-    trainer's own, checked on one random group of each shard made with the weights the
-    trainer holds (0: no audit). A shard beyond it is rejected (`logprob_mismatch`)."""
+    trainer's own in an audited group (0: no audit at all). A shard beyond it is rejected
+    (`logprob_mismatch`)."""
+    replay_tolerance: float = setting(1e-4, at_least=0)
+    """How far (in probability mass) the committed draw of an audited token may fall outside
+    that token's interval of the trainer's recomputed distribution: room for float noise
+    between machines. A token beyond it was not sampled (`replay_mismatch`)."""
+    audit_share: float = setting(0.1, above=0, at_most=1)
+    """Share of the trainer's wall time the audit may take; a shard drawn for an audit when it
+    is spent waits for a later poll."""
+    audit_full_shards: int = setting(10, at_least=1)
+    """A volunteer has every shard audited until this many of its shards in a row were
+    accepted; after n of them, a share full_shards / n (never below --audit-floor)."""
+    audit_floor: float = setting(0.05, above=0, at_most=1)
+    """The lowest share of a trusted volunteer's shards that is audited."""
     deny_after: int = 5
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = 0.5
@@ -210,7 +222,8 @@ class VolunteerConfig(_Checked):
     work_dir: str = ".vrl/volunteer"
     """Local cache for the dataset and checkpoints."""
     seed: int | None = None
-    """Seed for prompt choice and sampling (default: random)."""
+    """Seed for prompt choice (default: random). Sampling noise is not the volunteer's to
+    choose: it is committed (protocol.draws)."""
     trust_key: str | None = None
     """The trainer's public key (`ed25519:...` or a file holding it); without it the key of the
     first manifest seen is trusted and pinned for this bucket, in <work_dir>/trusted-keys.json."""

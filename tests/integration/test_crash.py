@@ -55,8 +55,8 @@ def trained_lines(bucket: Path) -> Counter:
 
 def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path):
     bucket = template.copy(tmp_path / "bucket")
-    groups = template.groups
-    keys = [FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(groups[4 * i: 4 * i + 4], f"vol-{i}")))
+    keys = [FolderBucket(bucket).put(key(f"vol-{i}", "s"),
+                                     gz_lines(as_dicts(template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
             for i in range(SHARDS)]
     expected = {(k, line) for k in keys for line in range(4)}
     versions = [TEMPLATE_VERSION]

@@ -17,7 +17,7 @@ from volunteer_rl.protocol import layout
 def short_run(template, root: Path, *args: str) -> tuple[Path, str]:
     bucket = template.copy(root / "bucket")
     for i in range(2):
-        FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(template.groups[4 * i: 4 * i + 4], f"vol-{i}")))
+        FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
     trainer = Proc(["trainer", "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
                     "--eval-dataset", str(template.eval_csv), "--threads", "1",
                     "--poll-seconds", "0.05", "--work-dir", str(root / "tw"),

@@ -81,9 +81,20 @@ def trainer(bucket, root: Path, name: str, eval_csv: Path, key: Path) -> Proc:
                  "--signing-key", str(key)], root / f"{name}.log", root)
 
 
-def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, bytes]]:
+def spare(template) -> list[dict]:
+    return as_dicts(template.groups("x")[8:10], "x")
+
+
+def drifter(template) -> list[dict]:
+    return as_dicts(template.groups("drifter")[8:10], "drifter")
+
+
+def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict]) -> dict[str, tuple[str, bytes]]:
     """name -> (key, bytes), every one of which the trainer must turn away. `spare` groups
-    are real but never sent honestly, so only the hostile edit can be the reason."""
+    are real but never sent honestly, so only the hostile edit can be the reason. Relabelled,
+    they would fail a replay audit too; the checks before the audit see the edit first.
+    `drifter` holds groups honestly sampled as "drifter"'s, for the one edit (its logprobs)
+    that only the audit can see."""
     def edited(vol: str, fn) -> bytes:
         rows = copy.deepcopy(spare[:2])
         for r in rows:
@@ -102,10 +113,11 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
     def text_bomb(rows):
         rows[0]["completions"][0]["text"] = "x" * (1 << 20)
 
-    def shift_logprobs(rows):  # every group: the audit looks at one of them
+    def shift_logprobs(rows):
         for r in rows:
             for c in r["completions"]:
                 c["logprobs"] = [lp - 0.3 for lp in c["logprobs"]]
+        return rows
 
     def ramble(rows):
         rows[0]["completions"][0].update(token_ids=[5] * 40, logprobs=[-0.1] * 40)
@@ -142,7 +154,7 @@ def hostile_shards(g1: list[dict], spare: list[dict]) -> dict[str, tuple[str, by
         "path_traversal_id": (f"rollouts/{layout.version_dir(V)}/up..up/s.jsonl.gz",
                               edited("up..up", lambda rows: None)),
         "mismatched_volunteer_id": (key("mallory", "s"), edited("alice", lambda rows: None)),
-        "wrong_behavior_logprobs": (key("drifter", "s"), edited("drifter", shift_logprobs)),
+        "wrong_behavior_logprobs": (key("drifter", "s"), gz_lines(shift_logprobs(copy.deepcopy(drifter)))),
         "truncated_gzip": (key("cutoff", "s"), good[: len(good) // 2]),
         "not_json": (key("prose", "s"), gzip.compress(b"hello, trainer\n")),
         "wrong_group_size": (key("short", "s"), edited(
@@ -229,7 +241,10 @@ EXPECTED = {
     "not_a_shard_name": "bad_key", "bignum_logprob": "bad_number", "infinite_logprob": "bad_number",
     "deep_nesting": "too_deep",
     # repeats of groups already taken: once accepted, and so a free way to dilute rejects
-    "replayed_shard": "duplicate_only", "duplicated_group": "duplicate_only",
+    "replayed_shard": "duplicate_only",
+    # another volunteer's group under one's own name: its tokens are not what the copier's own
+    # committed draws select, and a new volunteer's shards are all audited
+    "duplicated_group": "replay_mismatch",
     "bignum_prompt_id": "bad_number", "bignum_version": "bad_number", "nan_reward": "bad_number",
     "huge_reward": "reward_mismatch", "positive_logprob": "bad_logprob",
     "bool_prompt_id": "bad_schema", "string_token": "bad_schema", "negative_token": "bad_token",
@@ -244,8 +259,7 @@ EXPECTED = {
 
 def run(backend: str, template, root: Path, name: str, hostile: bool, endpoint: str | None):
     bucket = make_bucket(backend, template, root, name, endpoint)
-    groups = template.groups
-    g1, g2 = as_dicts(groups[:4], "good-a"), as_dicts(groups[4:8], "good-b")
+    g1, g2 = as_dicts(template.groups("good-a")[:4], "good-a"), as_dicts(template.groups("good-b")[4:8], "good-b")
     proc = trainer(bucket, root, name, template.eval_csv, template.key)
     try:
         g1_key = bucket.put(key("good-a", "g1"), gz_lines(g1))
@@ -253,7 +267,7 @@ def run(backend: str, template, root: Path, name: str, hostile: bool, endpoint: 
         if hostile:
             for vid, body in HEARTBEATS.items():
                 bucket.put(layout.heartbeat_key(vid), body)
-            shards = hostile_shards(g1, as_dicts(groups[8:10], "x"))
+            shards = hostile_shards(g1, spare(template), drifter(template))
             for what in kinds(backend):
                 k, data = shards[what]
                 bucket.put(k, data)
@@ -274,7 +288,8 @@ def test_hostile_objects_are_rejected_and_change_nothing(backend, template, tmp_
     endpoint = request.getfixturevalue("s3_endpoint") if backend == "s3" else None
     clean, _, _ = run(backend, template, tmp_path, "clean", False, endpoint)
     dirty, log, bucket = run(backend, template, tmp_path, "hostile", True, endpoint)
-    shards = hostile_shards(as_dicts(template.groups[:4], "good-a"), as_dicts(template.groups[8:10], "x"))
+    shards = hostile_shards(as_dicts(template.groups("good-a")[:4], "good-a"), spare(template),
+                            drifter(template))
     assert set(shards) == set(EXPECTED) and len(kinds(backend)) >= 40
     for what in kinds(backend):
         k, reason = shards[what][0], EXPECTED[what]

@@ -43,7 +43,7 @@ def scripted_shard(storage, version: int, problems, tokenizer, seq: int) -> None
     for i in range(2):
         p = problems[(2 * version + i) % len(problems)]
         answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode("0").ids + [eos]]
-        groups.append(Group(p.id, version, "scripted",
+        groups.append(Group(p.id, version, "scripted", i,
                             [Completion(ids, [-1.0] * len(ids), "", float(j == 0))
                              for j, ids in enumerate(answers)]))
     storage.create(layout.shard_key(version, "scripted", new_shard_name(seq)), encode_shard(groups))

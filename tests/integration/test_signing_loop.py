@@ -40,10 +40,10 @@ def useful_shard(bucket: Path, groups: int) -> None:
     def completion(text: str, right: bool) -> Completion:
         ids = tok.encode(text, add_special_tokens=False).ids + [eos]
         return Completion(ids, [-1.0] * len(ids), text, float(right))
-    out = [Group(p.id, 0, "handmade",
+    out = [Group(p.id, 0, "handmade", seq,
                  [completion(p.expression if i % 2 == 0 else f"{p.expression} + 1", i % 2 == 0)
                   for i in range(K)])
-           for p in problems[:groups]]
+           for seq, p in enumerate(problems[:groups])]
     key = layout.shard_key(0, "handmade", "0000000000001-000000-00000000")
     open_storage(str(bucket)).create(key, encode_shard(out))
 

@@ -1,4 +1,7 @@
 """The trainer's intake on an in-memory bucket: pure logic, a stand-in decoder."""
+import itertools
+import random
+
 import pytest
 
 from helpers.recording_storage import RecordingStorage
@@ -9,16 +12,20 @@ from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
 from volunteer_rl.task.dataset import Problem
-from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable
+from volunteer_rl.trainer.fleet import Counts, Fleet
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
 
-# token id t decodes to str(t): "12" is a completion whose text is 12
+# token id t < 100 decodes to str(t): "12" is a completion whose text is 12; 100 is EOS
 PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
+EOS = 100
+SEQ = itertools.count()  # every group made here gets a number of its own
 
 
 def rules():
-    return Rules(PROBLEMS, vocab_size=100, k=2, max_new_tokens=8,
-                 decode=lambda ids: "".join(str(t) for t in ids))
+    return Rules(PROBLEMS, vocab_size=101, k=2, max_new_tokens=8,
+                 decode=lambda ids: "".join(str(t) for t in ids), eos_id=EOS,
+                 special_ids=frozenset({EOS}))
 
 
 def put(storage, version, vol, groups, name="s1"):
@@ -28,16 +35,22 @@ def put(storage, version, vol, groups, name="s1"):
 
 
 def g(prompt_id, version, vol, tokens, claimed=None):
-    """A group whose claimed rewards are the true ones unless `claimed` says otherwise."""
+    """A group of completions `tokens`, each followed by EOS, whose claimed rewards are the
+    true ones unless `claimed` says otherwise."""
+    tokens = [t + [EOS] for t in tokens]
     if claimed is None:
         claimed = [rules().reward(prompt_id, t) if prompt_id < len(PROBLEMS) else 0.0
                    for t in tokens]
-    return Group(prompt_id, version, vol, [Completion(t, [-0.5] * len(t), "", r)
+    return Group(prompt_id, version, vol, next(SEQ), [Completion(t, [-0.5] * len(t), "", r)
                                            for t, r in zip(tokens, claimed)])
 
 
 def fresh_storage(name):
     return open_storage(f"memory://ingest-{name}")
+
+
+def auditor(replay, floor=0.05, seed=0):
+    return Auditor(replay, Budget(1.0), 10, floor, random.Random(seed))
 
 
 def make(s, log=lambda m: None, audit=None, fleet=None):
@@ -87,7 +100,10 @@ def test_only_the_window_is_listed_and_shards_are_taken_once():
     ([g(0, 3, "other", [[1], [2]])], "v1", "volunteer_mismatch"),
     ([g(0, 3, "v1", [[1], [200]])], "v1", "bad_token"),
     ([g(0, 3, "v1", [[1] * 9, [2]])], "v1", "too_many_tokens"),
-    ([Group(0, 3, "v1", [Completion([1], [-0.1], "", 0.0)])], "v1", "bad_group_size"),
+    ([Group(0, 3, "v1", 0, [Completion([1, EOS], [-0.1, -0.1], "", 0.0)])], "v1", "bad_group_size"),
+    ([g(0, 3, "v1", [[1, EOS, 2], [2]])], "v1", "after_eos"),
+    ([Group(0, 3, "v1", 0, [Completion([1, 2], [-0.1, -0.1], "", 0.0)] * 2)], "v1",
+     "short_completion"),
     # with the good group first, one more line than the manifest's max_shard_groups
     ([g(i % 2, 3, "v1", [[8], [i % 90]]) for i in range(SHARD_GROUPS_LIMIT)], "v1", "too_many_groups"),
 ])
@@ -175,11 +191,69 @@ def test_audit_mismatch_rejects_the_shard():
     s = fresh_storage("audit")
     put(s, 3, "a", [g(1, 3, "a", [[8], [1]])])
     stats = IngestStats()
-    ing = make(s, audit=lambda groups: "logprobs differ by 0.7")
-    ing.audit_version = 3
-    assert ing.poll(win(3), stats) == [] and stats.rejected == {"logprob_mismatch": 1}
-    put(s, 2, "a", [g(1, 2, "a", [[8], [1]])])       # other weights than those in memory:
-    assert len(ing.poll(win(3), IngestStats())) == 1  # not audited
+    ing = make(s, audit=auditor(lambda v, groups: ("replay_mismatch", "token 0 was not drawn")))
+    assert ing.poll(win(3), stats) == [] and stats.rejected == {"replay_mismatch": 1}
+    assert stats.audit.by_volunteer == {"a": 1} and ing.fleet.counts["a"].audited == 1
+
+
+def test_a_stale_shard_is_audited_against_its_own_version_or_waits_for_its_weights():
+    s = fresh_storage("audit-stale")
+    key = put(s, 2, "a", [g(1, 2, "a", [[8], [1]])])
+    held, asked = set(), []
+
+    def replay(version, groups):
+        asked.append(version)
+        if version not in held:
+            raise Unavailable(version)
+        return None
+
+    ing, stats = make(s, audit=auditor(replay)), IngestStats()
+    assert ing.poll(win(3), stats) == [] and stats.audit.deferred == 1 and not stats.rejected
+    held.add(2)
+    assert [x.key for x in ing.poll(win(3), stats)] == [key]
+    assert asked == [2, 2] and stats.audit.audited == 1
+
+
+def test_a_shard_waiting_for_the_audit_budget_is_not_fetched_until_it_can_be_audited():
+    s = RecordingStorage(fresh_storage("budget"))
+    key = put(s, 3, "new", [g(1, 3, "new", [[8], [1]])])
+    clock = [0.0]
+    budget = Budget(0.1, lambda: clock[0])
+    budget.spend(5.0)  # an earlier audit ran long
+    ing, stats = make(s, audit=Auditor(lambda v, groups: None, budget, 10, 0.05)), IngestStats()
+    for _ in range(3):
+        assert ing.poll(win(3), stats) == []
+    assert stats.audit.deferred == 3 and s.calls["read"] == 0 and not stats.rejected
+    clock[0] += 60.0
+    assert [x.key for x in ing.poll(win(3), stats)] == [key]
+    assert s.calls["read"] == 1 and stats.audit.audited == 1
+
+
+def test_a_group_number_used_twice_rejects_the_later_shard():
+    s = fresh_storage("seq")
+    first = g(1, 3, "a", [[8], [1]])
+    again = g(0, 3, "a", [[12], [2]])
+    again.seq = first.seq
+    put(s, 3, "a", [first], name="s1")
+    put(s, 3, "a", [again], name="s2")
+    stats = IngestStats()
+    assert [x.seq for x in make(s).poll(win(3), stats)] == [first.seq]
+    assert stats.rejected == {"seq_reused": 1}
+
+
+def test_missing_group_numbers_are_counted_when_their_version_leaves_the_window():
+    s = fresh_storage("withheld")
+    groups = [g(1, 3, "a", [[8], [i + 1]]) for i in range(5)]
+    for i, x in enumerate(groups):
+        x.seq = [0, 1, 2, 6, 9][i]  # 3, 4, 5, 7 and 8 never uploaded
+    put(s, 3, "a", groups)
+    fleet = Fleet()
+    ing = make(s, fleet=fleet)
+    ing.poll(win(3), IngestStats())
+    ing.poll(win(5), IngestStats())  # v3 is still in the window
+    assert (fleet.counts["a"].numbered, fleet.counts["a"].missing) == (0, 0)
+    ing.poll(win(6), IngestStats())
+    assert (fleet.counts["a"].numbered, fleet.counts["a"].missing) == (10, 5)
 
 
 def test_a_volunteer_that_keeps_failing_is_denied_until_allowed():
@@ -244,14 +318,13 @@ def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
     bad = put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
     good = put(s, 3, "b", [g(0, 3, "b", [[12], [1]])], name="s2")
 
-    def audit(groups):
+    def replay(version, groups):
         if groups[0].volunteer_id == "a":
             raise OverflowError("int too large to convert to float")
         return None
 
     logs = []
-    ing = make(s, log=logs.append, audit=audit)
-    ing.audit_version = 3
+    ing = make(s, log=logs.append, audit=auditor(replay))
     stats = IngestStats()
     out = ing.poll(win(3), stats)
     assert [x.key for x in out] == [good]
@@ -312,9 +385,9 @@ def test_objects_past_the_per_volunteer_cap_are_skipped_unread(monkeypatch):
     assert ing.poll(win(3), stats) == [] and stats.over_cap == 0  # counted once per version
 
 
-def test_the_audited_group_is_not_predictable_from_the_seed():
-    """Two trainers with the same seed must not audit the same groups: a liar that could
-    predict the choice would lie only in the others."""
+def test_which_shards_are_audited_is_not_predictable_from_the_seed():
+    """Two trainers with the same seed must not audit the same shards of a trusted volunteer:
+    a liar that could predict the choice would lie only in the others."""
     s = fresh_storage("unpredictable")
     for i in range(40):
         put(s, 3, "a", [g(0, 3, "a", [[12], [j // 10, j % 10]]) for j in range(4 * i, 4 * i + 4)],
@@ -322,11 +395,11 @@ def test_the_audited_group_is_not_predictable_from_the_seed():
     picks = []
     for _ in range(2):
         chosen = []
-        ing = make(s, audit=lambda groups: chosen.append(groups[0].line))
-        ing.audit_version = 3
-        ing.poll(win(3), IngestStats())
+        fleet = Fleet(counts={"a": Counts(accepted=1000, clean=1000)})  # trusted: rate 0.5
+        audit = Auditor(lambda v, groups: chosen.append(groups[0].key), Budget(1.0), 10, 0.5)
+        make(s, audit=audit, fleet=fleet).poll(win(3), IngestStats())
         picks.append(chosen)
-    assert len(picks[0]) == 40 and picks[0] != picks[1]  # same by chance: 4**-40
+    assert all(0 < len(p) < 40 for p in picks) and picks[0] != picks[1]  # same by chance: 2**-40
 
 
 def flood(tmp_path, version, vol, n):

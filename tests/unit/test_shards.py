@@ -18,7 +18,7 @@ from volunteer_rl.protocol.shards import (
 
 
 def group(**over):
-    g = {"prompt_id": 3, "policy_version": 1, "volunteer_id": "v1",
+    g = {"prompt_id": 3, "policy_version": 1, "volunteer_id": "v1", "seq": 0,
          "completions": [{"token_ids": [5, 6, 1], "logprobs": [-0.1, -0.2, -0.3],
                           "text": "1 + 2", "reward": 1.0}]}
     g.update(over)
@@ -30,7 +30,7 @@ def raw(*groups) -> bytes:
 
 
 def test_round_trip():
-    g = Group(3, 1, "v1", [Completion([5, 6, 1], [-0.1, -0.2, -0.3], "1 + 2", 1.0)])
+    g = Group(3, 1, "v1", 7, [Completion([5, 6, 1], [-0.1, -0.2, -0.3], "1 + 2", 1.0)])
     assert decode_shard(encode_shard([g, g])) == [g, g]
 
 
@@ -46,6 +46,11 @@ def test_shard_names_never_collide():
     (gzip.compress(b""), "empty"),
     (raw(group(extra=1)), "bad_schema"),
     (raw(group(prompt_id="3")), "bad_schema"),
+    (raw(group(seq="3")), "bad_schema"),
+    (raw(group(seq=True)), "bad_schema"),
+    (raw(group(seq=-1)), "bad_seq"),
+    (raw(group(seq=1 << 20)), "bad_seq"),
+    (raw({k: v for k, v in group().items() if k != "seq"}), "bad_schema"),  # a schema-1 line
     (raw(group(completions=[])), "bad_lengths"),
     (raw(group(completions=[{"token_ids": [1], "logprobs": [-0.1, -0.2], "text": "", "reward": 0}])), "bad_lengths"),
     (raw(group(completions=[{"token_ids": [1], "logprobs": [0.5], "text": "", "reward": 0}])), "bad_logprob"),

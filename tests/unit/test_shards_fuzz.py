@@ -29,9 +29,7 @@ import copy
 import gzip
 import io
 import json
-import os
 import re
-import tempfile
 import zlib
 from collections import Counter
 from dataclasses import asdict
@@ -46,6 +44,7 @@ from volunteer_rl.protocol import shards
 from volunteer_rl.protocol.shards import (
     LOGPROB_FLOOR,
     MAX_COMPLETIONS_PER_GROUP,
+    MAX_GROUP_SEQ,
     MAX_GROUPS_PER_SHARD,
     MAX_TOKENS_PER_COMPLETION,
     Budget,
@@ -58,8 +57,6 @@ from volunteer_rl.protocol.shards import (
 
 # Hypothesis's own files (its unicode tables, its constants cache) go to the system's temp
 # folder, not into the repository; it reads this the first time it needs them.
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
-                      os.path.join(tempfile.gettempdir(), "volunteer_rl-hypothesis"))
 
 K, MAX_NEW = 2, 8
 BUDGET = Budget(K, MAX_NEW)
@@ -67,7 +64,7 @@ BUDGET = Budget(K, MAX_NEW)
 CAP = BUDGET.decompressed_bytes
 
 REASONS = {"too_large", "bad_gzip", "bad_json", "bad_schema", "empty", "bad_lengths",
-           "too_many_groups", "line_too_long", "bad_number", "too_deep", "bad_logprob"}
+           "too_many_groups", "line_too_long", "bad_number", "too_deep", "bad_logprob", "bad_seq"}
 """What the reader may answer."""
 
 EXAMPLES = {"gzip": 3_400, "text": 3_300, "structure": 3_300}
@@ -148,6 +145,7 @@ def assert_valid(groups: list[Group]) -> None:
     for g in groups:
         assert type(g.prompt_id) is int and type(g.policy_version) is int
         assert isinstance(g.volunteer_id, str)
+        assert type(g.seq) is int and 0 <= g.seq < MAX_GROUP_SEQ
         assert 0 < len(g.completions) <= MAX_COMPLETIONS_PER_GROUP
         for c in g.completions:
             assert 0 < len(c.token_ids) <= MAX_TOKENS_PER_COMPLETION
@@ -183,7 +181,7 @@ def valid_groups(draw) -> list[Group]:
             completions.append(Completion(ids, [-t / 7 for t in ids], draw(st.text(max_size=MAX_NEW)),
                                           float(ids[0] % 2)))
         groups.append(Group(draw(st.integers(0, 10_000)), draw(st.integers(0, 100)), "laptop-ab12",
-                            completions))
+                            draw(st.integers(0, 1000)), completions))
     return groups
 
 
@@ -281,7 +279,7 @@ class Bomb(bytes):
         return f"Bomb({self.name!r})"
 
 
-LINE = json.dumps(asdict(Group(0, 5, "v1", [Completion([1], [-0.5], "1", 0.0)] * K))).encode() + b"\n"
+LINE = json.dumps(asdict(Group(0, 5, "v1", 0, [Completion([1], [-0.5], "1", 0.0)] * K))).encode() + b"\n"
 
 
 @fuzz("gzip")
@@ -307,7 +305,7 @@ def test_gzip_layer(data):
 # -----------------------------------------------------------------------------
 # Layer 2: the decompressed JSONL text
 
-FIELDS = ["prompt_id", "policy_version", "volunteer_id", "completions",
+FIELDS = ["prompt_id", "policy_version", "volunteer_id", "seq", "completions",
           "token_ids", "logprobs", "text", "reward"]
 NUMBERS = [b"NaN", b"-NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"1e-999", b"1E400",
            b"1.7976931348623157e308", b"4.9e-324", b"-0", b"-0.0", b"9" * 18, b"-" + b"9" * 18,

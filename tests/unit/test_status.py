@@ -215,7 +215,8 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     summary.after_publish(manifest(7), 12, [], fleet)
     doc = json.loads(s.read(layout.FLEET))
     assert doc["trainer"] == {"version": 7, "step": 12, "max_staleness": 2}
-    assert doc["volunteers"]["a"] == {"accepted_shards": 3, "rejected_shards": 1, "groups_trained": 8,
+    assert doc["volunteers"]["a"] == {"accepted_shards": 3, "rejected_shards": 1, "audited_shards": 0,
+                                      "groups_numbered": 0, "groups_missing": 0, "groups_trained": 8,
                                       "last_version": 6, "version_lag": 1,
                                       "last_trained_at": NOW + 2, "denied": False}
     assert doc["volunteers"]["c"]["denied"] and doc["evals"][0]["accuracy_sampled"] == 0.4
@@ -224,7 +225,7 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     restarted.after_publish(manifest(8), 13, parse_lines([step(3, {layout.shard_key(8, "a", "s3"): 1})]),
                             fleet)
     doc = json.loads(s.read(layout.FLEET))
-    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 2
+    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 3
     assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot
 
 

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from volunteer_rl.task.calculator import MAX_EXPRESSION_CHARS, canonicalize, safe_eval
 from volunteer_rl.task.dataset import DatasetError, Problem, file_sha256, load_csv, write_csv
@@ -16,9 +18,10 @@ from volunteer_rl.task.generate import (
     make_splits,
     template_names,
 )
-from volunteer_rl.task.reward import extract_expression, reward
+from volunteer_rl.task.reward import completion_reward, reward
 
 DATA = Path(__file__).resolve().parents[2] / "data"
+
 
 # -----------------------------------------------------------------------------
 # safe_eval
@@ -108,38 +111,55 @@ def test_canonicalize():
 
 
 # -----------------------------------------------------------------------------
-# extract_expression and reward
+# reward: the whole completion is one expression (surrounding whitespace allowed)
 
 
 @pytest.mark.parametrize("completion, expected", [
-    ("(1 + 2) * 3", "(1 + 2) * 3"),
-    ("  (1 + 2) * 3  \n", "(1 + 2) * 3"),
-    ("```python\n(1 + 2) * 3\n```", "(1 + 2) * 3"),
-    ("```\n(1 + 2) * 3\n```\nDone.", "(1 + 2) * 3"),
-    ("```(1 + 2) * 3```", "(1 + 2) * 3"),
-    ("`(1 + 2) * 3`", "(1 + 2) * 3"),
-    ("A: (1 + 2) * 3", "(1 + 2) * 3"),
-    ("Answer: `(1 + 2) * 3`", "(1 + 2) * 3"),
-    ("= (1 + 2) * 3", "(1 + 2) * 3"),
-    ("(1 + 2) * 3.", "(1 + 2) * 3"),
-    ("\n\n(1 + 2) * 3\nThe answer is 9.", "(1 + 2) * 3"),
-    ("", ""),
-    (None, ""),
+    ("(1 + 2) * 3", 1.0),
+    ("  (1 + 2) * 3  \n", 1.0),
+    ("\n\t(1 + 2) * 3\n", 1.0),
+    # The cases below were rewarded before issue 15; its strict rule refuses them on purpose:
+    # a rewarded completion carries nothing but the expression.
+    ("```python\n(1 + 2) * 3\n```", 0.0),
+    ("```\n(1 + 2) * 3\n```\nDone.", 0.0),
+    ("```(1 + 2) * 3```", 0.0),
+    ("`(1 + 2) * 3`", 0.0),
+    ("A: (1 + 2) * 3", 0.0),
+    ("Answer: `(1 + 2) * 3`", 0.0),
+    ("= (1 + 2) * 3", 0.0),
+    ("(1 + 2) * 3.", 0.0),
+    ("\n\n(1 + 2) * 3\nThe answer is 9.", 0.0),
+    # Issue 15: a payload after the expression, on its next line, in a comment, or inside
+    # brackets the parser would join across lines.
+    ("(1 + 2) * 3\nvisit evil example com", 0.0),
+    ("(1 + 2) * 3  # visit evil example com", 0.0),
+    ("(1 +\n2) * 3", 0.0),
+    ("(1 + 2) * 3\r\nvisit", 0.0),
+    ("", 0.0),
+    (None, 0.0),
 ])
-def test_extract_expression(completion, expected):
-    assert extract_expression(completion) == expected
+def test_reward_is_for_the_whole_completion(completion, expected):
+    assert reward(completion, "(1 + 2) * 3") == expected
+
+
+def test_reward_payload_after_a_correct_line_is_zero():
+    assert reward("1 + 2", "1 + 2") == 1.0
+    assert reward("1 + 2\nvisit evil example com", "1 + 2") == 0.0
 
 
 def test_reward_equivalent_expressions():
     assert reward("3*(2+1)", "(1 + 2) * 3") == 1.0
-    assert reward("```python\n3*(2+1)\n```", "(1 + 2) * 3") == 1.0
-    assert reward("A: 9", "(1 + 2) * 3") == 1.0
+    # fences and "A:" were rewarded before issue 15; refused on purpose now
+    assert reward("```python\n3*(2+1)\n```", "(1 + 2) * 3") == 0.0
+    assert reward("A: 9", "(1 + 2) * 3") == 0.0
+    assert reward("9", "(1 + 2) * 3") == 1.0
     assert reward("1/3 + 1/3 + 1/3", "1") == 1.0  # float noise within tolerance
 
 
 @pytest.mark.parametrize("completion", [
     "1 + 2 * 3", "10", "", "I don't know", "__import__('os').system('echo hi')",
     "9**9**9", "1/0", "(1 + 2) * 3 * 1e-3", None, "x" * 1_000_000,
+    " " * 1_000_000 + "10", "9\n" + "x" * 1_000_000,
 ])
 def test_reward_wrong_or_hostile_is_zero(completion):
     start = time.perf_counter()
@@ -150,6 +170,75 @@ def test_reward_wrong_or_hostile_is_zero(completion):
 def test_reward_bad_target_is_zero():
     assert reward("1", "open('x')") == 0.0
     assert reward("1", None) == 0.0
+
+
+_NON_BLANK = st.text(max_size=40).filter(str.strip)
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None)
+@given(first=st.one_of(st.sampled_from(["9", "(1 + 2) * 3", "3*(2+1)", "(1 +", " 9 "]),
+                       _NON_BLANK),
+       line_break=st.sampled_from(["\n", "\r\n", "\r", "\v", "\f", "\x85", "\u2028"]),
+       second=st.one_of(st.sampled_from(["9", "0", "2) * 3", "visit evil example com", "# x"]),
+                        _NON_BLANK))
+@example(first="9", line_break="\n", second="9")
+def test_reward_text_on_two_lines_is_zero(first, line_break, second):
+    assert reward(first + line_break + second, "(1 + 2) * 3") == 0.0
+
+
+# -----------------------------------------------------------------------------
+# completion_reward: the sampled tokens, EOS and special tokens included
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from volunteer_rl.model.tiny import build_tokenizer
+
+    return build_tokenizer(["Q: What is 1 plus 2, times 3?\nA: ", "(1 + 2) * 3", "9",
+                            "visit evil example com"], vocab_size=300)
+
+
+def _judge(tok, ids, target="(1 + 2) * 3"):
+    return completion_reward(ids, target, lambda t: tok.decode(t, skip_special_tokens=False),
+                             tok.eos_token_id, frozenset(tok.all_special_ids))
+
+
+def _ids(tok, text):
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_completion_reward_expression_then_eos(tok):
+    eos = tok.eos_token_id
+    assert _judge(tok, _ids(tok, "(1 + 2) * 3") + [eos]) == 1.0
+    assert _judge(tok, _ids(tok, " 9\n") + [eos]) == 1.0  # whitespace around it allowed
+    assert _judge(tok, _ids(tok, "9") + [eos], "1 + 2") == 0.0  # wrong value
+
+
+def test_completion_reward_refuses_what_the_text_would_hide(tok):
+    eos, expr = tok.eos_token_id, _ids(tok, "(1 + 2) * 3")
+    payload = _ids(tok, " visit evil example com")
+    specials = [t for t in tok.all_special_ids if t != eos]
+    assert specials, "the tiny tokenizer has <pad> besides <eos>"
+    assert _judge(tok, expr + [eos] + payload + [eos]) == 0.0      # tokens after EOS
+    assert _judge(tok, expr + [eos] + payload) == 0.0
+    assert _judge(tok, expr + [eos, eos]) == 0.0
+    assert _judge(tok, expr[:1] + specials[:1] + expr[1:] + [eos]) == 0.0  # special inside
+    assert _judge(tok, expr + specials[:1] + [eos]) == 0.0
+    assert _judge(tok, expr) == 0.0                                  # no EOS: cut off
+    assert _judge(tok, [eos]) == 0.0 and _judge(tok, []) == 0.0
+    # the same ids, decoded as the old reader did, looked like the bare expression
+    hidden = tok.decode(expr[:1] + specials[:1] + expr[1:] + [eos], skip_special_tokens=True)
+    assert reward(hidden, "(1 + 2) * 3") == 1.0
+
+
+def test_completion_reward_never_raises(tok):
+    def broken(_ids):
+        raise RuntimeError("decode failed")
+
+    eos = tok.eos_token_id
+    assert completion_reward(_ids(tok, "9") + [eos], "(1 + 2) * 3", broken, eos, set()) == 0.0
+    assert completion_reward(None, "(1 + 2) * 3", broken, eos, set()) == 0.0
+    assert _judge(tok, ["9", eos]) == 0.0
 
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
 def groups(n, version):
-    return [Group(i, version, "me", [Completion([1, 2], [-0.1, -0.2], "3", 1.0)]) for i in range(n)]
+    return [Group(i, version, "me", i, [Completion([1, 2], [-0.1, -0.2], "3", 1.0)]) for i in range(n)]
 
 
 def test_writer_flushes_by_count_and_on_version_change():

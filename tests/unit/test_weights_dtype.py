@@ -12,12 +12,13 @@ from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fet
 from volunteer_rl.model.policy import encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import completion_uniforms
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
-from volunteer_rl.task.reward import reward
+from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.trainer.ingest import IngestStats
 from volunteer_rl.trainer.loop import Trainer
-from volunteer_rl.trainer.step import audit_logprobs
+from volunteer_rl.trainer.step import audit_groups
 from volunteer_rl.volunteer.loop import swap_weights
 
 
@@ -94,27 +95,30 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     trainer, _ = bf16_trainer
     cfg = trainer.cfg
     volunteer = load_policy(fetch_checkpoint(trainer.storage, trainer.manifest, tmp_path / "v"))
-    torch.manual_seed(3)
     problems = trainer.problems[:64]
+    streams = [[completion_uniforms(trainer.run_id, 0, "honest", i, p.id, j, cfg.max_new_tokens)
+                for j in range(cfg.k)] for i, p in enumerate(problems)]
     out = sample(volunteer, encode_prompts(volunteer, [p.prompt for p in problems]),
-                 cfg.k, cfg.temperature, cfg.max_new_tokens)
-    groups = [Group(p.id, 0, "honest", [Completion(x.token_ids, x.logprobs, x.text,
-                                                   reward(x.text, p.expression))
-                                        for x in samples])
-              for p, samples in zip(problems, out)]
-    # The real intake: rewards recomputed, one random group of the shard audited.
+                 cfg.k, cfg.temperature, cfg.max_new_tokens, uniforms=streams)
+    groups = [Group(p.id, 0, "honest", i, [
+        Completion(x.token_ids, x.logprobs, x.text,
+                   completion_reward(x.token_ids, p.expression, volunteer.decode_all,
+                                     volunteer.eos_id, volunteer.special_ids))
+        for x in samples]) for i, (p, samples) in enumerate(zip(problems, out))]
+    # The real intake: rewards recomputed, every group of a new volunteer's shard replayed.
     trainer.storage.create(layout.shard_key(0, "honest", "s1"), encode_shard(groups))
     stats = IngestStats()
     trainer.ingest.poll(trainer.window(), stats)
-    assert stats.shards == 1 and not stats.rejected, stats
+    assert stats.shards == 1 and not stats.rejected and stats.audit.audited == 1, stats
 
     # Every group scored under the published (bf16) weights matches closely; under the fp32
     # master the gap is larger: that copy is the one the audit must not use.
     from volunteer_rl.trainer.ingest import score_group
     ids = trainer.prompt_ids
     sg = [score_group(g, "k", i, trainer.ingest.rules) for i, g in enumerate(groups)]
-    assert audit_logprobs(trainer.published_policy, sg, ids, cfg.temperature, 1e-3) is None
-    gap = audit_logprobs(trainer.policy, sg, ids, cfg.temperature, 1e-3)
+    run = trainer.run_id
+    assert audit_groups(trainer.published_policy, sg, ids, run, cfg.temperature, 1e-4, 1e-3) is None
+    gap = audit_groups(trainer.policy, sg, ids, run, cfg.temperature, 1e-4, 1e-3)
     assert gap is not None  # the master's logprobs are measurably different
 
 

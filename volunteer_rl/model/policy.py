@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -41,6 +42,15 @@ class Policy:
     @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special tokens (EOS among them)."""
+        return frozenset(int(i) for i in self.tokenizer.all_special_ids)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """Token ids to text with special tokens spelled out: what the reward must see."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def format_prompt(policy: Policy, question: str) -> str:

@@ -142,6 +142,9 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
     t = trained if isinstance(trained, dict) else {}
     accepted = json_int(t.get("accepted_shards")) or 0
     rejected = json_int(t.get("rejected_shards")) or 0
+    audited = max(0, json_int(t.get("audited_shards")) or 0)
+    numbered = max(0, json_int(t.get("groups_numbered")) or 0)
+    missing = max(0, json_int(t.get("groups_missing")) or 0)
     last = json_int(t.get("last_version"))
     lag = heartbeat_lag(hb_ok, now, list(points)) if hb_ok else None
     trained_lately = recently_trained(t, now, heartbeat_period(hb_ok) if hb_ok else DEFAULT_PERIOD)
@@ -153,6 +156,9 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
            "version_lag_now": None if used is None else version - used,
            "accepted_shards": accepted, "rejected_shards": rejected,
            "acceptance_rate": accepted / (accepted + rejected) if accepted + rejected else None,
+           "audited_shards": audited,
+           "audit_coverage": min(1.0, audited / (accepted + rejected)) if accepted + rejected else None,
+           "groups_missing_rate": min(1.0, missing / numbered) if numbered else None,
            "groups_trained": json_int(t.get("groups_trained")) or 0,
            "trainer_last_version": last,
            "trainer_version_lag": None if last is None else version - last,
@@ -320,6 +326,10 @@ def _accepted(r: dict) -> str:
     return f"{r['acceptance_rate']:.0%} of {n}" if n else "-"
 
 
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def volunteer_table(status: dict):
     """One row per volunteer, narrow enough for an 80-column terminal."""
     from rich.table import Table
@@ -329,6 +339,7 @@ def volunteer_table(status: dict):
     table.add_column("volunteer", no_wrap=True, min_width=min(widest, 20), overflow="ellipsis")
     for col, justify in (("state", "left"), ("seen", "right"), ("version", "right"),
                          ("/min", "right"), ("made", "right"), ("accepted", "right"),
+                         ("audited", "right"), ("missing", "right"),
                          ("trained", "right"), ("device", "left")):
         table.add_column(col, justify=justify, no_wrap=True)
     for r in status["volunteers"]:
@@ -337,7 +348,8 @@ def volunteer_table(status: dict):
         table.add_row(markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
                       _short_ago(r["seconds_since_heartbeat"]), _version(r),
                       "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
-                      _accepted(r), _count(r["groups_trained"]),
+                      _accepted(r), _share(r["audit_coverage"]),
+                      _share(r["groups_missing_rate"]), _count(r["groups_trained"]),
                       markup_safe((r["host"] or {}).get("device", "-"), 20))
     return table
 

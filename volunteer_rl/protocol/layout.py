@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: groups carry `seq` and sample with committed noise (protocol.draws). Readers refuse any
+other value: a volunteer of schema 1 cannot make groups this trainer accepts."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

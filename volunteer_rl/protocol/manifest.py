@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
 from volunteer_rl.protocol.signing import Seen, Trust, sign
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
@@ -139,10 +140,13 @@ def decode(data: bytes) -> dict:
         raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{layout.MANIFEST}: malformed (not a JSON object)")
-    if raw.get("schema_version") != layout.SCHEMA_VERSION:
+    found = raw.get("schema_version")
+    if found != layout.SCHEMA_VERSION:
+        newer = isinstance(found, int) and not isinstance(found, bool) and found > layout.SCHEMA_VERSION
         raise ManifestError(
-            f"{layout.MANIFEST}: schema_version {raw.get('schema_version')!r} is not "
-            f"{layout.SCHEMA_VERSION}; upgrade volunteer_rl")
+            f"{layout.MANIFEST}: schema_version {printable(repr(found), 20)} is not "
+            f"{layout.SCHEMA_VERSION}, the one this build speaks; "
+            + ("upgrade volunteer_rl" if newer else "the trainer runs an older volunteer_rl"))
     return raw
 
 

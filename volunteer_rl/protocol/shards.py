@@ -1,8 +1,12 @@
 """Rollout shards: gzip JSONL, one line per prompt group, written once by a volunteer.
 
 A line:
-    {"prompt_id": 17, "policy_version": 42, "volunteer_id": "laptop-ab12",
+    {"prompt_id": 17, "policy_version": 42, "volunteer_id": "laptop-ab12", "seq": 5,
      "completions": [{"token_ids": [..], "logprobs": [..], "text": "..", "reward": 1.0}, ..]}
+
+`seq` numbers a volunteer's groups of one version 0, 1, 2, ... without gaps: it keys the
+group's committed sampling noise (protocol.draws) and lets the trainer count the numbers it
+never received.
 
 Volunteers are strangers, so decoding is defensive: decompression is streamed and stops at a
 byte cap (a gzip bomb costs us the cap, not its size), a line's size is capped by what the
@@ -41,6 +45,9 @@ MAX_COMPLETIONS_PER_GROUP = 64
 MAX_TOKENS_PER_COMPLETION = 2048
 MAX_INT_DIGITS = 18
 """Digits of a JSON integer (ids, versions): a longer literal is refused, not made a bignum."""
+MAX_GROUP_SEQ = 1 << 20
+"""Group numbers per volunteer and version are below this: more groups than 1,024 shards of
+256 can carry, and a bound on what the trainer remembers per volunteer and version."""
 MAX_NESTING = 4
 """A line is {completions: [{token_ids: [...]}]}: four levels. Deeper is refused before parsing."""
 LOGPROB_FLOOR = -40.0
@@ -75,6 +82,8 @@ class Group:
     prompt_id: int
     policy_version: int
     volunteer_id: str
+    seq: int
+    """This group's number among the volunteer's groups of `policy_version`."""
     completions: list[Completion]
 
 
@@ -193,6 +202,9 @@ def _completion(raw) -> Completion:
     return Completion(ids, [max(float(v), LOGPROB_FLOOR) for v in lps], raw["text"], float(raw["reward"]))
 
 
+GROUP_FIELDS = {"prompt_id", "policy_version", "volunteer_id", "seq", "completions"}
+
+
 def _group(line: bytes) -> Group:
     _check_nesting(line)
     try:
@@ -204,16 +216,19 @@ def _group(line: bytes) -> Group:
         if isinstance(exc, ShardError):
             raise
         raise ShardError("bad_json", str(exc)[:80]) from None
-    if not isinstance(raw, dict) or set(raw) != {"prompt_id", "policy_version", "volunteer_id", "completions"}:
-        raise ShardError("bad_schema", "group needs exactly prompt_id, policy_version, volunteer_id, completions")
-    if type(raw["prompt_id"]) is not int or type(raw["policy_version"]) is not int:
-        raise ShardError("bad_schema", "prompt_id and policy_version must be integers")
+    if not isinstance(raw, dict) or set(raw) != GROUP_FIELDS:
+        raise ShardError("bad_schema", "group needs exactly prompt_id, policy_version, volunteer_id, "
+                         "seq, completions")
+    if not all(type(raw[f]) is int for f in ("prompt_id", "policy_version", "seq")):
+        raise ShardError("bad_schema", "prompt_id, policy_version and seq must be integers")
+    if not 0 <= raw["seq"] < MAX_GROUP_SEQ:
+        raise ShardError("bad_seq", f"seq {raw['seq']} is outside 0..{MAX_GROUP_SEQ - 1}")
     if not isinstance(raw["volunteer_id"], str):
         raise ShardError("bad_schema", "volunteer_id must be a string")
     comps = raw["completions"]
     if not isinstance(comps, list) or not 0 < len(comps) <= MAX_COMPLETIONS_PER_GROUP:
         raise ShardError("bad_lengths", f"completions per group must be 1..{MAX_COMPLETIONS_PER_GROUP}")
-    return Group(raw["prompt_id"], raw["policy_version"], raw["volunteer_id"],
+    return Group(raw["prompt_id"], raw["policy_version"], raw["volunteer_id"], raw["seq"],
                  [_completion(c) for c in comps])
 
 

@@ -1,69 +1,86 @@
-"""The calculator task's reward: 1.0 iff the expression a completion writes evaluates (safely)
-to the same number as the target, so any equivalent expression counts, not just the canonical
-spelling. extract_expression finds that expression in a raw completion.
+"""The calculator task's reward, and what a rewarded completion may contain.
+
+The rule: reward 1 only when the whole completion is one expression followed by EOS
+(whitespace allowed around it); nothing after EOS; special tokens only as that EOS. The
+expression must evaluate (safely) to the target's value, so any equivalent expression counts,
+not just the canonical spelling.
+
+Why so strict: volunteers are untrusted and every completion they upload can end up in a
+gradient step. A lenient reader (first line, code fences, "A:" prefixes, text after EOS or
+hidden behind skipped special tokens) would give a positive advantage to whatever rides along
+with a correct expression, and training would teach the policy to write that payload. Under
+this rule a rewarded completion carries nothing but the expression.
+
+`reward` judges decoded text; `completion_reward` judges sampled token ids, the form the
+trainer and the evaluator hold, and is the one to use wherever the ids are at hand.
 """
 
 from __future__ import annotations
 
 import math
-import re
+from typing import Callable
 
 from volunteer_rl.task.calculator import safe_eval
 
 # -----------------------------------------------------------------------------
-# Completion -> expression -> reward
-
-_FENCE_LANG = re.compile(r"[A-Za-z0-9_+-]*")
-_PREFIX = re.compile(
-    r"^(?:(?:a|answer|expression|expr|python|result|output)\s*[:=]|=|>>>)\s*", re.IGNORECASE
-)
+# Text -> reward
 
 
-def _first_nonempty_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
+def _is_one_expression(text: str) -> bool:
+    """True iff `text` (already stripped) is one line, with no comment and no trailing '.'.
 
-
-def extract_expression(completion: str) -> str:
-    """The expression part of a model completion.
-
-    First non-empty line, stripped; strips a surrounding ``` code fence
-    (```python ... ```), inline backticks, and a leading 'A:' / '=' style
-    prefix; trailing '.' removed.
-    """
-    if not isinstance(completion, str):
-        return ""
-    text = completion.strip()
-    if text.startswith("```"):
-        body = text[3:]
-        fence_line, newline, rest = body.partition("\n")
-        if newline and _FENCE_LANG.fullmatch(fence_line.strip()):
-            body = rest  # drop the language tag line, e.g. "python"
-        text = body.split("```", 1)[0]  # stop at the closing fence
-    line = _first_nonempty_line(text)
-    # a couple of rounds handle nestings like "A: `1 + 2`" and "`= 1 + 2`"
-    for _ in range(3):
-        line = _PREFIX.sub("", line).strip()
-        inline = re.match(r"^`+([^`]*)`+", line)
-        line = (inline.group(1) if inline else line.strip("`")).strip()
-    return line.rstrip(".").strip()
+    Python's parser reads "(1 +\\n 2)" and "9  # anything" as one expression, and both would
+    smuggle text; "9." is a float to it but a sentence's full stop to a reader."""
+    return (bool(text) and "#" not in text and not text.endswith(".")
+            and len(text.splitlines()) == 1)
 
 
 def reward(completion: str, target_expression: str) -> float:
-    """1.0 iff the completion's expression evaluates to the target's value, else 0.0. Never raises.
+    """1.0 iff `completion`, stripped of surrounding whitespace, is exactly one expression
+    that evaluates to the target's value, else 0.0. Never raises.
 
-    Values are compared with math.isclose(rel_tol=1e-9, abs_tol=1e-9), so any
-    equivalent expression (e.g. `3*(2+1)` for `(1 + 2) * 3`) earns full reward.
+    No second line, trailing text, comment, code fence, "A:" style prefix or trailing '.'.
+    Values are compared with math.isclose(rel_tol=1e-9, abs_tol=1e-9), so any equivalent
+    expression (e.g. `3*(2+1)` for `(1 + 2) * 3`) earns full reward.
     """
     try:
+        if not isinstance(completion, str):
+            return 0.0
         target = safe_eval(target_expression)
         if target is None:
             return 0.0
-        got = safe_eval(extract_expression(completion))
-        if got is None:
+        text = completion.strip()
+        got = safe_eval(text)  # refuses over-long text before parsing it
+        if got is None or not _is_one_expression(text):
             return 0.0
         return 1.0 if math.isclose(got, target, rel_tol=1e-9, abs_tol=1e-9) else 0.0
     except Exception:  # reward is called in the training loop: never take it down
+        return 0.0
+
+
+# -----------------------------------------------------------------------------
+# Token ids -> reward
+
+
+def completion_reward(token_ids: list[int], target_expression: str,
+                      decode: Callable[[list[int]], str], eos_id: int,
+                      special_ids: frozenset[int] | set[int]) -> float:
+    """1.0 iff `token_ids` ends with `eos_id`, no id before it is `eos_id` or in
+    `special_ids`, and `reward(decode(ids before the EOS), target_expression)` is 1.0; else
+    0.0 (a completion cut off before EOS included). Never raises.
+
+    `decode` must NOT skip special tokens (e.g. `lambda ids: tok.decode(ids,
+    skip_special_tokens=False)`): a special token missing from `special_ids` then shows up
+    as text and fails the expression, instead of vanishing from what is judged.
+    `special_ids` is the tokenizer's `all_special_ids`.
+    """
+    try:
+        ids = list(token_ids)
+        if not ids or ids[-1] != eos_id:
+            return 0.0
+        body = ids[:-1]
+        if any(t == eos_id or t in special_ids for t in body):
+            return 0.0
+        return reward(decode(body), target_expression)
+    except Exception:  # called on volunteers' uploads in the training loop: never raise
         return 0.0

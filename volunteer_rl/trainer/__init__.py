@@ -1,4 +1,5 @@
-"""The central trainer: the loop, intake of rollout shards (ingest), the losses, the optimizer
+"""The central trainer: the loop, intake of rollout shards (ingest) and its replay audits
+(audit, withheld), the losses, the optimizer
 state between publishes, the warm start, held-out evaluation, the per-volunteer counts and
 denials, retention, and stopping on a signal.
 

@@ -12,12 +12,14 @@ from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifes
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import StorageError, is_missing
 from volunteer_rl.task.dataset import Problem
-from volunteer_rl.task.reward import reward
+from volunteer_rl.task.reward import completion_reward
 
 
 def accuracy(policy: Policy, problems: list[Problem], temperature: float, samples: int = 1,
              max_new_tokens: int = 32) -> float:
-    """Mean reward over `problems`, `samples` completions each (1 is enough for greedy)."""
+    """Mean reward over `problems`, `samples` completions each (1 is enough for greedy), by
+    the trainer's rule on the sampled tokens (`completion_reward`): a completion that runs
+    out of tokens before EOS scores 0."""
     if not problems:
         raise ValueError("no problems to evaluate on")
     k = 1 if temperature <= 0 else samples
@@ -28,7 +30,9 @@ def accuracy(policy: Policy, problems: list[Problem], temperature: float, sample
                         temperature, max_new_tokens)
     finally:
         policy.model.train(was_training)
-    total = sum(reward(s.text, p.expression) for p, g in zip(problems, groups) for s in g)
+    total = sum(completion_reward(s.token_ids, p.expression, policy.decode_all, policy.eos_id,
+                                  policy.special_ids)
+                for p, g in zip(problems, groups) for s in g)
     return total / (len(problems) * k)
 
 

@@ -15,6 +15,14 @@ from volunteer_rl.storage.base import NotFound, Storage
 class Counts:
     accepted: int = 0
     rejected: int = 0
+    clean: int = 0
+    """Shards accepted since its last rejected one: what its audit rate is made from."""
+    audited: int = 0
+    """Shards whose every group was replayed (passed or not)."""
+    numbered: int = 0
+    """Group numbers it used in versions that left the window (highest seq + 1 each)..."""
+    missing: int = 0
+    """...and how many of them the trainer never received: withheld, or uploaded too late."""
 
 
 @dataclass
@@ -50,8 +58,10 @@ class Fleet:
         c = self.counts.setdefault(volunteer, Counts())
         if accepted:
             c.accepted += 1
+            c.clean += 1
         else:
             c.rejected += 1
+            c.clean = 0
         total = c.accepted + c.rejected
         return (self.deny_after > 0 and not self.is_denied(volunteer)
                 and c.rejected >= self.deny_after and c.rejected / total >= self.deny_rate)
@@ -71,8 +81,22 @@ class Fleet:
         self.denied = update_denylist(storage, add)
         self.etag = None  # our own write: read it again next refresh
 
+    def count_audit(self, volunteer: str) -> None:
+        self.counts.setdefault(volunteer, Counts()).audited += 1
+
+    def count_numbers(self, volunteer: str, used: int, missing: int) -> None:
+        c = self.counts.setdefault(volunteer, Counts())
+        c.numbered += used
+        c.missing += missing
+
+    def clean(self, volunteer: str) -> int:
+        c = self.counts.get(volunteer)
+        return c.clean if c else 0
+
     def to_json(self) -> dict:
-        return {v: [c.accepted, c.rejected] for v, c in self.counts.items()}
+        return {v: [c.accepted, c.rejected, c.clean, c.audited, c.numbered, c.missing]
+                for v, c in self.counts.items()}
 
     def load_counts(self, raw: dict) -> None:
-        self.counts = {v: Counts(int(a), int(r)) for v, (a, r) in raw.items()}
+        """Counts saved by to_json (states saved before audits hold the first two only)."""
+        self.counts = {v: Counts(*(int(x) for x in row[:6])) for v, row in raw.items()}

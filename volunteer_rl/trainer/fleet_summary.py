@@ -26,7 +26,7 @@ from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 from volunteer_rl.trainer.fleet import Fleet
 
-SUMMARY_SCHEMA = 2
+SUMMARY_SCHEMA = 3
 SUMMARY_INTERVAL_SECONDS = 5.0
 TIMELINE_POINTS = 256
 TIMELINE_SECONDS = 900.0
@@ -73,6 +73,9 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
         last = v.get("last_version")
         rows[vid] = {"accepted_shards": c.accepted if c else 0,
                      "rejected_shards": c.rejected if c else 0,
+                     "audited_shards": c.audited if c else 0,
+                     "groups_numbered": c.numbered if c else 0,
+                     "groups_missing": c.missing if c else 0,
                      "groups_trained": v.get("groups_trained", 0), "last_version": last,
                      "version_lag": None if last is None else version - last,
                      "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied}

@@ -3,13 +3,13 @@ check every group against the trainer's own view of the world, and rescore it.
 
 Nothing a volunteer reports is believed that the trainer can recompute: the prompt text comes
 from the trainer's dataset (the shard names only its id), the completion text is re-decoded
-from the token ids, and the reward is recomputed from the trainer's own target.
+from the token ids, the reward is recomputed from the trainer's own target, and audited
+shards (trainer.audit decides which) have every token replayed against its committed draw.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 import traceback
 from collections import Counter, deque
@@ -31,12 +31,10 @@ from volunteer_rl.protocol.shards import (
 )
 from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError, TooLarge
 from volunteer_rl.task.dataset import Problem
-from volunteer_rl.task.reward import reward
+from volunteer_rl.task.reward import completion_reward
+from volunteer_rl.trainer.audit import Auditor, AuditStats
 from volunteer_rl.trainer.fleet import Fleet
-
-Audit = Callable[[list["ScoredGroup"]], "str | None"]
-"""Recomputes the behavior logprobs of groups under the weights in memory; a description of
-the first mismatch, or None if all agree."""
+from volunteer_rl.trainer.withheld import GroupNumbers
 
 MAX_READ_ATTEMPTS = 3  # a shard that fails to download this often is reported and skipped
 FETCH_WORKERS = 8
@@ -67,6 +65,8 @@ class ScoredGroup:
     behavior_logprobs: list[list[float]]
     rewards: list[float]
     key: str
+    seq: int = 0
+    """The group's number among its volunteer's groups of its version (keys its draws)."""
     line: int = 0
     """Index of the group in its shard: with `key`, its identity in the ledger."""
     digest: str = ""
@@ -85,6 +85,7 @@ class IngestStats:
     """Shards of denied volunteers skipped: a whole folder, never listed, counts one per poll."""
     over_cap: int = 0
     """Volunteer folders found over MAX_OBJECTS_PER_VOLUNTEER_VERSION (once per version)."""
+    audit: AuditStats = field(default_factory=AuditStats)
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
 
@@ -115,6 +116,9 @@ class Rules:
     k: int
     max_new_tokens: int
     decode: Callable[[list[int]], str]
+    """Token ids to text, special tokens spelled out (Policy.decode_all)."""
+    eos_id: int
+    special_ids: frozenset[int]
     cache: dict = field(default_factory=dict)
     """(prompt id, token ids) -> reward. A policy that has learned a prompt answers it the
     same way again and again, so most rescoring is a lookup."""
@@ -127,7 +131,8 @@ class Rules:
         if value is None:
             if len(self.cache) >= REWARD_CACHE_SIZE:
                 self.cache.clear()
-            value = reward(self.decode(token_ids), self.problems[prompt_id].expression)
+            value = completion_reward(token_ids, self.problems[prompt_id].expression, self.decode,
+                                      self.eos_id, self.special_ids)
             self.cache[key] = value
         return value
 
@@ -168,6 +173,12 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, wi
             raise ShardError("too_many_tokens", f"{len(c.token_ids)} > {rules.max_new_tokens}")
         if not all(0 <= t < rules.vocab_size for t in c.token_ids):
             raise ShardError("bad_token", "token id outside the vocabulary")
+        # A sampler stops at the first EOS or at the cap, nowhere else.
+        if rules.eos_id in c.token_ids[:-1]:
+            raise ShardError("after_eos", "tokens after EOS")
+        if c.token_ids[-1] != rules.eos_id and len(c.token_ids) != rules.max_new_tokens:
+            raise ShardError("short_completion", f"{len(c.token_ids)} tokens, no EOS and below "
+                             f"max_new_tokens {rules.max_new_tokens}")
 
 
 def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
@@ -179,7 +190,7 @@ def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
             raise ShardError("reward_mismatch", f"claims reward {c.reward:g}, the trainer finds {r:g}")
     ids = [c.token_ids for c in g.completions]
     return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id, ids,
-                       [c.logprobs for c in g.completions], rewards, key, line,
+                       [c.logprobs for c in g.completions], rewards, key, g.seq, line,
                        group_digest(g.prompt_id, g.policy_version, ids))
 
 
@@ -224,20 +235,17 @@ class Ingest:
     without an outcome are taken."""
 
     def __init__(self, storage: Storage, rules: Rules, ledger: Ledger, fleet: Fleet,
-                 audit: Audit | None = None, log: Callable[[str], None] = print,
-                 log_shards: bool = False, seed: int = 0, fetch_workers: int = FETCH_WORKERS):
+                 auditor: Auditor | None = None, log: Callable[[str], None] = print,
+                 log_shards: bool = False, fetch_workers: int = FETCH_WORKERS):
         self.storage = storage
         self.rules = rules
         self.ledger = ledger
         self.fleet = fleet
-        self.audit = audit
-        self.audit_version: int | None = None
-        """The version of the weights in memory, when they are a published one."""
+        self.auditor = auditor
+        """None: no shard is audited (--audit-tolerance 0)."""
+        self.numbers = GroupNumbers()
         self.log = log
         self.log_shards = log_shards
-        # Which group is audited must not be predictable from the code or the seed, or a liar
-        # would only lie in the others: the OS's randomness, not a seeded generator.
-        self.rng = random.SystemRandom()
         self.taken: set[str] = set()
         self.failures: Counter = Counter()
         self.fetch_workers = max(1, fetch_workers)
@@ -260,7 +268,8 @@ class Ingest:
         self._forget_below(win.low)
         keys: list[str] = []
         for v in win.versions():
-            keys += [key for key in self._list_version(v, stats) if self._wanted(key)]
+            keys += [key for key in self._list_version(v, stats)
+                     if self._wanted(key) and not self._waits_for_audit(key, stats)]
         out: list[ScoredGroup] = []
         for key, fetched in self._prefetch(keys):
             if self._denied(key, stats):  # denied by an earlier shard of this very poll
@@ -302,6 +311,17 @@ class Ingest:
         """True if `key` still has something to take."""
         return key not in self.taken and not self.ledger.finished(key)
 
+    def _waits_for_audit(self, key: str, stats: IngestStats) -> bool:
+        """True if `key` is drawn for an audit while the audit budget is spent: it is not
+        even fetched this poll, so a shard waiting for its audit costs a listing, no GET."""
+        author = layout.rollout_author(key)
+        if self.auditor is None or author is None:
+            return False
+        if self.auditor.due(key, self.fleet.clean(author[1])) and not self.auditor.budget.allows():
+            stats.audit.deferred += 1
+            return True
+        return False
+
     def _denied(self, key: str, stats: IngestStats) -> bool:
         parsed = layout.rollout_author(key)
         if parsed and self.fleet.is_denied(parsed[1]):
@@ -334,6 +354,10 @@ class Ingest:
             return
         self._low = low
         self.taken = {k for k in self.taken if _key_version(k) >= low}
+        for volunteer, (used, missing) in self.numbers.close_below(low).items():
+            self.fleet.count_numbers(volunteer, used, missing)
+        if self.auditor is not None:
+            self.auditor.forget(lambda k: _key_version(k) >= low)
         self.capped = {k: v for k, v in self.capped.items() if _key_version(k) >= low}
         self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
 
@@ -346,7 +370,8 @@ class Ingest:
     def _take(self, key: str, fetched: Future, win: Window, stats: IngestStats) -> list[ScoredGroup]:
         try:
             groups = check_shard(fetched.result(), key, self.rules, win)
-            self._audit(groups)
+            if not self._audit(key, groups, stats):
+                return []  # drawn for an audit that cannot run now: read again later
         except ShardError as exc:
             self._reject(key, exc.reason, str(exc), stats)
             return []
@@ -373,6 +398,10 @@ class Ingest:
             # of rejects below --deny-rate.
             self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats)
             return []
+        if not self._numbered(key, groups):
+            self._reject(key, "seq_reused", "a group number this volunteer already used in this "
+                         "version", stats)
+            return []
         self.taken.add(key)
         stats.shards += 1
         self._count(key, True, stats)
@@ -384,15 +413,30 @@ class Ingest:
         return (bool(groups) and not any(self.ledger.is_done(key, g.line) for g in groups)
                 and all(self.ledger.seen(g.digest) for g in groups))
 
-    def _audit(self, groups: list[ScoredGroup]) -> None:
-        """Check one random group made with the weights in memory (if the shard has one)."""
-        if self.audit is None or self.audit_version is None:
-            return
-        eligible = [g for g in groups if g.policy_version == self.audit_version]
-        if eligible:
-            problem = self.audit([self.rng.choice(eligible)])
-            if problem:
-                raise ShardError("logprob_mismatch", problem)
+    def _audit(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> bool:
+        """Replay the shard's groups if the auditor draws it; ShardError if one fails. False
+        if it was drawn but cannot be audited now (budget spent, weights not held)."""
+        author = layout.rollout_author(key)
+        if self.auditor is None or author is None or not groups:
+            return True
+        volunteer = author[1]
+        outcome, problem = self.auditor.run(key, volunteer, self.fleet.clean(volunteer),
+                                            groups[0].policy_version, groups, stats.audit)
+        if outcome == "deferred":
+            return False
+        if outcome != "skipped":
+            self.fleet.count_audit(volunteer)
+        if problem:
+            raise ShardError(*problem)
+        return True
+
+    def _numbered(self, key: str, groups: list[ScoredGroup]) -> bool:
+        """Record the shard's group numbers (withheld.GroupNumbers); False if one was used
+        before. A shard re-read after a restart, half taken, is recorded again."""
+        author = layout.rollout_author(key)
+        if author is None or not groups:
+            return True
+        return self.numbers.add(author[1], groups[0].policy_version, [g.seq for g in groups])
 
     def _sort(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
         """Give zero-variance and duplicate groups their outcome now; return the rest."""

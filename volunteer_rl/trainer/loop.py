@@ -22,9 +22,8 @@ from typing import Callable
 import torch
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-from volunteer_rl.model.checkpoint import (
-    fetch_checkpoint,
-)
+from volunteer_rl.errors import VrlError
+from volunteer_rl.model.checkpoint import WEIGHTS_FILE, fetch_checkpoint, fetch_weights
 from volunteer_rl.model.devices import pick_device
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
@@ -32,14 +31,12 @@ from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.observe.dashboard import TrainerDashboard
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import (
-    Manifest,
-    poll_manifest,
-)
+from volunteer_rl.protocol.manifest import Manifest, poll_manifest, read_manifest
 from volunteer_rl.protocol.signing import Trust, public_key_text
 from volunteer_rl.storage import open_storage
-from volunteer_rl.storage.base import AlreadyExists
+from volunteer_rl.storage.base import AlreadyExists, StorageError
 from volunteer_rl.task.dataset import Problem, file_sha256, load_csv
+from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
@@ -53,7 +50,7 @@ from volunteer_rl.trainer.publish import (
 )
 from volunteer_rl.trainer.retention import TrainerRetention
 from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
-from volunteer_rl.trainer.step import StepResult, audit_logprobs, non_finite_groups, train_step
+from volunteer_rl.trainer.step import StepResult, audit_groups, non_finite_groups, train_step
 from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
 
@@ -103,6 +100,7 @@ class Trainer:
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
+        self.window_weights = WindowWeights()  # published weights of the window, for audits
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -130,14 +128,19 @@ class Trainer:
                 self._resume(manifest, etag)
             # Versions left half-published by a crash are never reused: the next one goes above.
             self.last_used = max([self.version] + published_or_started(self.storage))
-            tok = self.policy.tokenizer
-            rules = Rules(self.problems, len(tok), cfg.k, cfg.max_new_tokens,
-                          lambda ids: tok.decode(ids, skip_special_tokens=True))
-            self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
-            audit = self._audit if cfg.audit_tolerance > 0 else None
-            self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, audit,
-                                 self.log, cfg.log_shards, cfg.seed)
-            self.ingest.audit_version = self.version
+            policy = self.policy
+            rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
+                          policy.decode_all, policy.eos_id, policy.special_ids)
+            self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
+            auditor = None
+            if cfg.audit_tolerance > 0:
+                auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_shards,
+                                  cfg.audit_floor)
+                self.audit_policy = Policy(copy.deepcopy(policy.model).eval(), policy.tokenizer,
+                                           policy.prompt_format, policy.device)
+                self._recover_window_weights(trust)
+            self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
+                                 self.log, cfg.log_shards)
 
     def _start_fresh(self) -> None:
         cfg = self.cfg
@@ -151,6 +154,7 @@ class Trainer:
             self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
                                                self.dataset, None, self.key, lambda: self._save(0))
             self._sync_published()
+            self._keep_window_weights()
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
             self.published = {0}
             self._evaluate_unless_stopping(0, full=True)
@@ -186,6 +190,7 @@ class Trainer:
             if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
                 load_weights(self.policy, master)
         self._sync_published()
+        self._keep_window_weights()
         self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
 
     def _repair_history(self, manifest: Manifest) -> None:
@@ -234,9 +239,37 @@ class Trainer:
                                 self.policy.model.parameters()):
                 dst.copy_(src.to(dtype))
 
-    def _audit(self, groups: list[ScoredGroup]) -> str | None:
-        return audit_logprobs(self.published_policy, groups, self.prompt_ids,
-                              self.cfg.temperature, self.cfg.audit_tolerance)
+    def _keep_window_weights(self) -> None:
+        """Hold the version just published, as volunteers load it, for audits; drop the
+        versions that left the window."""
+        self.window_weights.add(self.version, self.policy.model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
+        self.window_weights.drop_below(layout.window(self.version, self.cfg.max_staleness).start)
+
+    def _recover_window_weights(self, trust: Trust) -> None:
+        """After a resume: the published weights of the window's older versions, read back
+        from their checkpoints (each verified against its signed manifest copy), so their
+        groups can be audited. A version that cannot be read is logged and its audited
+        shards wait until it leaves the window."""
+        for version in sorted(self.published - set(self.window_weights.versions)):
+            try:
+                m = read_manifest(self.storage, version, trust=trust)
+                if m is None:
+                    raise TrainerError(f"{layout.manifest_history_key(version)} is missing")
+                load_weights(self.audit_policy, fetch_weights(self.storage, m, WEIGHTS_FILE))
+            except (VrlError, StorageError) as exc:
+                self.log(f"warning: v{version}'s weights for audits: {exc}")
+                continue
+            self.window_weights.add(version, self.audit_policy.model,
+                                    WEIGHTS_DTYPES[self.cfg.weights_dtype])
+        self.window_weights.loaded = None  # the audit model holds whatever was read last
+
+    def _replay(self, version: int, groups: list[ScoredGroup]) -> tuple[str, str] | None:
+        """Audit `groups` of `version` (trainer.step.audit_groups) with that version's weights."""
+        if not self.window_weights.load_into(version, self.audit_policy.model):
+            raise Unavailable(version)
+        cfg = self.cfg
+        return audit_groups(self.audit_policy, groups, self.prompt_ids, self.run_id,
+                            cfg.temperature, cfg.replay_tolerance, cfg.audit_tolerance)
 
     @property
     def version(self) -> int:
@@ -296,7 +329,6 @@ class Trainer:
                 continue
             batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
             t0 = time.time()
-            self.ingest.audit_version = None  # the weights in memory are about to move on
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
             if not result.applied:
                 buffer = self.refuse_step(batch + buffer, batch, result, stats)
@@ -369,8 +401,8 @@ class Trainer:
                                            self.run_id, self.dataset, self.etag, self.key,
                                            lambda: self._save(version))
         self._sync_published()
+        self._keep_window_weights()
         self.retention.after_publish(self.manifest)
-        self.ingest.audit_version = version
         self.published = {v for v in self.published | {version} if v >= self.window().low}
         self.ledger.prune(self.window().low)
         prune_states(self.state_root, {version})
@@ -406,6 +438,9 @@ class Trainer:
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
             "ingest/over_cap": stats.over_cap,
             "ingest/by_volunteer": stats.by_volunteer,
+            "audit/shards": stats.audit.audited, "audit/skipped": stats.audit.skipped,
+            "audit/deferred": stats.audit.deferred, "audit/seconds": stats.audit.seconds,
+            "audit/by_volunteer": stats.audit.by_volunteer,
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
             **timing,
             **{f"train/{k}": v for k, v in result.stats.items()},

@@ -1,8 +1,8 @@
 """One optimizer step on a batch of scored groups: advantages and the loss per micro-batch
 (losses.py, pure), gradients accumulated over the step's rows, and no update at all if the
-loss or a gradient is not finite (the step is refused and its groups blamed). Also the
-logprob audit, which recomputes behavior logprobs of sampled groups with the weights the
-trainer holds."""
+loss or a gradient is not finite (the step is refused and its groups blamed). Also the audit
+of a shard's groups: every token replayed against its committed draw, every behavior logprob
+recomputed (trainer.audit decides which shards, and with which version's weights)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.policy import Policy
+from volunteer_rl.model.replay import replay
 from volunteer_rl.model.scoring import token_logprobs
+from volunteer_rl.protocol.draws import completion_uniforms
 from volunteer_rl.trainer.ingest import ScoredGroup
 from volunteer_rl.trainer.losses import (
     grpo_advantages,
@@ -116,25 +118,29 @@ def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dic
     return bad
 
 
-def audit_logprobs(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-                   temperature: float, tolerance: float) -> str | None:
-    """Score the submitted tokens under the weights in memory; a description if any token's
-    claimed behavior logprob is further than `tolerance` from the trainer's own, else None.
+def audit_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                 run_id: str, temperature: float, replay_tolerance: float,
+                 logprob_tolerance: float) -> tuple[str, str] | None:
+    """Replay every completion of `groups` under `policy`, which must hold the weights of their
+    version as volunteers ran them: (reason code, detail) of the first failure, else None.
 
-    Catches a volunteer that runs other weights or samples at another temperature: its
-    logprobs cannot match. fp32 on CPU agrees with the volunteer's sampler to ~1e-5. `policy`
-    must hold the weights volunteers run: with bf16 publishing, the bf16-rounded copy
-    (Trainer.published_policy), not the fp32 master, which differs by more than the tolerance."""
-    with torch.no_grad():
-        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in groups],
-                                    [g.token_ids for g in groups], temperature)
-    claimed = _behavior_tensor([lp for g in groups for lp in g.behavior_logprobs],
-                               logp.shape[1], policy.device)
-    worst = ((logp - claimed).abs() * mask).max().item()
-    if worst > tolerance:
-        return f"behavior logprobs differ from the trainer's by up to {worst:.3f} (tolerance {tolerance:g})"
+    `replay_mismatch`: a token is not the one its committed draw (protocol.draws) selects from
+    the recomputed distribution, by more than `replay_tolerance` of probability mass: it was
+    not sampled. `logprob_mismatch`: a claimed behavior logprob is further than
+    `logprob_tolerance` (nats) from the recomputed one: other weights or another temperature."""
+    uniforms = [[completion_uniforms(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
+                                     j, len(c)) for j, c in enumerate(g.token_ids)]
+                for g in groups]
+    rows = replay(policy, [prompt_ids[g.prompt_id] for g in groups], [g.token_ids for g in groups],
+                  uniforms, temperature)
+    where = [(g, j, claimed) for g in groups for j, claimed in enumerate(g.behavior_logprobs)]
+    for (g, j, claimed), row in zip(where, rows):
+        at = f"group {g.line} (seq {g.seq}) completion {j}"
+        if row.margin < -replay_tolerance:
+            return ("replay_mismatch", f"{at}: token {row.position} is not the one its committed "
+                    f"draw selects (margin {row.margin:.2e}, tolerance {replay_tolerance:g})")
+        gap = max((abs(a - b) for a, b in zip(claimed, row.logprobs)), default=0.0)
+        if gap > logprob_tolerance:
+            return ("logprob_mismatch", f"{at}: behavior logprobs differ from the trainer's by "
+                    f"up to {gap:.3f} (tolerance {logprob_tolerance:g})")
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop.

@@ -28,8 +28,6 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from volunteer_rl.config import VolunteerConfig
 from volunteer_rl.errors import ConfigError
 from volunteer_rl.model.checkpoint import (
@@ -45,15 +43,17 @@ from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.weights import load_weights
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import completion_uniforms
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
 from volunteer_rl.protocol.shards import Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Storage, StorageError, is_missing
 from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
-from volunteer_rl.task.reward import reward
+from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.volunteer.curriculum import PromptPicker
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
+from volunteer_rl.volunteer.numbering import GroupNumbers
 from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
@@ -103,6 +103,7 @@ class Volunteer:
         self.extra_groups = 0  # groups allowed past the per-version cap (see at_cap)
         self.capped_since: float | None = None
         self.tally = Tally(started_at=time.time())
+        self.numbers = GroupNumbers(self.work / "group-numbers.json")
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
                                    self._heartbeat_payload, log)
 
@@ -186,17 +187,24 @@ class Volunteer:
     # -- the loop -----------------------------------------------------------------------------
 
     def _generate(self) -> list[Group]:
+        """One batch of groups, each numbered and sampled with its committed noise."""
         m, policy = self.manifest, self.policy
         picked = self.picker.pick(self.cfg.prompts_per_batch)
         prompts = encode_prompts(policy, [p.prompt for p in picked])
         s = m.sampling
-        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens)
+        first = self.numbers.take(m.run_id, m.version, len(picked))
+        streams = [[completion_uniforms(m.run_id, m.version, self.id, first + i, p.id, j,
+                                        s.max_new_tokens) for j in range(s.k)]
+                   for i, p in enumerate(picked)]
+        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, uniforms=streams)
         groups = []
-        for p, samples in zip(picked, out):
-            completions = [Completion(x.token_ids, x.logprobs, x.text, reward(x.text, p.expression))
+        for i, (p, samples) in enumerate(zip(picked, out)):
+            completions = [Completion(x.token_ids, x.logprobs, x.text,
+                                      completion_reward(x.token_ids, p.expression, policy.decode_all,
+                                                        policy.eos_id, policy.special_ids))
                            for x in samples]
             self.picker.observe(p, [c.reward for c in completions])
-            groups.append(Group(p.id, m.version, self.id, completions))
+            groups.append(Group(p.id, m.version, self.id, first + i, completions))
         return groups
 
     def try_switch(self, m: Manifest) -> bool:
@@ -275,8 +283,6 @@ class Volunteer:
         cfg = self.cfg
         if cfg.nice > 0 and hasattr(os, "nice"):  # POSIX only; elsewhere the OS decides
             os.nice(cfg.nice)
-        if cfg.seed is not None:
-            torch.manual_seed(cfg.seed)
         started = time.time()
         self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
         if self.trust.key:
