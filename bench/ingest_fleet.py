@@ -14,8 +14,9 @@ that differ only in history:
 - `short`: H1 versions; `long`: H2 >> H1 versions. Every old version holds the shards of a
   fifth of the fleet; the three versions of the window (staleness 2, the trainer's default)
   hold one shard of every volunteer, the same groups in both buckets. Within a version no
-  group repeats (the pool has a distinct prompt per group slot), so the ledger's duplicate
-  check does not thin the figures.
+  group repeats (the pool has a distinct prompt per group slot, the later arrivals below
+  included), so the ledger's duplicate check neither thins the figures nor rejects a shard
+  as `duplicate_only`.
 
 Measured, on the `long` bucket, same shards, same server, same process:
 
@@ -85,7 +86,8 @@ HISTORY_SHARE = 5  # an old version holds the shards of 1 in this many volunteer
 
 def make_policy_and_pool(sizes: Sizes):
     """(rules, pool): the trainer's Rules for a freshly built tiny policy, and one list of
-    Completions per prompt sampled from it, enough for every group slot of one version."""
+    Completions per prompt sampled from it, enough for every group slot of one version: one
+    shard per volunteer, then the arrivals of every counted step."""
     import torch
 
     from volunteer_rl.config import TrainerConfig
@@ -100,7 +102,7 @@ def make_policy_and_pool(sizes: Sizes):
     problems = load_csv(dataset_paths(cfg)[0])
     torch.manual_seed(0)
     policy = initial_policy(cfg, problems, torch.device("cpu"), log=lambda m: None)
-    picked = problems[: sizes.volunteers * sizes.groups_per_shard]
+    picked = problems[: (sizes.volunteers + sizes.steps * sizes.arrivals) * sizes.groups_per_shard]
     torch.manual_seed(1)
     out = sample(policy, encode_prompts(policy, [p.prompt for p in picked]), cfg.k,
                  cfg.temperature, cfg.max_new_tokens)
@@ -115,12 +117,13 @@ def make_policy_and_pool(sizes: Sizes):
     return rules, pool
 
 
-def shard_bytes(pool, version: int, volunteer: int, seq: int, per_shard: int) -> tuple[str, bytes]:
-    """(key, encoded shard) of volunteer number `volunteer`'s shard `seq` of `version`."""
+def shard_bytes(pool, version: int, volunteer: int, seq: int, per_shard: int,
+                slot: int) -> tuple[str, bytes]:
+    """(key, encoded shard) of volunteer number `volunteer`'s shard `seq` of `version`, made of
+    the pool's groups from slot number `slot` on."""
     vid = f"vol-{volunteer:04d}"
-    start = ((volunteer + seq * 7919) * per_shard) % len(pool)
     groups = [Group(pid, version, vid, seq * per_shard + j, comps)
-              for j, (pid, comps) in enumerate(pool[(start + j) % len(pool)] for j in range(per_shard))]
+              for j, (pid, comps) in enumerate(pool[slot * per_shard: (slot + 1) * per_shard])]
     return layout.shard_key(version, vid, new_shard_name(seq)), encode_shard(groups)
 
 
@@ -138,15 +141,16 @@ def fill_bucket(storage, pool, sizes: Sizes, history: int) -> int:
         everyone = v >= top - STALENESS
         for n in range(sizes.volunteers):
             if everyone or n % HISTORY_SHARE == v % HISTORY_SHARE:
-                items.append(shard_bytes(pool, v, n, 0, sizes.groups_per_shard))
+                items.append(shard_bytes(pool, v, n, 0, sizes.groups_per_shard, slot=n))
     upload(storage, items)
     return len(items)
 
 
 def new_arrivals(storage, pool, sizes: Sizes, version: int, step: int) -> None:
     """ARRIVALS volunteers upload one more shard each into `version` (set-up: not counted)."""
+    first = sizes.volunteers + step * sizes.arrivals  # slots after the window's shards
     upload(storage, [shard_bytes(pool, version, (step * sizes.arrivals + i) % sizes.volunteers,
-                                 step + 1, sizes.groups_per_shard)
+                                 step + 1, sizes.groups_per_shard, slot=first + i)
                      for i in range(sizes.arrivals)])
 
 
