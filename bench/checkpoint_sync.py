@@ -131,11 +131,13 @@ class Publisher:
         self.manifest = None
 
     def publish(self) -> None:
-        from volunteer_rl.trainer.publish import publish
+        from volunteer_rl.trainer.publish import WeightsChain, publish
 
+        # a chain of its own each time: every version a keyframe, the whole file uploaded
+        chain = WeightsChain(self.cfg.keyframe_every, self.cfg.patch_max_fraction)
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
-                                           "bench", self.dataset, self.etag, self.key)
+                                           "bench", self.dataset, self.etag, self.key, chain)
 
 
 def fsync_path(path: Path) -> None:
@@ -189,8 +191,8 @@ def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
     times["raw_publish"] = best(raw_publish, rounds)
     held: list = [None]  # the buffer a volunteer keeps from one swap to the next
 
-    def fetch(n: int) -> None:
-        held[0] = swap_weights(pub.storage, pub.manifest, policy, held[0])
+    def fetch(n: int) -> None:  # held as the reuse buffer only: the whole file is read
+        held[0] = swap_weights(pub.storage, pub.manifest, policy, reuse=held[0]).buf
 
     times["fetch"] = best(fetch, rounds)
     times["raw_fetch"] = best(lambda n: shutil.copyfile(weights, tmp / f"fetched-{dtype}-{n}"), rounds)
@@ -229,7 +231,7 @@ def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
 
     times["raw_fetch"] = best(raw_fetch, 1)
     (tmp / "fetched-s3").unlink()
-    times["fetch"] = best(lambda n: swap_weights(pub.storage, pub.manifest, policy, held), 1)
+    times["fetch"] = best(lambda n: swap_weights(pub.storage, pub.manifest, policy, reuse=held), 1)
     reset_bucket(plain, endpoint)  # moto keeps objects in memory and temp files: free them
     return rows_for("s3", dtype, size, times, "", quick)
 

@@ -102,6 +102,17 @@ class TrainerConfig(_Checked):
     """Prompt groups in one optimizer step."""
     publish_every: int = setting(1, at_least=1)
     """Optimizer steps between published versions."""
+    publish_min_seconds: float = setting(0.0, at_least=0)
+    """Seconds at least between the starts of two publishes (0: no minimum): steps go on in
+    between and the next publish carries them all, so a large model is not published faster
+    than it uploads."""
+    keyframe_every: int = setting(20, at_least=1, at_most=256)
+    """Versions between keyframes (whole weights files); the versions between are published
+    as patches when they are small enough (patch_max_fraction). A volunteer that falls behind
+    or joins fetches the newest keyframe and at most this many patches minus one."""
+    patch_max_fraction: float = setting(0.5, above=0, at_most=1)
+    """A version is published as a patch only when the patch is at most this share of the
+    whole weights file; otherwise it is a keyframe. 1 takes any patch smaller than the file."""
     keep_versions: int = setting(10, at_least=1)
     """Retention keeps the newest this many versions (and always the staleness window). Older
     checkpoints and rollout shards are deleted by `vrl gc` or by the trainer's own passes

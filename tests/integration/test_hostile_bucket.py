@@ -27,6 +27,7 @@ from volunteer_rl.model.checkpoint import (
     check_model_folder,
     fetch_checkpoint,
     fetch_weights,
+    piece_hashes,
     publish_checkpoint,
     sha256_bytes,
 )
@@ -35,15 +36,19 @@ from volunteer_rl.model.tiny import build_tokenizer
 from volunteer_rl.model.weights import save_policy
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    PIECE_BYTES,
     FileEntry,
+    Link,
     Manifest,
     ManifestError,
     Sampling,
+    Weights,
     read_manifest,
     write_manifest,
 )
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
 from volunteer_rl.storage import open_storage
+from volunteer_rl.storage.base import StorageError
 from volunteer_rl.task.generate import generate_problems
 
 KEY = Ed25519PrivateKey.generate()  # the trainer's key, stolen: every manifest here is signed
@@ -126,6 +131,15 @@ def make_manifest(storage, version: int, files: dict[str, FileEntry], dataset_cs
                   **fields) -> Manifest:
     from volunteer_rl.trainer.publish import upload_dataset
 
+    weights = files.get("model.safetensors")
+    if weights is not None and "weights" not in fields:  # a keyframe, pieces of what is there
+        try:
+            data = storage.read(layout.checkpoint_key(version, "model.safetensors"))
+            pieces = piece_hashes(data, PIECE_BYTES)
+        except StorageError:
+            pieces = ["0" * 64] * -(-weights.size // PIECE_BYTES)
+        fields["weights"] = Weights(PIECE_BYTES, tuple(pieces),
+                                    Link(version, weights.sha256, weights.size))
     return Manifest(run_id="run-h", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files, dataset=upload_dataset(storage, dataset_csv),
                     sampling=Sampling(2, 1.0, 8), max_staleness=2, **fields)
@@ -154,7 +168,7 @@ def test_a_manifest_listing_code_pickles_or_paths_is_refused_before_any_download
     dest.mkdir()
     for fetch in (lambda: fetch_checkpoint(storage, m, dest, require_model=True),
                   lambda: fetch_checkpoint(storage, m, dest),  # the trainer's resume too
-                  lambda: fetch_weights(storage, m, "model.safetensors")):  # a volunteer's swap
+                  lambda: fetch_weights(storage, m)):  # a volunteer's swap
         with pytest.raises(CheckpointRefused) as e:
             fetch()
         assert str(e.value) == (
@@ -215,7 +229,7 @@ def test_a_config_asking_for_code_is_refused_before_the_weights_are_fetched(
     (tmp_path / "bucket" / layout.checkpoint_key(0, "model.safetensors")).unlink()
     m = make_manifest(storage, 0, files, dataset_csv)
     for fetch in (lambda: fetch_checkpoint(storage, m, tmp_path / "dest", require_model=True),
-                  lambda: fetch_weights(storage, m, "model.safetensors")):
+                  lambda: fetch_weights(storage, m)):
         with pytest.raises(CheckpointRefused) as e:
             fetch()
         assert str(e.value).startswith(f"checkpoints/v000000/config.json: {says}")
@@ -293,7 +307,7 @@ def test_weights_of_another_size_than_the_config_are_refused_before_download(
     swapped = folder_files(llama, **{"model.safetensors": (bigger / "model.safetensors").read_bytes()})
     m = make_manifest(storage, 0, put_files(storage, 0, swapped), dataset_csv)
     for fetch in (lambda: fetch_checkpoint(storage, m, tmp_path / "dest", require_model=True),
-                  lambda: fetch_weights(storage, m, "model.safetensors")):
+                  lambda: fetch_weights(storage, m)):
         with pytest.raises(CheckpointRefused, match=r"^checkpoints/v000000/model\.safetensors: "
                            r"[\d,]+ bytes in manifest\.json, but config\.json describes 37,792 "
                            r"parameters: 151,168 bytes of float32 data"):
@@ -350,7 +364,7 @@ def test_tiny_real_architectures_pass_the_checks_and_load(arch, tokenizer, datas
                           dataset_csv, weights_dtype=str(dtype).removeprefix("torch."))
         loaded = load_policy(fetch_checkpoint(storage, m, tmp_path / f"got{version}",
                                               require_model=True))
-        assert fetch_weights(storage, m, "model.safetensors").nbytes == \
+        assert fetch_weights(storage, m).buf.nbytes == \
             m.files["model.safetensors"].size
         with torch.no_grad():
             assert torch.allclose(loaded.model(ids).logits, expected, atol=0.1 if version else 1e-5)

@@ -158,7 +158,7 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     publishes v9 and retention deletes v8. It must re-read the manifest and load v9."""
     from volunteer_rl.config import TrainerConfig, VolunteerConfig
     from volunteer_rl.protocol.signing import load_or_create_key
-    from volunteer_rl.trainer.publish import publish
+    from volunteer_rl.trainer.publish import WeightsChain, publish
     from volunteer_rl.volunteer.loop import Volunteer
 
     bucket = tmp_path / "bucket"
@@ -176,7 +176,8 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     etag = s.read_if_changed(layout.MANIFEST, None)[1]
     cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"))
     key, _ = load_or_create_key(collected["root"] / "tw" / "signing-key.pem")
-    publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key)   # ...then v9 comes
+    publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key,  # ...then v9 comes
+            WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction))
     for key in s.list(layout.checkpoint_prefix(8)):             # and v8 goes
         s.delete(key)
     assert v.try_switch(seen)
@@ -188,4 +189,4 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
         s.delete(key)
     v.manifest = m7
     assert not v.try_switch(v.latest) and not v.try_switch(v.latest)
-    assert sum("cannot load v9" in line for line in logs) == 1 and v.manifest is m7
+    assert sum("cannot load v9" in line for line in logs) == 1 and v.manifest is m7, logs[-3:]

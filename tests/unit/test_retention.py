@@ -13,6 +13,7 @@ from volunteer_rl.trainer.retention import (
     BELOW_RANGE,
     UNCOMMITTED,
     TrainerRetention,
+    chain_floor,
     collect,
     execute,
     kept_from,
@@ -158,8 +159,47 @@ def set_current(storage, version):
 
 def fill(storage, versions, committed=None):
     for key in bucket_keys(versions, committed):
-        if key != layout.MANIFEST:
+        parsed = layout.split_versioned_key(key)
+        if parsed is not None and parsed[0] == layout.MANIFESTS:
+            storage.write(key, manifest(parsed[1]).to_json())
+        elif key != layout.MANIFEST:
             storage.write(key, b"12345")
+
+
+def with_chain(version: int, keyframe: int, first_patch: int | None) -> Manifest:
+    """A manifest whose weights come from keyframe `keyframe` and patches from `first_patch`."""
+    from volunteer_rl.protocol.manifest import FileEntry, Link, Weights
+
+    sha = "ab" * 32
+    patches = () if first_patch is None else tuple(Link(v, sha, 1) for v in range(first_patch, version + 1))
+    m = manifest(version)
+    return Manifest(**{**m.__dict__, "files": {"model.safetensors": FileEntry(sha, 5)},
+                       "weights": Weights(1 << 20, (sha,), Link(keyframe, sha, 5), patches)})
+
+
+def test_the_folders_the_kept_versions_are_rebuilt_from_stay(tmp_path):
+    """Kept range v5-v7 (keep 3); v5's keyframe is v2, so v2-v4 stay under checkpoints/ (their
+    rollouts go); a manifest copy that cannot be read keeps every checkpoint."""
+    s = open_storage(str(tmp_path))
+    fill(s, range(8))
+    s.write(layout.manifest_history_key(5), with_chain(5, 2, 3).to_json())
+    s.write(layout.MANIFEST, with_chain(7, 6, 3).to_json())
+    p, out = collect(s, keep_versions=3, trust=UNSIGNED)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {2, 3, 4, 5, 6, 7}
+    assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {5, 6, 7}
+    # the current manifest lists patches from v1 on: v1's folder stays too
+    fill(s, range(8))
+    s.write(layout.manifest_history_key(5), with_chain(5, 2, 3).to_json())
+    s.write(layout.MANIFEST, with_chain(7, 6, 1).to_json())
+    collect(s, keep_versions=3, trust=UNSIGNED)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {1, 2, 3, 4, 5, 6, 7}
+    # v5's copy unreadable: nothing under checkpoints/ goes
+    fill(s, range(8))
+    s.write(layout.manifest_history_key(5), b"not a manifest")
+    collect(s, keep_versions=3, trust=UNSIGNED)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == set(range(8))
+    assert chain_floor(with_chain(7, 6, None), with_chain(5, 2, 3), 5) == 2
+    assert chain_floor(with_chain(7, 6, None), None, 5) == 0
 
 
 def test_collect_deletes_and_dry_run_does_not(tmp_path):

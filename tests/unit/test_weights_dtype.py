@@ -86,7 +86,7 @@ def test_a_tampered_buffer_is_refused_before_any_weight_moves(bf16_trainer, tmp_
     path.write_bytes(bytes(data))
     try:
         with pytest.raises(CheckpointError):
-            fetch_weights(trainer.storage, m, "model.safetensors")
+            fetch_weights(trainer.storage, m)
     finally:
         path.write_bytes(original)
 

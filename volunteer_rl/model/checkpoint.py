@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import warnings
 from collections import OrderedDict, deque
@@ -39,8 +40,8 @@ from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.progress import progress
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import FileEntry, Manifest
-from volunteer_rl.storage.base import ShortObject, Storage, TooLarge
+from volunteer_rl.protocol.manifest import FileEntry, Link, Manifest, Weights
+from volunteer_rl.storage.base import ShortObject, Storage, StorageError, TooLarge
 
 # A checkpoint file larger than this is refused before download (volunteers bound what they
 # read too). 64 GiB leaves room for multi-billion-parameter models in one safetensors file.
@@ -535,16 +536,18 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path,
 
 
 def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
-                     only: list[str] | None = None, require_model: bool = False) -> Path:
+                     only: list[str] | None = None, require_model: bool = False,
+                     weights: memoryview | None = None) -> Path:
     """Download the manifest's checkpoint into `dest`, verifying every sha256 and size.
 
     Nothing is downloaded (nor `dest` created) before `check_checkpoint(storage, manifest,
     require_model)` passed: volunteers and `vrl eval` pass require_model=True.
-    `only` restricts the download to some files (a volunteer swapping weights needs only the
-    safetensors). Files land under a temp name and are renamed when verified, so `dest` never
-    holds bytes that did not match. A full fetch also removes files the manifest does not name
-    (left by another version or bucket), so a loader reading the whole folder reads only
-    files checked against this manifest.
+    `only` restricts the download to some files. The weights file comes from `weights` if
+    given (a buffer fetch_weights returned for this manifest), else from fetch_weights (the
+    keyframe and the patches after it). Files land under a temp name and are renamed when
+    verified, so `dest` never holds bytes that did not match. A full fetch also removes files
+    the manifest does not name (left by another version or bucket), so a loader reading the
+    whole folder reads only files checked against this manifest.
     """
     check_checkpoint(storage, manifest, require_model)
     dest = Path(dest)
@@ -553,7 +556,11 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     with progress(f"fetch v{manifest.version}", sum(e.size for e in wanted.values()),
                   unit_bytes=True) as advance:
         for name, entry in wanted.items():
-            _fetch_file(storage, layout.checkpoint_key(manifest.version, name), entry, dest / name)
+            if name == WEIGHTS_FILE and manifest.weights is not None:
+                data = weights if weights is not None else fetch_weights(storage, manifest).buf
+                _write_file(data, dest / name)
+            else:
+                _fetch_file(storage, layout.checkpoint_key(manifest.version, name), entry, dest / name)
             advance(entry.size)
     if only is None:
         for path in dest.iterdir():
@@ -591,22 +598,198 @@ def read_verified(storage: Storage, key: str, entry: FileEntry,
     return buf
 
 
-def fetch_weights(storage: Storage, manifest: Manifest, name: str,
-                  reuse: memoryview | None = None) -> memoryview:
-    """One file of the manifest's checkpoint (the weights), verified, in memory only: what a
-    volunteer swapping weights needs, with no copy on disk (see weights.load_weights). The
-    checkpoint is checked first as a model's (check_checkpoint, require_model): no buffer is
-    allocated for weights of another size than its config.json describes."""
+# ---------------------------------------------------------------------------------------------
+# Weights: pieces hashed on every core, and rebuilt from a keyframe and patches.
+
+def piece_hashes(buf, piece_bytes: int, workers: int = 0) -> list[str]:
+    """sha256 of every `piece_bytes` slice of `buf`, computed on `workers` threads (0: one per
+    CPU; hashlib releases the GIL on big buffers, so they run on all cores)."""
+    view = memoryview(buf).cast("B")
+    slices = [view[i:i + piece_bytes] for i in range(0, len(view), piece_bytes)]
+    if len(slices) <= 1:
+        return [sha256_bytes(s) for s in slices]
+    with ThreadPoolExecutor(min(len(slices), workers or os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_bytes, slices))
+
+
+class PieceHasher:
+    """`Storage.read_into`'s on_chunk: hashes each piece of the buffer being filled as soon as
+    its last byte has landed, on a pool of one thread per CPU, while the read goes on."""
+
+    def __init__(self, buf: memoryview, piece_bytes: int):
+        self.buf, self.piece_bytes = buf, piece_bytes
+        self.pool = ThreadPoolExecutor(os.cpu_count() or 1)
+        self.futures: list[Future] = []
+        self.filled = 0
+
+    def add(self, offset: int, piece: memoryview) -> None:
+        if offset == 0 and self.filled:  # a retried read starts again
+            for f in self.futures:
+                f.cancel()
+            self.futures, self.filled = [], 0
+        if offset != self.filled:
+            raise CheckpointError(f"piece at {offset} out of order (expected {self.filled})")
+        self.filled += len(piece)
+        done = self.filled // self.piece_bytes
+        if self.filled == len(self.buf):
+            done = -(-len(self.buf) // self.piece_bytes)
+        while len(self.futures) < done:
+            i = len(self.futures) * self.piece_bytes
+            self.futures.append(self.pool.submit(sha256_bytes, self.buf[i:i + self.piece_bytes]))
+
+    def hashes(self) -> list[str]:
+        """The pieces' sha256s so far (every piece, after a read that filled the buffer)."""
+        try:
+            return [f.result() for f in self.futures]
+        finally:
+            self.pool.shutdown()
+
+
+@dataclass
+class Held:
+    """A weights file a reader holds in memory, verified: the bytes whose sha256 is `sha256`,
+    version `version` of run `run_id`. `fetch_weights` may patch it into a newer version in
+    place, so after a fetch that failed its content is garbage and it is no longer held."""
+
+    run_id: str
+    version: int
+    sha256: str
+    buf: memoryview
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What fetch_weights did: the verified buffer, how (`held`: already there, `patches`: the
+    held version patched forward, `keyframe`: the keyframe and the patches after it) and the
+    bytes it downloaded."""
+
+    buf: memoryview
+    how: str
+    bytes: int
+    links: int
+
+
+def plan_fetch(m: Manifest, held: Held | None) -> tuple[str, list[Link]]:
+    """("held" | "patches" | "keyframe", the links to download, in order): the fewer bytes of
+    patching the held version forward (when the manifest lists every patch after it) and of
+    the keyframe with the patches after it. Pure: no I/O."""
+    w, whole = m.weights, m.files[WEIGHTS_FILE]
+    if held is not None and held.run_id == m.run_id and held.sha256 == whole.sha256:
+        return "held", []
+    after_keyframe = [p for p in w.patches if p.version > w.keyframe.version]
+    from_keyframe = [w.keyframe, *after_keyframe]
+    if held is not None and held.run_id == m.run_id and w.patches \
+            and w.patches[0].version - 1 <= held.version < m.version:
+        from_held = [p for p in w.patches if p.version > held.version]
+        if sum(p.size for p in from_held) < sum(p.size for p in from_keyframe):
+            return "patches", from_held
+    return "keyframe", from_keyframe
+
+
+def _read_link(storage: Storage, key: str, link: Link) -> memoryview:
+    return read_verified(storage, key, FileEntry(link.sha256, link.size))
+
+
+def _check_pieces(m: Manifest, hashes: list[str], how: str = "") -> None:
+    """CheckpointError naming the first piece whose sha256 is not the manifest's; `how` says
+    how the file was made if it was not read whole."""
+    if hashes != list(m.weights.pieces):
+        bad = next((i for i, (a, b) in enumerate(zip(hashes, m.weights.pieces)) if a != b), len(hashes))
+        raise CheckpointError(f"{layout.checkpoint_key(m.version, WEIGHTS_FILE)}: sha256 of piece "
+                              f"{bad} does not match manifest.json" + (f" ({how})" if how else ""))
+
+
+def _patch_forward(storage: Storage, m: Manifest, buf: memoryview, base_sha: str | None,
+                   links: list[Link]) -> int:
+    """Apply `links` (patches, in order) to `buf` in place; the bytes downloaded."""
+    from volunteer_rl.protocol.patch import PatchError, apply_patch
+
+    got = 0
+    for link in links:
+        key = Weights.patch_key(link.version)
+        patch = _read_link(storage, key, link)
+        got += link.size
+        try:
+            info = apply_patch(buf, patch, key, base_sha)
+        except PatchError as exc:
+            raise CheckpointError(str(exc)) from None
+        base_sha = info.target_sha256
+    return got
+
+
+def fetch_weights(storage: Storage, manifest: Manifest, held: Held | None = None,
+                  log: Callable[[str], None] | None = None,
+                  reuse: memoryview | None = None) -> Fetched:
+    """The manifest's weights file, verified, in memory only: what a volunteer swapping
+    weights needs, with no copy on disk (see weights.load_weights).
+
+    The checkpoint is checked first as a model's (check_checkpoint, require_model): no buffer
+    is allocated for weights of another size than its config.json describes. Then the
+    cheaper of the ways plan_fetch weighs: the held version patched forward in place, or the
+    keyframe read into the held buffer or `reuse` (reused when of the right size: a fresh
+    multi-GB buffer costs a page fault per 4 KiB page) and patched forward. Either way the result is
+    checked piece by piece against the manifest before it is returned. A patch path that
+    fails (a patch missing, corrupt, or made for another base than the held bytes) is logged
+    in one line and the keyframe path runs instead; if that fails too, CheckpointError, or
+    the StorageError of the object that could not be read (NotFound: retention removed it,
+    and the reader should read the manifest again)."""
     check_checkpoint(storage, manifest, require_model=True)
-    if name not in manifest.files:
-        raise CheckpointError(f"{layout.MANIFEST}: v{manifest.version} names no {name}")
-    return read_verified(storage, layout.checkpoint_key(manifest.version, name),
-                         manifest.files[name], reuse)
+    return build_weights(storage, manifest, held, log, reuse)
+
+
+def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None,
+                  log: Callable[[str], None] | None = None,
+                  reuse: memoryview | None = None) -> Fetched:
+    """fetch_weights after its check of the checkpoint: the weights file from the held
+    version or the keyframe, checked by pieces."""
+    w, whole = manifest.weights, manifest.files[WEIGHTS_FILE]
+    if w is None:
+        raise CheckpointError(f"{layout.MANIFEST}: v{manifest.version} names no weights pieces")
+    how, links = plan_fetch(manifest, held)
+    if how == "held":
+        return Fetched(held.buf, how, 0, 0)
+    reuse = held.buf if held is not None else reuse
+    reuse = reuse if reuse is not None and len(reuse) == whole.size else None
+    if how == "patches":
+        try:
+            got = _patch_forward(storage, manifest, held.buf, held.sha256, links)
+            _check_pieces(manifest, piece_hashes(held.buf, w.piece_bytes),
+                          f"patched from v{held.version}")
+            return Fetched(held.buf, how, got, len(links))
+        except (CheckpointError, StorageError) as exc:
+            if log is not None:
+                log(f"warning: {exc}; fetching keyframe v{w.keyframe.version} instead")
+            how, links = plan_fetch(manifest, None)
+    import numpy as np
+
+    buf = reuse if reuse is not None else memoryview(np.empty(whole.size, dtype=np.uint8))
+    key = w.keyframe_key()
+    if w.keyframe.version == manifest.version:  # the file itself: its pieces hash as they land
+        hasher = PieceHasher(buf, w.piece_bytes)
+        try:
+            storage.read_into(key, buf, hasher.add)
+        except (TooLarge, ShortObject):
+            raise CheckpointError(f"{key}: size does not match manifest.json") from None
+        finally:
+            hashes = hasher.hashes()
+        _check_pieces(manifest, hashes)
+        return Fetched(buf, how, whole.size, 1)
+    try:
+        storage.read_into(key, buf, lambda offset, piece: None)
+    except (TooLarge, ShortObject):
+        raise CheckpointError(f"{key}: size does not match manifest.json") from None
+    got = whole.size + _patch_forward(storage, manifest, buf, w.keyframe.sha256, links[1:])
+    _check_pieces(manifest, piece_hashes(buf, w.piece_bytes),
+                  f"rebuilt from keyframe v{w.keyframe.version}")
+    return Fetched(buf, how, got, len(links))
 
 
 def _fetch_file(storage: Storage, key: str, entry: FileEntry, path: Path) -> None:
     """Download one file, check it against the manifest, then move it into place."""
-    data = read_verified(storage, key, entry)
+    _write_file(read_verified(storage, key, entry), path)
+
+
+def _write_file(data, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.part")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -74,12 +74,10 @@ def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float32) -> int:
-    """Write the model's weights to `out` as safetensors, floating tensors cast to `dtype`
-    (round-to-nearest-even for bf16, the same rounding `Tensor.to` gives everywhere), one
-    tensor at a time. Returns the bytes written."""
+def _serialized(model: torch.nn.Module, dtype: torch.dtype):
+    """(the 8-byte length and JSON header, [(tensor, its bytes' cast)], total bytes) of the
+    model's safetensors file with floating tensors in `dtype`."""
     tensors = published_tensors(model)
-    cast = lambda t: t.detach().to(dtype) if t.is_floating_point() else t.detach()  # noqa: E731
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         dt = dtype if t.is_floating_point() else t.dtype
@@ -89,13 +87,46 @@ def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float3
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % 8)  # the data starts 8-byte aligned, as safetensors does
-    out.write(len(head).to_bytes(8, "little") + head)
+    head = len(head).to_bytes(8, "little") + head
+    return head, list(tensors.values()), len(head) + offset
+
+
+def _tensor_bytes(t: torch.Tensor, dtype: torch.dtype):
+    """A tensor's bytes as published: floating tensors rounded to `dtype` (round-to-nearest-
+    even for bf16, the same rounding `Tensor.to` gives everywhere), the others as they are."""
+    cast = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+    return cast.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+
+
+def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float32) -> int:
+    """Write the model's weights to `out` as safetensors, floating tensors cast to `dtype`,
+    one tensor at a time. Returns the bytes written."""
+    head, tensors, total = _serialized(model, dtype)
+    out.write(head)
     with torch.no_grad():
-        for t in tensors.values():
-            data = cast(t).contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        for t in tensors:
+            data = _tensor_bytes(t, dtype)
             for start in range(0, len(data), _PIECE):
                 out.write(memoryview(data[start:start + _PIECE]))
-    return 8 + len(head) + offset
+    return total
+
+
+def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> memoryview:
+    """The bytes `write_weights` writes, in one buffer (`reuse` if it is of the right size):
+    what the trainer hashes by pieces and diffs against the last version for a patch."""
+    import numpy as np
+
+    head, tensors, total = _serialized(model, dtype)
+    buf = reuse if reuse is not None and len(reuse) == total else memoryview(np.empty(total, np.uint8))
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    at = len(head)
+    with torch.no_grad():
+        for t in tensors:
+            data = _tensor_bytes(t, dtype)
+            arr[at:at + len(data)] = data
+            at += len(data)
+    return buf
 
 
 def weights_writer(model: torch.nn.Module, dtype: torch.dtype):

@@ -1,7 +1,8 @@
 """The bucket as a protocol: every object's key, schema, reader and writer.
 
 Owns the keys and the staleness window (layout), the commit point and its signature (manifest,
-signing), rollout shards and their bounds (shards), the committed sampling noise (draws),
+signing), the weights patches between versions (patch), rollout shards and their bounds
+(shards), the committed sampling noise (draws),
 the trainer's records (ledger, metrics),
 the fleet objects people read (fleet, heartbeat), and how volunteer-written text may be shown
 (printable). docs/PROTOCOL.md is the same contract in prose.

@@ -25,9 +25,11 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 2
-"""2: groups carry `seq` and sample with committed noise (protocol.draws). Readers refuse any
-other value: a volunteer of schema 1 cannot make groups this trainer accepts."""
+SCHEMA_VERSION = 3
+"""2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
+`weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
+Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as
+a patch, nor check the pieces."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -41,6 +42,54 @@ class ManifestError(VrlError):
 class FileEntry:
     sha256: str
     size: int
+
+
+KEYFRAME_FILE = "model.safetensors"
+"""A keyframe: the whole weights file of its version, in that version's checkpoint folder."""
+PATCH_FILE = "weights.vrlpatch"
+"""A patch (protocol.patch) that turns the weights file of version N-1 into version N's, in
+version N's checkpoint folder."""
+MAX_PATCHES = 256
+"""Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
+PIECE_BYTES = 64 << 20
+"""Bytes per hashed piece of the weights file the trainer publishes (the last is shorter)."""
+_PIECE_RANGE = (1 << 20, 1 << 30)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One object a reader may fetch to build a version's weights: the keyframe (a whole
+    weights file) or one patch, named by version, with its sha256 and size."""
+
+    version: int
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Weights:
+    """How a version's weights file (files["model.safetensors"]: its sha256 and size) is
+    fetched and checked.
+
+    `pieces`: the sha256 of every `piece_bytes` slice of the file, so readers hash pieces
+    on all cores as they land, and check a file they rebuilt. `keyframe`: the newest version
+    at or before this one published whole. `patches`: consecutive versions ending at this
+    one, each a patch against the version before it, reaching back at least to the one after
+    the keyframe; a reader that holds any version from the one before the first patch on
+    needs only the patches after it. Empty when this version is a keyframe with no patch."""
+
+    piece_bytes: int
+    pieces: tuple[str, ...]
+    keyframe: Link
+    patches: tuple[Link, ...] = ()
+
+    def keyframe_key(self) -> str:
+        return layout.checkpoint_key(self.keyframe.version, KEYFRAME_FILE)
+
+    @staticmethod
+    def patch_key(version: int) -> str:
+        return layout.checkpoint_key(version, PATCH_FILE)
 
 
 @dataclass(frozen=True)
@@ -80,6 +129,9 @@ class Manifest:
     max_shard_groups: int = MAX_GROUPS_PER_SHARD
     """Most groups one shard may hold (1..MAX_GROUPS_PER_SHARD). Absent in manifests of
     older trainers, which took up to MAX_GROUPS_PER_SHARD."""
+    weights: Weights | None = None
+    """Pieces and chain of the weights file (schema 3). None only for a checkpoint without
+    weights, which no reader loads (tests of the protocol's other parts)."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
     """The trainer's clock when it published this version. Signed like every field; readers
@@ -117,6 +169,7 @@ class Manifest:
                 prompt_format=str(raw["prompt_format"]),
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
                 max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
+                weights=_weights(raw.get("weights")),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
             raise
@@ -129,7 +182,57 @@ class Manifest:
                                 f"an integer in 1..{MAX_GROUPS_PER_SHARD}")
         if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
             raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
+        if m.weights is not None:
+            _check_weights(m)
         return m
+
+
+def _link(raw) -> Link:
+    return Link(version=raw["version"], sha256=raw["sha256"], size=raw["size"])
+
+
+def _weights(raw) -> Weights | None:
+    """The `weights` object's fields, typed (checked against the manifest in _check_weights)."""
+    if raw is None:
+        return None
+    if not isinstance(raw["pieces"], list) or not isinstance(raw["patches"], list) \
+            or len(raw["patches"]) > MAX_PATCHES:
+        raise ValueError(f"weights: pieces and patches must be lists, at most {MAX_PATCHES} patches")
+    return Weights(piece_bytes=raw["piece_bytes"], pieces=tuple(raw["pieces"]),
+                   keyframe=_link(raw["keyframe"]), patches=tuple(map(_link, raw["patches"])))
+
+
+def _check_weights(m: Manifest) -> None:
+    """The pieces cover the weights file exactly; the keyframe is at or before this version
+    and of the file's size; the patches are consecutive, end at this version and reach the
+    keyframe; every number is an integer in bounds and every hash a sha256."""
+    w, whole = m.weights, m.files.get(KEYFRAME_FILE)
+
+    def bad(why: str) -> ManifestError:
+        return ManifestError(f"{layout.MANIFEST}: weights: {why}")
+    if whole is None:
+        raise bad(f"names the pieces of a weights file but files lists no {KEYFRAME_FILE}")
+    if type(w.piece_bytes) is not int or not _PIECE_RANGE[0] <= w.piece_bytes <= _PIECE_RANGE[1]:
+        raise bad(f"piece_bytes {w.piece_bytes!r:.40} is not an integer in {_PIECE_RANGE[0]}..{_PIECE_RANGE[1]}")
+    if whole.size < 0 or len(w.pieces) != -(-whole.size // w.piece_bytes):
+        raise bad(f"{len(w.pieces)} pieces of {w.piece_bytes} bytes do not cover {whole.size} bytes")
+    for sha in (*w.pieces, w.keyframe.sha256, *(p.sha256 for p in w.patches)):
+        if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
+            raise bad(f"{sha!r:.80} is not a sha256 in lowercase hex")
+    for link in (w.keyframe, *w.patches):
+        if type(link.version) is not int or type(link.size) is not int or not 0 <= link.size <= whole.size:
+            raise bad(f"v{link.version!r:.20}: version and size must be integers, the size at most "
+                      f"the weights file's {whole.size}")
+    k = w.keyframe
+    if not 0 <= k.version <= m.version or k.size != whole.size:
+        raise bad(f"keyframe v{k.version} must be at or before v{m.version} and of {whole.size} bytes")
+    if k.version == m.version and k.sha256 != whole.sha256:
+        raise bad(f"keyframe v{k.version} is this version's, so it must be its weights file")
+    versions = [p.version for p in w.patches]
+    if versions and (versions != list(range(versions[0], m.version + 1)) or versions[0] < 1):
+        raise bad(f"patches must be of consecutive versions ending at v{m.version}")
+    if k.version < m.version and (not versions or versions[0] > k.version + 1):
+        raise bad(f"patches must reach back to v{k.version + 1}, the version after the keyframe")
 
 
 def decode(data: bytes) -> dict:

@@ -23,7 +23,7 @@ import torch
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.errors import VrlError
-from volunteer_rl.model.checkpoint import WEIGHTS_FILE, fetch_checkpoint, fetch_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint, fetch_weights
 from volunteer_rl.model.devices import pick_device
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
@@ -43,6 +43,7 @@ from volunteer_rl.trainer.fleet_summary import FleetSummary
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
 from volunteer_rl.trainer.publish import (
     TrainerError,
+    WeightsChain,
     publish,
     published_or_started,
     signing_key,
@@ -101,6 +102,8 @@ class Trainer:
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
         self.window_weights = WindowWeights()  # published weights of the window, for audits
+        self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction)
+        self.last_publish_start = 0.0
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -152,7 +155,8 @@ class Trainer:
             self.dataset = upload_dataset(self.storage, self.train_path)
             self.ledger = Ledger()
             self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
-                                               self.dataset, None, self.key, lambda: self._save(0))
+                                               self.dataset, None, self.key, self.chain,
+                                               lambda: self._save(0))
             self._sync_published()
             self._keep_window_weights()
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
@@ -255,7 +259,7 @@ class Trainer:
                 m = read_manifest(self.storage, version, trust=trust)
                 if m is None:
                     raise TrainerError(f"{layout.manifest_history_key(version)} is missing")
-                load_weights(self.audit_policy, fetch_weights(self.storage, m, WEIGHTS_FILE))
+                load_weights(self.audit_policy, fetch_weights(self.storage, m).buf)
             except (VrlError, StorageError) as exc:
                 self.log(f"warning: v{version}'s weights for audits: {exc}")
                 continue
@@ -342,7 +346,8 @@ class Trainer:
                       "time/dashboard": self.dashboard.take_seconds()}
             self._record_step(self.steps, batch, result, stats, stale_dropped, timing)
             stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
-            if unpublished == cfg.publish_every and not self._done(steps, started):
+            due = time.time() - self.last_publish_start >= cfg.publish_min_seconds
+            if unpublished >= cfg.publish_every and due and not self._done(steps, started):
                 t0 = time.time()
                 self.publish_next()
                 last_publish = time.time() - t0
@@ -397,9 +402,10 @@ class Trainer:
         fleet.json and dashboard/, and the metrics of the steps that led to it."""
         self.last_used += 1
         version = self.last_used
+        self.last_publish_start = time.time()
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
-                                           lambda: self._save(version))
+                                           self.chain, lambda: self._save(version))
         self._sync_published()
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)

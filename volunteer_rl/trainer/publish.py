@@ -16,19 +16,27 @@ from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import (
     WEIGHTS_FILE,
+    CheckpointError,
     clear_folder,
+    piece_hashes,
     publish_checkpoint,
     sha256_bytes,
+    upload_stream,
 )
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.weights import WEIGHTS_DTYPES, save_policy, weights_writer
+from volunteer_rl.model.weights import WEIGHTS_DTYPES, save_policy, weights_bytes
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    PIECE_BYTES,
     Dataset,
+    FileEntry,
+    Link,
     Manifest,
     Sampling,
+    Weights,
     write_manifest,
 )
+from volunteer_rl.protocol.patch import count_changed, make_patch
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
 from volunteer_rl.protocol.signing import key_path, load_or_create_key, public_key_text
 from volunteer_rl.storage.base import AlreadyExists, PreconditionFailed, Storage
@@ -63,38 +71,115 @@ def upload_dataset(storage: Storage, path: Path) -> Dataset:
     return Dataset(name=path.stem, key=key, sha256=sha, size=len(data), rows=rows)
 
 
+class WeightsChain:
+    """The trainer's side of keyframes and patches: the weights file it last published (in
+    memory: one more copy of the weights in the published dtype), the keyframe, and the run
+    of patches the manifest lists.
+
+    Each version's weights file is made in memory; it is a patch when the last version
+    published is the one before it (same file size) and the patch is at most
+    `patch_max_fraction` of the file, and also a keyframe when the last keyframe is
+    `keyframe_every` versions back or the patch was refused. The manifest lists the patches of
+    the last `keyframe_every` versions that have one, consecutive, so a volunteer that
+    holds any of those versions patches forward whatever the keyframe is. A trainer that
+    starts (or resumes) holds no last version: its first version is a keyframe."""
+
+    def __init__(self, keyframe_every: int, patch_max_fraction: float, piece_bytes: int = PIECE_BYTES):
+        self.keyframe_every, self.patch_max_fraction = keyframe_every, patch_max_fraction
+        self.piece_bytes = piece_bytes
+        self.last: tuple[int, str, memoryview] | None = None  # version, sha256, the file
+        self.keyframe: Link | None = None
+        self.patches: list[Link] = []
+
+    def plan(self, version: int, buf: memoryview, sha: str, word: int
+             ) -> tuple[bytes | None, bool]:
+        """(patch or None, whether this version is a keyframe too) for `buf`, whose sha256 is
+        `sha`. Changes nothing: `commit` does, once the version is published."""
+        patch = None
+        if self.last is not None and self.last[0] == version - 1 and len(self.last[2]) == len(buf):
+            limit = self.patch_max_fraction * len(buf)
+            # Skip making a patch that cannot pay: zstd never got changed values below half
+            # their raw size here (0.75-0.85 with the positions), and with fp32 weights every
+            # value changes at every step, so most trainers never spend the compression.
+            changed = count_changed(self.last[2], buf, word)
+            if changed * word * 0.5 < limit:
+                made = make_patch(self.last[2], buf, word, self.last[1], sha,
+                                  threads=-1 if len(buf) > (64 << 20) else 0)
+                if len(made) <= limit:
+                    patch = made
+        keyframe = (patch is None or self.keyframe is None
+                    or version - self.keyframe.version >= self.keyframe_every)
+        return patch, keyframe
+
+    def weights(self, version: int, whole: FileEntry, pieces: list[str],
+                patch: Link | None, keyframe: bool) -> Weights:
+        """The manifest's `weights` for this version, published with `patch` (its Link) and
+        as a keyframe or not."""
+        key = Link(version, whole.sha256, whole.size) if keyframe else self.keyframe
+        patches = ([*self.patches, patch] if patch is not None else [])[-self.keyframe_every:]
+        return Weights(self.piece_bytes, tuple(pieces), key, tuple(patches))
+
+    def commit(self, version: int, weights: Weights, sha: str, buf: memoryview) -> None:
+        """Version `version` is published with `weights`: it is now the last one."""
+        self.last = (version, sha, buf)
+        self.keyframe, self.patches = weights.keyframe, list(weights.patches)
+
+
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
-            dataset: Dataset, etag: str | None, key: Ed25519PrivateKey,
+            dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
             before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
 
+    The weights file is made in memory, hashed whole and by pieces, and uploaded as a
+    keyframe (checkpoints/vN/model.safetensors), a patch against the last version
+    (checkpoints/vN/weights.vrlpatch), or both, as `chain` decides.
+
     `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
     manifest and its etag."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
+    buf = weights_bytes(policy.model, dtype)
+    sha = sha256_bytes(buf)
+    pieces = piece_hashes(buf, chain.piece_bytes)
+    patch, keyframe = chain.plan(version, buf, sha, dtype.itemsize)
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
-        # The small files are staged; the weights go from the tensors straight into the
-        # bucket object, hashed on the way (no staged copy, no second read).
         save_policy(policy, staging, dtype, weights=False)
-        files = publish_checkpoint(storage, version, staging,
-                                   {WEIGHTS_FILE: weights_writer(policy.model, dtype)})
+        # the weights go from memory straight into the bucket object, hashed on the way
+        streams = {WEIGHTS_FILE: lambda out: out.write(buf)} if keyframe else {}
+        files = publish_checkpoint(storage, version, staging, streams)
     finally:
         clear_folder(staging)
+    whole = FileEntry(sha, len(buf))
+    if keyframe and files[WEIGHTS_FILE] != whole:
+        raise CheckpointError(f"{layout.checkpoint_key(version, WEIGHTS_FILE)}: uploaded bytes "
+                              "differ from the weights made for them")
+    files[WEIGHTS_FILE] = whole  # a patch version lists the file its chain rebuilds
+    patch_link = None
+    if patch is not None:
+        patch_key = Weights.patch_key(version)
+        entry = upload_stream(storage, patch_key, lambda out: out.write(patch))
+        if storage.size(patch_key) != entry.size:
+            raise CheckpointError(f"{patch_key}: size after upload differs from {entry.size} bytes")
+        patch_link = Link(version, entry.sha256, entry.size)
+    weights = chain.weights(version, whole, pieces, patch_link, keyframe)
     manifest = Manifest(
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
-        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT)
+        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
+        weights=weights)
     before_commit()
     crash_point("before_manifest")
     try:
-        return manifest, write_manifest(storage, manifest, etag, key)
+        new_etag = write_manifest(storage, manifest, etag, key)
     except PreconditionFailed:
         raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
                            "being published; is a second trainer running on this bucket?") from None
+    chain.commit(version, weights, sha, buf)
+    return manifest, new_etag
 
 
 def published_or_started(storage: Storage) -> list[int]:

@@ -13,6 +13,10 @@ The rules (docs/PROTOCOL.md, "Retention"):
   version of the staleness window `[current - max_staleness, current]`, the newest
   `keep_versions` version numbers, and every prefix not in `prefixes` (metrics/, datasets/,
   and whatever else other parts of the trainer file by version).
+- Kept too, under checkpoints/: the folders the kept versions' weights are rebuilt from,
+  from the keyframe of the lowest kept version on, and those of the patches the current
+  manifest lists (`chain_floor`). When the lowest kept version's manifest copy cannot be
+  read, no checkpoint below the kept range is removed that pass.
 - Removed: objects under `prefixes` (checkpoints/, rollouts/) of versions below the kept
   range, whose shards can never be trained on again; and crash debris, the checkpoint
   objects of a version below the window that never got its `manifests/` copy (a publish
@@ -29,8 +33,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable
 
 from volunteer_rl.config import TrainerConfig, check
+from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
+from volunteer_rl.protocol.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    read_manifest,
+)
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 
@@ -95,9 +105,24 @@ def check_rules(keep_versions: int, prefixes: Collection[str]) -> None:
         raise ValueError(f"retention never deletes {sorted(PROTECTED & set(prefixes))}")
 
 
+def chain_floor(current: Manifest, lowest: Manifest | None, low: int) -> int:
+    """The lowest checkpoint folder the kept versions' weights need: the keyframe of the
+    lowest kept version (`lowest`, its manifest; every kept version's keyframe is at or after
+    it), and the first patch the current manifest lists (volunteers holding any version from
+    there on patch forward). `lowest` None (its manifest unreadable): 0, keep them all."""
+    if lowest is None:
+        return 0
+    floor = low
+    for m in (current, lowest):
+        if m.weights is not None:
+            floor = min(floor, m.weights.keyframe.version,
+                        *(p.version for p in m.weights.patches[:1]))
+    return floor
+
+
 def _reason(key: str, current: int, low: int, window_from: int,
             committed: Collection[int] | None, prefixes: Collection[str],
-            debris_prefixes: Collection[str]) -> tuple[str, str, int] | None:
+            debris_prefixes: Collection[str], checkpoints_from: int) -> tuple[str, str, int] | None:
     """(prefix, reason, version) if `key` goes, None if it stays."""
     parsed = layout.split_versioned_key(key)
     if parsed is None:
@@ -105,7 +130,7 @@ def _reason(key: str, current: int, low: int, window_from: int,
     prefix, version = parsed
     if prefix not in prefixes or version >= current:
         return None
-    if version < low:
+    if version < (min(low, checkpoints_from) if prefix == layout.CHECKPOINTS else low):
         return prefix, BELOW_RANGE, version
     if (committed is not None and prefix in debris_prefixes and version < window_from
             and version not in committed):
@@ -116,12 +141,15 @@ def _reason(key: str, current: int, low: int, window_from: int,
 def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: int,
          committed: Collection[int] | None = None,
          prefixes: Collection[str] = DEFAULT_PREFIXES,
-         debris_prefixes: Collection[str] = DEBRIS_PREFIXES) -> Plan:
+         debris_prefixes: Collection[str] = DEBRIS_PREFIXES,
+         checkpoints_from: int | None = None) -> Plan:
     """The keys to delete, grouped by prefix and reason.
 
     `current` and `max_staleness` are the manifest's; `committed` is the set of versions with
-    a manifests/ copy (None: unknown, so no version is treated as crash debris). Keys outside
-    `prefixes`, or that do not parse as versioned keys, are kept."""
+    a manifests/ copy (None: unknown, so no version is treated as crash debris);
+    `checkpoints_from` (chain_floor) keeps the checkpoint folders from it on as well (None:
+    nothing beyond the kept range). Keys outside `prefixes`, or that do not parse as
+    versioned keys, are kept."""
     prefixes = tuple(prefixes)
     check_rules(keep_versions, prefixes)
     if current < 0 or max_staleness < 0:
@@ -130,7 +158,8 @@ def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: i
     window_from = layout.window(current, max_staleness).start
     groups: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
     for key in keys:
-        why = _reason(key, current, low, window_from, committed, prefixes, debris_prefixes)
+        why = _reason(key, current, low, window_from, committed, prefixes, debris_prefixes,
+                      low if checkpoints_from is None else checkpoints_from)
         if why is not None:
             groups[why[:2]].append((why[2], key))
     order = sorted(groups, key=lambda g: (prefixes.index(g[0]), g[1]))
@@ -208,10 +237,27 @@ def collect(storage: Storage, keep_versions: int, dry_run: bool = False,
     if m is None:
         raise ManifestError(f"{layout.MANIFEST}: not found in {storage.uri}; without it "
                             "nothing is known to be safe to delete")
+    low = kept_from(m.version, m.max_staleness, keep_versions)
+    floor = chain_floor(m, _lowest(storage, m, low, trust), low)
     keys = [k for prefix in prefixes for k in storage.list(prefix)]
     committed = committed_versions(storage.list(layout.MANIFESTS))
-    p = plan(keys, m.version, m.max_staleness, keep_versions, committed, prefixes)
+    p = plan(keys, m.version, m.max_staleness, keep_versions, committed, prefixes,
+             checkpoints_from=floor)
     return p, execute(storage, p, dry_run)
+
+
+def _lowest(storage: Storage, current: Manifest, low: int, trust: Trust | None) -> Manifest | None:
+    """The manifest of version `low` (its signed copy under manifests/), None if unreadable.
+    `trust` None: the trainer reading its own copies, whose fields are only used to keep more."""
+    if low == current.version:
+        return current
+    try:
+        if trust is None:
+            data = storage.read(layout.manifest_history_key(low), max_bytes=MAX_MANIFEST_BYTES)
+            return Manifest.from_json(data)
+        return read_manifest(storage, low, trust=trust)
+    except (ManifestError, StorageError, VrlError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,8 +353,10 @@ class TrainerRetention:
 
     def _pass(self, m: Manifest) -> Outcome:
         low = kept_from(m.version, m.max_staleness, self.keep_versions)
-        keys, committed = self._keys(low)
-        p = plan(keys, m.version, m.max_staleness, self.keep_versions, committed, self.prefixes)
+        floor = chain_floor(m, _lowest(self.storage, m, low, None), low)
+        keys, committed = self._keys(min(low, floor))
+        p = plan(keys, m.version, m.max_staleness, self.keep_versions, committed, self.prefixes,
+                 checkpoints_from=floor)
         outcome = execute(self.storage, p)
         if outcome.objects:
             self.log(f"retention: removed {n_objects(outcome.objects)}, "
@@ -318,5 +366,5 @@ class TrainerRetention:
         if len(outcome.failed) > self.MAX_REPORTED:
             self.log(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
         if not outcome.failed:
-            self.floor = low
+            self.floor = min(low, floor)
         return outcome

@@ -34,6 +34,8 @@ from volunteer_rl.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     CheckpointRefused,
+    Fetched,
+    Held,
     fetch_checkpoint,
     fetch_weights,
     sha256_bytes,
@@ -63,17 +65,30 @@ def default_volunteer_id() -> str:
     return f"{host}-{uuid.uuid4().hex[:6]}"
 
 
-def swap_weights(storage: Storage, m: Manifest, policy: Policy,
-                 reuse: memoryview | None = None) -> memoryview:
-    """Fetch the manifest's weights (verified, in memory) and copy them into the live model.
+def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
+                 log: Callable[[str], None] | None = None,
+                 reuse: memoryview | None = None) -> Fetched:
+    """Fetch the manifest's weights (verified, in memory: checkpoint.fetch_weights, which
+    patches the held version forward when that is cheaper) and copy them into the live model.
 
-    Returns the buffer they were read into; hand it back as `reuse` next time so the next
-    version lands in memory that is already mapped (the volunteer keeps one such buffer, the
-    size of the weights file, for as long as it runs). fetch_weights checks the checkpoint
-    first (CheckpointRefused: weights of another size than config.json describes)."""
-    buf = fetch_weights(storage, m, WEIGHTS_FILE, reuse)
-    load_weights(policy, buf)
-    return buf
+    Returns what was fetched; its buffer holds version m's weights file until the next fetch,
+    so hand it back as `held` (the volunteer keeps one such buffer, the size of the weights
+    file, for as long as it runs). fetch_weights checks the checkpoint first
+    (CheckpointRefused: weights of another size than config.json describes)."""
+    fetched = fetch_weights(storage, m, held, log, reuse)
+    load_weights(policy, fetched.buf)
+    return fetched
+
+
+def fetched_text(f: Fetched, m: Manifest) -> str:
+    """How a version's weights came, for the log line."""
+    if f.how == "held":
+        return "weights unchanged"
+    mb = f"{f.bytes / 1e6:.1f} MB"
+    if f.how == "patches":
+        return f"{f.links} patch{'es' * (f.links != 1)}, {mb}"
+    after = f" + {f.links - 1} patch{'es' * (f.links != 2)}" if f.links > 1 else ""
+    return f"keyframe v{m.weights.keyframe.version}{after}, {mb}"
 
 
 class Volunteer:
@@ -93,7 +108,8 @@ class Volunteer:
         self.rng = random.Random(cfg.seed)
         self.stop = threading.Event()
         self.policy: Policy | None = None
-        self.weights_buffer: memoryview | None = None  # reused by every in-place swap
+        self.held: Held | None = None  # the weights file of the version loaded, verified
+        self.weights_buffer: memoryview | None = None  # reused by every fetch
         self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
@@ -151,8 +167,11 @@ class Volunteer:
     def switch(self, m: Manifest) -> None:
         """Move to the manifest's version: swap weights in place when only they changed.
 
-        The swap reads the weights into memory, checks their sha256, and only then copies
-        them into the model (`swap_weights`); nothing is written to disk. Weights published
+        The weights come into memory (checkpoint.fetch_weights: the patches after the version
+        held, or the keyframe and the patches after it, whichever is fewer bytes), are checked
+        piece by piece against the manifest, and only then copied into the model; a swap
+        writes nothing to disk. The buffer then holds this version's weights file, for the
+        next version's patches. Weights published
         in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
         computes in fp32 with the bf16-rounded values, as the trainer's audit does.
 
@@ -164,10 +183,18 @@ class Volunteer:
         same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
                       and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS_FILE))
         folder = self.work / "checkpoint"
+        try:
+            fetched = fetch_weights(self.storage, m, self.held, self.log, self.weights_buffer)
+        except BaseException:
+            self.held = None  # a failed fetch may leave garbage in the buffer it patched
+            raise
+        # The buffer now holds m's weights file, verified, whatever happens next.
+        self.weights_buffer = fetched.buf
+        self.held = Held(m.run_id, m.version, m.files[WEIGHTS_FILE].sha256, fetched.buf)
         if same_shape:
-            self.weights_buffer = swap_weights(self.storage, m, self.policy, self.weights_buffer)
+            load_weights(self.policy, fetched.buf)
         else:
-            fetch_checkpoint(self.storage, m, folder, require_model=True)
+            fetch_checkpoint(self.storage, m, folder, require_model=True, weights=fetched.buf)
             new_data = old is None or old.dataset != m.dataset
             problems = self._load_dataset(m) if new_data else self.problems
             self.policy = load_policy(folder, self.device)
@@ -182,7 +209,7 @@ class Volunteer:
                 self.threads = threads
         self.manifest = m
         self.extra_groups, self.capped_since = 0, None
-        self.log(f"now on v{m.version} of {m.run_id}")
+        self.log(f"now on v{m.version} of {m.run_id} ({fetched_text(fetched, m)})")
 
     # -- the loop -----------------------------------------------------------------------------
 

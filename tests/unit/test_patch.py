@@ -1,0 +1,132 @@
+"""protocol.patch: a patch rewrites its base into its target bit for bit, and a patch that is
+malformed, for another base or out of bounds is refused before one byte of the buffer moves."""
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from volunteer_rl.protocol.patch import (
+    HEADER,
+    MAGIC,
+    PatchError,
+    apply_patch,
+    make_patch,
+    read_header,
+)
+
+
+def sha(b) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def changed_copy(base: bytes, word: int, share: float, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = bytearray(base)
+    words = len(base) // word
+    for i in rng.choice(words, size=int(words * share), replace=False) if words else []:
+        out[i * word:(i + 1) * word] = rng.bytes(word)
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 3000), word=st.sampled_from([1, 2, 4, 8]),
+       share=st.floats(0, 1), seed=st.integers(0, 2**32 - 1), tail_changes=st.booleans())
+def test_apply_gives_the_target_exactly(size, word, share, seed, tail_changes):
+    base = np.random.default_rng(seed + 1).bytes(size)
+    target = bytearray(changed_copy(base, word, share, seed))
+    if tail_changes and size % word:
+        target[-1] ^= 0xFF  # the bytes after the last whole word travel in the header
+    target = bytes(target)
+    patch = make_patch(base, target, word)
+    buf = bytearray(base)
+    info = apply_patch(buf, patch, base_sha256=sha(base))
+    assert bytes(buf) == target
+    assert info.target_sha256 == sha(target) and info.base_sha256 == sha(base)
+    assert info.changed == sum(base[i * word:(i + 1) * word] != target[i * word:(i + 1) * word]
+                               for i in range(size // word))
+
+
+def test_a_one_step_change_costs_less_than_its_new_value():
+    """A bf16 weight that moved by one step differs from the old bit pattern by 1: 1 % of the
+    words of 4 MB moved by +-1 cost well under the 2 bytes a new value would."""
+    rng = np.random.default_rng(2)
+    base = rng.bytes(4 << 20)
+    words = np.frombuffer(base, dtype="<u2").copy()
+    where = rng.choice(len(words), size=len(words) // 100, replace=False)
+    words[where] += rng.choice(np.array([1, 0xFFFF], dtype="<u2"), size=len(where))  # +-1, wrapping
+    target = words.tobytes()
+    patch = make_patch(base, target, 2)
+    assert read_header(patch).changed == len(where)
+    assert len(patch) < len(where) * 1.5, len(patch)  # gaps ~1 byte, deltas ~2 bits each
+    buf = bytearray(base)
+    apply_patch(buf, patch, base_sha256=sha(base))
+    assert bytes(buf) == target
+
+
+def test_a_sparse_change_costs_what_changed():
+    """1 % of the bf16 words of 4 MB rewritten at random: the patch is about that 1 %
+    (positions and deltas), not the 4 MB."""
+    base = np.random.default_rng(0).bytes(4 << 20)
+    target = changed_copy(base, 2, 0.01, 1)
+    patch = make_patch(base, target, 2)
+    changed = read_header(patch).changed
+    assert 0.009 * (2 << 20) < changed <= 0.01 * (2 << 20)
+    assert len(patch) < changed * 2 * 2.5, len(patch)  # values 2 bytes, gaps ~1.5 bytes each
+    assert len(make_patch(base, base, 2)) < HEADER.size + 100  # nothing changed: a header
+
+
+def refused(buf: bytearray, patch, match: str, **kw) -> None:
+    before = bytes(buf)
+    with pytest.raises(PatchError, match=match):
+        apply_patch(buf, patch, "checkpoints/v000002/weights.vrlpatch", **kw)
+    assert bytes(buf) == before  # nothing written
+
+
+def forged(word: int, size: int, changed: int, gaps, deltas, body: bytes | None = None) -> bytes:
+    header = HEADER.pack(MAGIC, 1, word, size, b"\0" * 32, b"\0" * 32, changed, b"\0" * 8)
+    if body is None:
+        g = np.asarray(gaps, dtype="<u8")
+        v = np.asarray(deltas, dtype=f"<u{word}")
+        body = zstandard.ZstdCompressor().compress(
+            g.view(np.uint8).reshape(len(g), 8).T.tobytes() + v.tobytes())
+    return header + body
+
+
+def test_malformed_patches_are_refused_and_the_buffer_is_left_alone():
+    base = bytes(range(256)) * 4
+    target = changed_copy(base, 2, 0.1, 3)
+    good = make_patch(base, target, 2)
+    buf = bytearray(base)
+    name = "weights.vrlpatch"
+    refused(buf, good[:50], "shorter than a patch header")
+    refused(buf, b"NOTPATCH" + good[8:], "not a vrl weights patch")
+    refused(buf, good[:8] + struct.pack("<I", 2) + good[12:], "patch format 2")
+    refused(buf, good[:12] + struct.pack("<I", 3) + good[16:], "word width 3")
+    refused(bytearray(base[:-2]), good, "patches a file of 1024 bytes")
+    refused(buf, good, "made for another base", base_sha256=sha(b"other"))
+    refused(buf, good[:HEADER.size] + b"garbage", "not a zstd frame")
+    refused(buf, good[:-5], "bytes, the header announces|not a zstd frame")
+    # header n over the file's words
+    refused(buf, forged(2, 1024, 513, [0], [1]), "513 changed words in a file of 512")
+    # a body longer or shorter than n announces
+    refused(buf, forged(2, 1024, 2, [0, 1, 1], [1, 2, 3]), "holds more than 20 bytes")
+    refused(buf, forged(2, 1024, 2, [0], [1]), "the header announces 20")
+    # positions: past the end, repeated, wrapping around 2**64
+    refused(buf, forged(2, 1024, 1, [512], [7]), "outside the file or out of order")
+    refused(buf, forged(2, 1024, 2, [5, 0], [7, 8]), "outside the file or out of order")
+    refused(buf, forged(2, 1024, 2, [300, 300], [7, 8]), "outside the file or out of order")
+    refused(buf, forged(2, 1024, 3, [10, 2**63, 2**63], [1, 2, 3]), "outside the file or out of order")
+    # and the untouched buffer still takes the good patch
+    apply_patch(buf, good, name, base_sha256=sha(base))
+    assert bytes(buf) == target
+
+
+def test_make_patch_refuses_what_it_cannot_express():
+    with pytest.raises(ValueError, match="equal sizes"):
+        make_patch(b"ab", b"abc", 1)
+    with pytest.raises(ValueError, match="word 3"):
+        make_patch(b"ab", b"ab", 3)
