@@ -690,6 +690,15 @@ def _read_link(storage: Storage, key: str, link: Link) -> memoryview:
     return read_verified(storage, key, FileEntry(link.sha256, link.size))
 
 
+def _read_whole(storage: Storage, key: str, buf: memoryview,
+                on_chunk: Callable[[int, memoryview], None]) -> None:
+    """Fill `buf` with the object; CheckpointError if it is not exactly that long."""
+    try:
+        storage.read_into(key, buf, on_chunk)
+    except (TooLarge, ShortObject):
+        raise CheckpointError(f"{key}: size does not match manifest.json") from None
+
+
 def _check_pieces(m: Manifest, hashes: list[str], how: str = "") -> None:
     """CheckpointError naming the first piece whose sha256 is not the manifest's; `how` says
     how the file was made if it was not read whole."""
@@ -767,17 +776,12 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
     if w.keyframe.version == manifest.version:  # the file itself: its pieces hash as they land
         hasher = PieceHasher(buf, w.piece_bytes)
         try:
-            storage.read_into(key, buf, hasher.add)
-        except (TooLarge, ShortObject):
-            raise CheckpointError(f"{key}: size does not match manifest.json") from None
+            _read_whole(storage, key, buf, hasher.add)
         finally:
             hashes = hasher.hashes()
         _check_pieces(manifest, hashes)
         return Fetched(buf, how, whole.size, 1)
-    try:
-        storage.read_into(key, buf, lambda offset, piece: None)
-    except (TooLarge, ShortObject):
-        raise CheckpointError(f"{key}: size does not match manifest.json") from None
+    _read_whole(storage, key, buf, lambda offset, piece: None)
     got = whole.size + _patch_forward(storage, manifest, buf, w.keyframe.sha256, links[1:])
     _check_pieces(manifest, piece_hashes(buf, w.piece_bytes),
                   f"rebuilt from keyframe v{w.keyframe.version}")
