@@ -569,23 +569,28 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     return dest
 
 
+def byte_buffer(size: int, reuse: memoryview | None = None) -> memoryview:
+    """A buffer of `size` bytes: `reuse` if it has that size (a fresh multi-GB buffer costs a
+    page fault per 4 KiB page on first touch, which took longer than reading a file into it),
+    else a new one, not zero-filled: its callers overwrite every byte."""
+    import numpy as np
+
+    if reuse is not None and len(reuse) == size:
+        return reuse
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
 def read_verified(storage: Storage, key: str, entry: FileEntry,
                   reuse: memoryview | None = None) -> memoryview:
     """The object's bytes in a buffer of exactly `entry.size`, hashed while they arrive;
     CheckpointError unless size and sha256 match the manifest. Nothing may use the buffer
     before this returns: it is the only check between an untrusted bucket and the model.
 
-    `reuse`, a buffer an earlier call returned, is filled again if it has the right size: a
-    fresh multi-GB buffer costs a page fault per 4 KiB page on first touch, which took longer
-    than reading the file into it. On failure its content is garbage, never used."""
-    import numpy as np
-
+    `reuse`, a buffer an earlier call returned, is filled again if it has the right size
+    (byte_buffer). On failure its content is garbage, never used."""
     if entry.size > MAX_CHECKPOINT_FILE_BYTES:
         raise CheckpointError(f"{key}: {entry.size} bytes exceeds the checkpoint file limit")
-    if reuse is not None and len(reuse) == entry.size:
-        buf = reuse
-    else:  # not zero-filled: every byte is overwritten
-        buf = memoryview(np.empty(entry.size, dtype=np.uint8))
+    buf = byte_buffer(entry.size, reuse)
     hasher = Hasher()
     try:
         storage.read_into(key, buf, hasher.add)
@@ -674,12 +679,11 @@ def plan_fetch(m: Manifest, held: Held | None) -> tuple[str, list[Link]]:
     patching the held version forward (when the manifest lists every patch after it) and of
     the keyframe with the patches after it. Pure: no I/O."""
     w, whole = m.weights, m.files[WEIGHTS_FILE]
-    if held is not None and held.run_id == m.run_id and held.sha256 == whole.sha256:
+    same_run = held is not None and held.run_id == m.run_id
+    if same_run and held.sha256 == whole.sha256:
         return "held", []
-    after_keyframe = [p for p in w.patches if p.version > w.keyframe.version]
-    from_keyframe = [w.keyframe, *after_keyframe]
-    if held is not None and held.run_id == m.run_id and w.patches \
-            and w.patches[0].version - 1 <= held.version < m.version:
+    from_keyframe = [w.keyframe, *(p for p in w.patches if p.version > w.keyframe.version)]
+    if same_run and w.patches and w.patches[0].version - 1 <= held.version < m.version:
         from_held = [p for p in w.patches if p.version > held.version]
         if sum(p.size for p in from_held) < sum(p.size for p in from_keyframe):
             return "patches", from_held
@@ -757,8 +761,6 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
     how, links = plan_fetch(manifest, held)
     if how == "held":
         return Fetched(held.buf, how, 0, 0)
-    reuse = held.buf if held is not None else reuse
-    reuse = reuse if reuse is not None and len(reuse) == whole.size else None
     if how == "patches":
         try:
             got = _patch_forward(storage, manifest, held.buf, held.sha256, links)
@@ -769,9 +771,7 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
             if log is not None:
                 log(f"warning: {exc}; fetching keyframe v{w.keyframe.version} instead")
             how, links = plan_fetch(manifest, None)
-    import numpy as np
-
-    buf = reuse if reuse is not None else memoryview(np.empty(whole.size, dtype=np.uint8))
+    buf = byte_buffer(whole.size, held.buf if held is not None else reuse)
     key = w.keyframe_key()
     if w.keyframe.version == manifest.version:  # the file itself: its pieces hash as they land
         hasher = PieceHasher(buf, w.piece_bytes)

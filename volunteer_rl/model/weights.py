@@ -1,6 +1,7 @@
 """The policy's weights on disk and on the wire: safetensors written straight from the tensors
-(`write_weights`, `weights_writer` for a published checkpoint), a model folder saved
-(`save_policy`), and new weights swapped into a live model in place (`load_weights`).
+(`write_weights`) or made in one buffer for a published checkpoint (`weights_bytes`), a model
+folder saved (`save_policy`), and new weights swapped into a live model in place
+(`load_weights`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from volunteer_rl import config
 from volunteer_rl.errors import VrlError
-from volunteer_rl.model.checkpoint import VRL_CONFIG, WEIGHTS_FILE
+from volunteer_rl.model.checkpoint import VRL_CONFIG, WEIGHTS_FILE, byte_buffer
 from volunteer_rl.model.policy import Policy, quiet_transformers
 
 WEIGHTS_DTYPES = dict(zip(config.WEIGHTS_DTYPES, (torch.float32, torch.bfloat16), strict=True))
@@ -117,7 +118,7 @@ def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> mem
     import numpy as np
 
     head, tensors, total = _serialized(model, dtype)
-    buf = reuse if reuse is not None and len(reuse) == total else memoryview(np.empty(total, np.uint8))
+    buf = byte_buffer(total, reuse)
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     at = len(head)
@@ -127,11 +128,6 @@ def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> mem
             arr[at:at + len(data)] = data
             at += len(data)
     return buf
-
-
-def weights_writer(model: torch.nn.Module, dtype: torch.dtype):
-    """A `publish_checkpoint` stream that serializes the model's weights as they are now."""
-    return lambda out: write_weights(model, out, dtype)
 
 
 def load_weights(policy: Policy, source) -> None:
