@@ -13,22 +13,29 @@ For each weights dtype (`fp32`, and `bf16` as `vrl trainer --weights-dtype bf16`
 and each bucket (a local folder, and moto's S3 server over HTTP on 127.0.0.1 in its own
 process, as bench/s3_checkpoint.py starts it):
 
-- **publish, vrl**: `trainer.publish`, the code the trainer runs: config and tokenizer staged,
-  the weights serialized from the live model straight into the bucket object while a thread
-  hashes them, every file's size checked, the signed manifest written.
+- **publish, vrl**: `trainer.publish`, the code the trainer runs, for a keyframe: the weights
+  file made in memory from the live model (in the buffer of the version before, as a trainer
+  that has published before makes it), uploaded while one thread computes its sha256 and
+  the others its 64 MiB pieces' hashes, config and tokenizer staged and uploaded, every
+  file's size checked, the signed manifest written. (A patch version's publish, which also
+  diffs and compresses, is timed by bench/catch_up.py.)
 - **publish, raw**: the same weights file's bytes copied to the same bucket. Folder:
   `shutil.copyfile` and then `os.fsync` of the copy. The fsync is there because the folder
   backend fsyncs every object before the manifest may point at it (a crash must not leave a
   committed checkpoint that is only in the page cache); a copy without it measures the page
   cache, and the note gives that figure too. S3: one plain `put_object` of the file.
-- **fetch, vrl**: `volunteer.swap_weights`, what a volunteer's `_switch` does when only the
-  weights changed: the object read into memory while a thread hashes it, the sha256 and size
-  compared with the manifest, and only then every tensor copied into the live fp32 model
-  (bf16 upcast on the way). A volunteer reuses its read buffer from one version to the next;
-  the best of two rounds is that steady state (the first round also pays the page faults of
-  a fresh buffer).
+- **fetch, vrl**: `checkpoint.fetch_weights`, what a volunteer that takes the keyframe runs:
+  the object read into memory while its 64 MiB pieces are hashed on every core as they land,
+  and every piece compared with the manifest. A volunteer reuses its read buffer from one
+  version to the next, so the buffer is page-faulted once before the timed rounds.
+- **fetch and load, vrl** (folder, no goal): `volunteer.swap_weights`, the same and then
+  every tensor copied into the live fp32 model (bf16 upcast on the way), against the same
+  raw copy: all a volunteer's `_switch` does when only the weights changed.
 - **fetch, raw**: the same object copied to a local file: `shutil.copyfile` (folder), one plain
   `get_object` streamed to a file (S3). No verify, no load.
+- Folder fetches are measured twice: with a warm page cache (the file just written, as on a
+  machine that serves its own bucket) and a cold one (the bucket's file evicted with
+  `posix_fadvise(DONTNEED)` before each round, both sides: the bytes come from the disk).
 
 Why plain put_object / get_object and not boto3's upload_file / download_file: on this server
 the managed transfer is the weaker baseline (moto reads the whole object for every ranged
@@ -36,7 +43,7 @@ GET, so download_file's 8 MB parts are quadratic: 24-58 MB/s in FIELD-NOTES), an
 PUT / GET is the fastest plain transfer moto offers. Over loopback a single stream is not
 limited the way an internet connection is; bench/s3_checkpoint.py measures that case.
 
-Figures: seconds (best of the rounds), MB/s (10^6 bytes of the weights file per second),
+Figures: seconds (best of 3 rounds, vrl and raw in turns), MB/s (10^6 bytes of the weights file per second),
 ratio = raw seconds / vrl seconds (> 1: vrl faster). Goal from the issue: >= 0.8.
 Also bytes per version (every file of the checkpoint) for fp32 and bf16.
 
@@ -113,31 +120,67 @@ def best(fn, rounds: int) -> float:
     return min(times)
 
 
-class Publisher:
-    """trainer.publish on one bucket, one version after another."""
+def best_of_pairs(vrl, raw, rounds: int) -> tuple[float, float]:
+    """Best seconds of `vrl` and of `raw`, run in turns (vrl, raw, vrl, raw, ...): whatever
+    the machine does meanwhile (writeback of earlier files, reclaiming page cache for the
+    next big write) falls on both sides alike, not on whichever ran first."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for n in range(rounds):
+        for fn, out in ((vrl, times[0]), (raw, times[1])):
+            start = time.perf_counter()
+            fn(n)
+            out.append(time.perf_counter() - start)
+    return min(times[0]), min(times[1])
 
-    def __init__(self, uri: str, endpoint: str | None, policy, dtype: str, work: Path):
+
+class Publisher:
+    """trainer.publish on one bucket, one version after another. With `keyframe_every`, one
+    WeightsChain throughout, as `vrl trainer --keyframe-every` runs it; without, every version
+    a keyframe (a fresh chain each time), its file made in the buffer of the version before,
+    as a trainer that has published before makes it."""
+
+    def __init__(self, uri: str, endpoint: str | None, policy, dtype: str, work: Path,
+                 keyframe_every: int | None = None):
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
         from volunteer_rl.storage import open_storage
-        from volunteer_rl.trainer.publish import upload_dataset
+        from volunteer_rl.trainer.publish import WeightsChain, upload_dataset
 
         self.cfg = TrainerConfig(bucket=uri, endpoint_url=endpoint, work_dir=str(work),
                                  weights_dtype=dtype)
+        if keyframe_every is not None:
+            self.cfg.keyframe_every = keyframe_every
         self.storage = open_storage(uri, endpoint)
         self.policy, self.key, self.etag, self.version = policy, Ed25519PrivateKey.generate(), None, 0
         self.dataset = upload_dataset(self.storage, PACKAGE_DATA / "train.csv")
         self.manifest = None
+        self.chain = WeightsChain(self.cfg.keyframe_every, self.cfg.patch_max_fraction) \
+            if keyframe_every is not None else None
+        self.spare = None
 
     def publish(self) -> None:
         from volunteer_rl.trainer.publish import WeightsChain, publish
 
-        # a chain of its own each time: every version a keyframe, the whole file uploaded
-        chain = WeightsChain(self.cfg.keyframe_every, self.cfg.patch_max_fraction)
+        chain = self.chain
+        if chain is None:  # a keyframe: a chain with no last version, the last file's buffer reused
+            chain = WeightsChain(self.cfg.keyframe_every, self.cfg.patch_max_fraction)
+            chain.spare = self.spare
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
                                            "bench", self.dataset, self.etag, self.key, chain)
+        self.spare = chain.last[2]
+
+
+def evict(path: Path) -> None:
+    """Drop the file's pages from the page cache (written back first, so they are clean and
+    the kernel lets them go): the next read comes from the disk. No root needed."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: Path) -> None:
@@ -153,17 +196,26 @@ def rows_for(backend: str, dtype: str, size: int, times: dict[str, float], extra
     """Publish and fetch rows of one backend and dtype from measured seconds."""
     cmd = "python -m bench.checkpoint_sync" + (" --quick" if quick else "")
     out = []
-    for way in ("publish", "fetch"):
-        if way not in times:
+    for way, cache in (("publish", ""), ("fetch", ""), ("fetch", "_cold"), ("swap", "")):
+        if way + cache not in times:
             continue
-        vrl, raw = times[way], times[f"raw_{way}"]
+        vrl, raw = times[way + cache], times[f"raw_{way}{cache}"]
+        page = ("" if backend != "folder" or way == "publish" else
+                ", cold page cache" if cache else ", warm page cache")
         note = (f"weights {size / MB:.0f} MB: vrl {size / MB / vrl:.0f} MB/s, raw "
                 f"{size / MB / raw:.0f} MB/s; " + (extra if way == "publish" else "")
+                + ("vrl = fetch_weights: read, every piece's sha256 checked; " if way == "fetch"
+                   else "vrl = swap_weights: fetch_weights, then every tensor copied into the "
+                        "live fp32 model; " if way == "swap" else "")
                 + ("raw = copyfile + fsync" if (backend == "folder" and way == "publish") else
                    "raw = copyfile" if backend == "folder" else
-                   "raw = one put_object" if way == "publish" else "raw = one get_object to a file"))
-        out.append(Row(f"checkpoint {way}", f"{backend} {dtype}: seconds", vrl, raw, raw / vrl,
-                       f">= {GOAL}", raw / vrl >= GOAL, cmd, note))
+                   "raw = one put_object" if way == "publish" else "raw = one get_object to a file")
+                + ("; the bucket's file evicted from the page cache (posix_fadvise) before "
+                   "each round" if cache else ""))
+        name = "checkpoint fetch and load" if way == "swap" else f"checkpoint {way}"
+        goal = "-" if way == "swap" else f">= {GOAL}"
+        out.append(Row(name, f"{backend} {dtype}{page}: seconds", vrl, raw, raw / vrl,
+                       goal, None if way == "swap" else raw / vrl >= GOAL, cmd, note))
     return out
 
 
@@ -171,33 +223,54 @@ def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
     """Folder bucket: publish and fetch, vrl and raw; returns rows, bytes per version, the
     published weights file (the raw S3 transfers send the same bytes) and the volunteer's
     read buffer (the S3 fetch reuses it, as a volunteer would)."""
+    from volunteer_rl.model.checkpoint import fetch_weights
     from volunteer_rl.volunteer.loop import swap_weights
 
     bucket = tmp / f"bucket-{dtype}"
     pub = Publisher(str(bucket), None, policy, dtype, tmp / f"work-{dtype}")
-    times = {"publish": best(lambda n: pub.publish(), rounds)}
+    pub.publish()  # the first publish also pays the page faults of a fresh buffer: not timed
     weights = bucket / pub.manifest.checkpoint / "model.safetensors"
     size = weights.stat().st_size
     (bucket / "raw").mkdir()
     copy_only = []
 
     def raw_publish(n: int) -> None:
-        dest = bucket / "raw" / f"p{n}.safetensors"
+        dest = bucket / "raw" / "p.safetensors"
+        dest.unlink(missing_ok=True)
         start = time.perf_counter()
         shutil.copyfile(weights, dest)
         copy_only.append(time.perf_counter() - start)
         fsync_path(dest)
 
-    times["raw_publish"] = best(raw_publish, rounds)
+    times = dict(zip(("publish", "raw_publish"),
+                     best_of_pairs(lambda n: pub.publish(), raw_publish, rounds)))
+    weights = bucket / pub.manifest.checkpoint / "model.safetensors"
+    for old in (bucket / "checkpoints").iterdir():  # only the last version is read from here on
+        if old.name != Path(pub.manifest.checkpoint).name:
+            shutil.rmtree(old)
     held: list = [None]  # the buffer a volunteer keeps from one swap to the next
 
     def fetch(n: int) -> None:  # held as the reuse buffer only: the whole file is read
+        held[0] = fetch_weights(pub.storage, pub.manifest, reuse=held[0]).buf
+
+    def swap(n: int) -> None:  # the same, and the weights copied into the live model
         held[0] = swap_weights(pub.storage, pub.manifest, policy, reuse=held[0]).buf
 
-    times["fetch"] = best(fetch, rounds)
-    times["raw_fetch"] = best(lambda n: shutil.copyfile(weights, tmp / f"fetched-{dtype}-{n}"), rounds)
-    for n in range(rounds):
-        (tmp / f"fetched-{dtype}-{n}").unlink()
+    def raw_fetch(n: int) -> None:
+        shutil.copyfile(weights, tmp / f"fetched-{dtype}")
+
+    def cold(fn):  # the same, with the bucket's file out of the page cache first
+        def run(n: int) -> None:
+            evict(weights)
+            fn(n)
+        return run
+
+    swap(-1)  # the volunteer's buffer, page-faulted once as a running volunteer's is
+    times["fetch"], times["raw_fetch"] = best_of_pairs(fetch, raw_fetch, rounds)
+    times["swap"], raw = best_of_pairs(swap, raw_fetch, rounds)
+    times["raw_swap"] = min(raw, times["raw_fetch"])  # the fastest raw copy of all six
+    times["fetch_cold"], times["raw_fetch_cold"] = best_of_pairs(cold(fetch), cold(raw_fetch), rounds)
+    (tmp / f"fetched-{dtype}").unlink()
     shutil.rmtree(bucket / "raw")
     extra = f"copyfile alone {min(copy_only):.2f} s, ratio {min(copy_only) / times['publish']:.2f}; "
     total = sum(e.size for e in pub.manifest.files.values())
@@ -209,8 +282,8 @@ def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
              quick: bool) -> list[Row]:
     """S3 (moto over HTTP): one round of each transfer on an emptied bucket."""
     from bench.s3_checkpoint import reset_bucket
+    from volunteer_rl.model.checkpoint import fetch_weights
     from volunteer_rl.storage.s3 import S3Storage
-    from volunteer_rl.volunteer.loop import swap_weights
 
     plain = S3Storage(f"s3://{BUCKET}/raw", endpoint_url=endpoint)
     reset_bucket(plain, endpoint)
@@ -231,7 +304,7 @@ def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
 
     times["raw_fetch"] = best(raw_fetch, 1)
     (tmp / "fetched-s3").unlink()
-    times["fetch"] = best(lambda n: swap_weights(pub.storage, pub.manifest, policy, reuse=held), 1)
+    times["fetch"] = best(lambda n: fetch_weights(pub.storage, pub.manifest, reuse=held), 1)
     reset_bucket(plain, endpoint)  # moto keeps objects in memory and temp files: free them
     return rows_for("s3", dtype, size, times, "", quick)
 
@@ -253,7 +326,7 @@ def results(quick: bool = False) -> list[Row]:
         with tempfile.TemporaryDirectory(prefix="vrl-sync-") as tmp:
             for dtype in ("fp32", "bf16"):
                 folder_rows, sizes[dtype], weights, held = folder_round(
-                    policy, dtype, Path(tmp), 2, quick)
+                    policy, dtype, Path(tmp), 3, quick)
                 rows += folder_rows
                 if weights.stat().st_size <= S3_MAX_BYTES:
                     rows += s3_round(policy, dtype, weights, held, endpoint, Path(tmp), quick)

@@ -43,18 +43,11 @@ COMMAND = "python -m bench.patch_size"
 GOAL = 50.0
 
 
-def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
-    """Run `steps` AdamW steps on `policy` (changed in place); per step the bf16 file's size,
-    the patch's size, the changed words and the seconds spent making the patch."""
+def calculator_steps(policy, lr: float, seed: int = 0):
+    """An endless run of AdamW steps on `policy` (changed in place): each `next()` takes one
+    supervised step on 16 calculator prompts and yields (loss, seconds)."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import encode_prompts
-    from volunteer_rl.model.weights import weights_bytes
-    from volunteer_rl.protocol.patch import (
-        apply_patch,
-        make_patch,
-        read_header,
-        sha256_hex,
-    )
     from volunteer_rl.task.dataset import load_csv
     from volunteer_rl.trainer.warmstart import target_nll
 
@@ -63,21 +56,40 @@ def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
     tok = policy.tokenizer
     opt = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
     policy.model.train()
+    try:
+        while True:
+            batch = rng.sample(problems, 16)
+            prompts = encode_prompts(policy, [p.prompt for p in batch])
+            targets = [list(tok(p.expression, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
+                       for p in batch]
+            t0 = time.perf_counter()
+            loss = target_nll(policy, prompts, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
+            opt.step()
+            yield loss.item(), time.perf_counter() - t0
+    finally:
+        policy.model.eval()
+
+
+def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
+    """Run `steps` AdamW steps on `policy` (changed in place); per step the bf16 file's size,
+    the patch's size, the changed words and the seconds spent making the patch."""
+    from volunteer_rl.model.weights import weights_bytes
+    from volunteer_rl.protocol.patch import (
+        apply_patch,
+        make_patch,
+        read_header,
+        sha256_hex,
+    )
+
     before = weights_bytes(policy.model, torch.bfloat16)
     before_sha = sha256_hex(before)
     out = []
+    run = calculator_steps(policy, lr, seed)
     for _ in range(steps):
-        batch = rng.sample(problems, 16)
-        prompts = encode_prompts(policy, [p.prompt for p in batch])
-        targets = [list(tok(p.expression, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
-                   for p in batch]
-        t0 = time.perf_counter()
-        loss = target_nll(policy, prompts, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
-        opt.step()
-        step_seconds = time.perf_counter() - t0
+        loss, step_seconds = next(run)
         after = weights_bytes(policy.model, torch.bfloat16)
         after_sha = sha256_hex(after)
         t0 = time.perf_counter()
@@ -88,14 +100,14 @@ def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
         if bytes(rebuilt) != bytes(after):
             raise SystemExit("a patch did not rebuild its target: a bug in protocol.patch")
         out.append({"file": len(after), "patch": len(patch), "changed": read_header(patch).changed,
-                    "words": len(after) // 2, "loss": loss.item(), "step_s": step_seconds,
+                    "words": len(after) // 2, "loss": loss, "step_s": step_seconds,
                     "patch_s": made})
-        print(f"  lr {lr:g}: loss {loss.item():.3f}, {out[-1]['changed'] / out[-1]['words']:.4%} of the "
+        print(f"  lr {lr:g}: loss {loss:.3f}, {out[-1]['changed'] / out[-1]['words']:.4%} of the "
               f"words changed, patch {len(patch):,} of {len(after):,} bytes "
               f"({len(after) / len(patch):.1f}x fewer); step {step_seconds:.0f} s, patch {made:.1f} s",
               flush=True)
         before, before_sha = after, after_sha
-    policy.model.eval()
+    run.close()
     return out
 
 

@@ -180,3 +180,44 @@ def test_a_manifest_whose_chain_does_not_hold_together_is_refused(run):
     refused(lambda w: w["pieces"].__setitem__(0, "A" * 64), "is not a sha256 in lowercase hex")
     refused(lambda w: w.update(patches=[{}] * 300), "at most 256 patches")
     refused(lambda w: w.update(keyframe="v8"), "malformed")
+
+
+def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fails(tmp_path):
+    """The trainer hashes and uploads the weights file while it is being made (Filling): the
+    followers see exactly the finished bytes, and a making that fails stops them all with
+    no object left behind, instead of leaving them waiting for ever."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from volunteer_rl.model.checkpoint import Filling, sha256_as_ready, upload_buffer
+
+    storage = open_storage(str(tmp_path / "bucket"))
+    data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
+
+    def follow(key: str, fail_at: int | None):
+        buf = memoryview(np.zeros(SIZE, dtype=np.uint8))
+        filling = Filling()
+        with ThreadPoolExecutor(3) as pool:
+            up = pool.submit(upload_buffer, storage, key, buf, filling.wait)
+            whole = pool.submit(sha256_as_ready, buf, filling.wait)
+            pieces = pool.submit(piece_hashes, buf, MIB, 2, filling.wait)
+            start, step = 0, 256 << 10
+            while start < SIZE:  # made in slices, as tensors are
+                end = min(start + step, SIZE)
+                if fail_at is not None and end > fail_at:
+                    filling.fail(RuntimeError("cast failed"))
+                    break
+                buf[start:end] = data[start:end]
+                filling.made(end)
+                start = end
+                threading.Event().wait(0.001)  # let the followers catch up and wait
+            return [f.exception() or f.result() for f in (up, whole, pieces)]
+
+    done = follow("ok.bin", None)
+    assert done == [None, sha256_bytes(data), piece_hashes(data, MIB)]
+    assert bytes(storage.read("ok.bin")) == data.tobytes()
+
+    failed = follow("failed.bin", 2 * MIB)
+    assert all(isinstance(r, Exception) and "cast failed" in str(r) for r in failed), failed
+    assert all(isinstance(r, CheckpointError) for r in failed[1:])  # the storage names the key
+    assert not storage.exists("failed.bin")

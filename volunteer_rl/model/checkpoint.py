@@ -5,11 +5,11 @@ size, and only then the manifest that points at them (see `trainer.publish`). Re
 the reverse: the manifest, then each file, each checked against the manifest's sha256 before
 anything is loaded from it.
 
-Big files stream: the trainer's weights go from its tensors straight into the bucket object
-(`publish_checkpoint`'s `streams`), hashed on the way, and a volunteer's come from the bucket
-into one buffer, hashed as the pieces land (`read_verified`), and are copied into the model
-only after the sha256 matched. Hashing runs in a thread of its own (hashlib releases the GIL
-on big buffers), so it overlaps the writing or the reading of the next piece.
+Big files stream: the trainer's weights file is made in memory, hashed whole and by pieces
+while it uploads (`trainer.publish`, `upload_buffer`), and a volunteer's comes from the bucket
+into one buffer, its pieces hashed as they land (`fetch_weights`), and is copied into the
+model only after every hash matched. Hashing runs in threads of its own (hashlib releases
+the GIL on big buffers), so it overlaps the writing or the reading of the next piece.
 
 A signature says who wrote a manifest, not that what it names is harmless: a stolen key, or
 a trainer host someone else controls, can list any file. So a reader also limits what a
@@ -501,12 +501,28 @@ def upload_stream(storage: Storage, key: str, write: Callable[[BinaryIO], None])
     return entries[-1]
 
 
-def publish_checkpoint(storage: Storage, version: int, folder: Path,
-                       streams: dict[str, Callable[[BinaryIO], None]] | None = None
-                       ) -> dict[str, FileEntry]:
-    """Upload every file of `folder` under checkpoints/vNNNNNN/, and each of `streams` (file
-    name -> a writer that produces its bytes, e.g. the weights straight from the model's
-    tensors, never staged on disk), then verify each one landed.
+def upload_buffer(storage: Storage, key: str, buf: memoryview,
+                  ready: Callable[[int], None] = lambda end: None) -> None:
+    """Create `key` from `buf` and check the object's size after. Not hashed on the way, unlike
+    upload_stream: the caller hashes this very buffer, immutable in memory once made, so a
+    second pass over a multi-GB file would prove nothing and cost a core for seconds.
+    `ready(end)` returns once buf[:end] is made (Filling.wait: the upload follows the making)."""
+    view = memoryview(buf).cast("B")
+
+    def write(sink: BinaryIO) -> None:
+        for start in range(0, len(view), CHUNK):
+            end = min(start + CHUNK, len(view))
+            ready(end)
+            sink.write(view[start:end])
+
+    storage.create_from(key, write)
+    if storage.size(key) != len(view):
+        raise CheckpointError(f"{key}: size after upload differs from {len(view)} bytes")
+
+
+def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str, FileEntry]:
+    """Upload every file of `folder` under checkpoints/vNNNNNN/, then verify each one landed.
+    (The weights file is not among them: the trainer uploads it from memory, upload_buffer.)
 
     Returns the per-file sha256 and size for the manifest, hashed from the very bytes sent.
     Objects are created write-once: a version folder that already holds the file is an
@@ -515,10 +531,9 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path,
     """
     entries: dict[str, FileEntry] = {}
     writers = {p.name: _copy_file(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
-    writers.update(streams or {})
     sizes = {p.name: p.stat().st_size for p in Path(folder).iterdir() if p.is_file()}
-    for name in writers:  # what readers refuse is not published (streams' sizes are not known yet)
-        reason = _file_refusal(name, sizes.get(name, 0))
+    for name in writers:  # what readers refuse is not published
+        reason = _file_refusal(name, sizes[name])
         if reason:
             raise CheckpointRefused(f"{Path(folder) / name} {reason}; readers refuse a "
                                     f"checkpoint holding it, so v{version} is not published")
@@ -606,15 +621,62 @@ def read_verified(storage: Storage, key: str, entry: FileEntry,
 # ---------------------------------------------------------------------------------------------
 # Weights: pieces hashed on every core, and rebuilt from a keyframe and patches.
 
-def piece_hashes(buf, piece_bytes: int, workers: int = 0) -> list[str]:
+def piece_hashes(buf, piece_bytes: int, workers: int = 0,
+                 ready: Callable[[int], None] = lambda end: None) -> list[str]:
     """sha256 of every `piece_bytes` slice of `buf`, computed on `workers` threads (0: one per
-    CPU; hashlib releases the GIL on big buffers, so they run on all cores)."""
+    CPU; hashlib releases the GIL on big buffers, so they run on all cores). Each piece is
+    hashed once `ready(its end)` returns (Filling.wait: while the buffer is being made)."""
     view = memoryview(buf).cast("B")
-    slices = [view[i:i + piece_bytes] for i in range(0, len(view), piece_bytes)]
-    if len(slices) <= 1:
-        return [sha256_bytes(s) for s in slices]
-    with ThreadPoolExecutor(min(len(slices), workers or os.cpu_count() or 1)) as pool:
-        return list(pool.map(sha256_bytes, slices))
+    starts = range(0, len(view), piece_bytes)
+
+    def one(start: int) -> str:
+        end = min(start + piece_bytes, len(view))
+        ready(end)
+        return sha256_bytes(view[start:end])
+
+    if len(starts) <= 1:
+        return [one(i) for i in starts]
+    with ThreadPoolExecutor(min(len(starts), workers or os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, starts))
+
+
+def sha256_as_ready(buf, ready: Callable[[int], None] = lambda end: None) -> str:
+    """sha256 of `buf`, CHUNK by CHUNK as `ready` says each is made."""
+    view = memoryview(buf).cast("B")
+    h = hashlib.sha256()
+    for start in range(0, len(view), CHUNK):
+        end = min(start + CHUNK, len(view))
+        ready(end)
+        h.update(view[start:end])
+    return h.hexdigest()
+
+
+class Filling:
+    """How much of a buffer being made is made, for threads that follow the maker: each waits
+    (`wait(end)`) for the bytes it needs, and the maker says how far it got (`made`) or that
+    it failed (`fail`: every waiter raises instead of waiting for ever)."""
+
+    def __init__(self):
+        import threading
+
+        self.cond = threading.Condition()
+        self.end, self.error = 0, None
+
+    def made(self, end: int) -> None:
+        with self.cond:
+            self.end = end
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            self.error = error
+            self.cond.notify_all()
+
+    def wait(self, end: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.end >= end or self.error is not None)
+            if self.end < end:
+                raise CheckpointError(f"the weights file was not made ({self.error})")
 
 
 class PieceHasher:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -112,13 +113,21 @@ def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float3
     return total
 
 
-def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> memoryview:
-    """The bytes `write_weights` writes, in one buffer (`reuse` if it is of the right size):
-    what the trainer hashes by pieces and diffs against the last version for a patch."""
+def weights_size(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The size of the file `write_weights` writes."""
+    return _serialized(model, dtype)[2]
+
+
+def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
+                 made: Callable[[int], None] = lambda end: None) -> None:
+    """Make in `buf` (weights_size bytes) the file `write_weights` writes, tensor by tensor,
+    calling `made(end)` when buf[:end] is done (checkpoint.Filling: threads that hash and
+    upload it follow along)."""
     import numpy as np
 
     head, tensors, total = _serialized(model, dtype)
-    buf = byte_buffer(total, reuse)
+    if len(buf) != total:
+        raise ValueError(f"fill_weights: a buffer of {len(buf)} bytes for a {total}-byte file")
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     at = len(head)
@@ -127,6 +136,14 @@ def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> mem
             data = _tensor_bytes(t, dtype)
             arr[at:at + len(data)] = data
             at += len(data)
+            made(at)
+    made(total)
+
+
+def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> memoryview:
+    """The bytes `write_weights` writes, in one buffer (`reuse` if it is of the right size)."""
+    buf = byte_buffer(weights_size(model, dtype), reuse)
+    fill_weights(model, dtype, buf)
     return buf
 
 

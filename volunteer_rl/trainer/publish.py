@@ -6,6 +6,7 @@ the previous version standing; the files it left are overwritten or collected la
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -17,14 +18,18 @@ from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
+    Filling,
+    byte_buffer,
     clear_folder,
     piece_hashes,
     publish_checkpoint,
+    sha256_as_ready,
     sha256_bytes,
+    upload_buffer,
     upload_stream,
 )
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.weights import WEIGHTS_DTYPES, save_policy, weights_bytes
+from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     PIECE_BYTES,
@@ -88,8 +93,17 @@ class WeightsChain:
         self.keyframe_every, self.patch_max_fraction = keyframe_every, patch_max_fraction
         self.piece_bytes = piece_bytes
         self.last: tuple[int, str, memoryview] | None = None  # version, sha256, the file
+        self.spare: memoryview | None = None
+        """The file published before the last: the next version's file is made in it (a fresh
+        multi-GB buffer costs a page fault per 4 KiB page, several times the making)."""
         self.keyframe: Link | None = None
         self.patches: list[Link] = []
+
+    def due(self, version: int, size: int) -> bool:
+        """Whether `version`, a file of `size` bytes, is a keyframe whatever its patch: there
+        is no last version to patch from, or the last keyframe is `keyframe_every` back."""
+        return (self.last is None or self.last[0] != version - 1 or len(self.last[2]) != size
+                or self.keyframe is None or version - self.keyframe.version >= self.keyframe_every)
 
     def plan(self, version: int, buf: memoryview, sha: str, word: int
              ) -> tuple[bytes | None, bool]:
@@ -107,9 +121,7 @@ class WeightsChain:
                                   threads=-1 if len(buf) > (64 << 20) else 0)
                 if len(made) <= limit:
                     patch = made
-        keyframe = (patch is None or self.keyframe is None
-                    or version - self.keyframe.version >= self.keyframe_every)
-        return patch, keyframe
+        return patch, patch is None or self.due(version, len(buf))
 
     def weights(self, version: int, whole: FileEntry, pieces: list[str],
                 patch: Link | None, keyframe: bool) -> Weights:
@@ -121,6 +133,8 @@ class WeightsChain:
 
     def commit(self, version: int, weights: Weights, sha: str, buf: memoryview) -> None:
         """Version `version` is published with `weights`: it is now the last one."""
+        if self.last is not None and self.last[2] is not buf:
+            self.spare = self.last[2]
         self.last = (version, sha, buf)
         self.keyframe, self.patches = weights.keyframe, list(weights.patches)
 
@@ -139,23 +153,40 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
     manifest and its etag."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
-    buf = weights_bytes(policy.model, dtype)
-    sha = sha256_bytes(buf)
-    pieces = piece_hashes(buf, chain.piece_bytes)
-    patch, keyframe = chain.plan(version, buf, sha, dtype.itemsize)
+    buf = byte_buffer(weights_size(policy.model, dtype), chain.spare)
+    weights_key = layout.checkpoint_key(version, WEIGHTS_FILE)
+    filling = Filling()
+    with ThreadPoolExecutor(2) as pool:
+        # Everything that reads the file follows its making, piece by piece: a keyframe that
+        # is due whatever the patch goes up (mostly the disk's or the link's time), one thread
+        # computes the whole file's sha256 (sequential by nature), the pieces hash on every
+        # core. The making (a cast per tensor) runs here; a failure stops every follower.
+        upload = pool.submit(upload_buffer, storage, weights_key, buf, filling.wait) \
+            if chain.due(version, len(buf)) else None
+        whole_sha = pool.submit(sha256_as_ready, buf, filling.wait)
+        with ThreadPoolExecutor(1) as one:
+            pieces_f = one.submit(piece_hashes, buf, chain.piece_bytes, 0, filling.wait)
+            try:
+                fill_weights(policy.model, dtype, buf, filling.made)
+            except BaseException as exc:
+                filling.fail(exc)
+                raise
+            pieces = pieces_f.result()
+        sha = whole_sha.result()
+        patch, keyframe = chain.plan(version, buf, sha, dtype.itemsize)
+        if keyframe and upload is None:  # the patch was refused: a keyframe after all
+            upload = pool.submit(upload_buffer, storage, weights_key, buf)
+        if upload is not None:
+            upload.result()
+            crash_point("checkpoint_upload")
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
         save_policy(policy, staging, dtype, weights=False)
-        # the weights go from memory straight into the bucket object, hashed on the way
-        streams = {WEIGHTS_FILE: lambda out: out.write(buf)} if keyframe else {}
-        files = publish_checkpoint(storage, version, staging, streams)
+        files = publish_checkpoint(storage, version, staging)
     finally:
         clear_folder(staging)
     whole = FileEntry(sha, len(buf))
-    if keyframe and files[WEIGHTS_FILE] != whole:
-        raise CheckpointError(f"{layout.checkpoint_key(version, WEIGHTS_FILE)}: uploaded bytes "
-                              "differ from the weights made for them")
     files[WEIGHTS_FILE] = whole  # a patch version lists the file its chain rebuilds
     patch_link = None
     if patch is not None:
