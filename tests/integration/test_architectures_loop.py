@@ -41,9 +41,9 @@ import re
 import pytest
 import torch
 
+from helpers.chain_checks import assert_rebuilds_bit_for_bit
 from helpers.vrlproc import Proc, wait_for
 from test_hostile_bucket import tiny_policy, tokenizer  # noqa: F401  (tokenizer: a fixture)
-from volunteer_rl.model.checkpoint import Held, build_weights, sha256_bytes
 from volunteer_rl.model.policy import format_prompt, load_policy
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE, Manifest
@@ -172,16 +172,7 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
 
     # 4. Every version rebuilds bit for bit: from its keyframe, and patched forward from the
     # version before, as the volunteer did.
-    held = None
-    for m in ms:
-        whole = m.files[KEYFRAME_FILE]
-        cold = build_weights(storage, m)
-        assert sha256_bytes(cold.buf) == whole.sha256 and len(cold.buf) == whole.size
-        if held is not None:
-            warm = build_weights(storage, m, held)
-            assert warm.how == ("patches" if m.version in patched else "keyframe")
-            assert bytes(warm.buf) == bytes(cold.buf)
-        held = Held(m.run_id, m.version, whole.sha256, memoryview(bytearray(cold.buf)))
+    assert_rebuilds_bit_for_bit(storage, ms)
 
     # 5. Every step trained on the volunteer's shards, which are in the bucket, and its
     # shards passed the trainer's audit.

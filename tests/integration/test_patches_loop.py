@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
+from helpers.chain_checks import assert_rebuilds_bit_for_bit
 from helpers.vrlproc import Proc, wait_for
-from volunteer_rl.model.checkpoint import Held, build_weights, sha256_bytes
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE, Manifest
 from volunteer_rl.storage import open_storage
@@ -75,20 +75,7 @@ def test_most_versions_are_patches_and_keyframes_come_on_cadence(run):
 
 
 def test_every_version_rebuilds_bit_for_bit_both_ways(run):
-    storage, ms = run["storage"], run["manifests"]
-    held = None
-    for m in ms:
-        whole = m.files[KEYFRAME_FILE]
-        cold = build_weights(storage, m)
-        assert sha256_bytes(cold.buf) == whole.sha256 and len(cold.buf) == whole.size
-        if held is not None:
-            warm = build_weights(storage, m, held)
-            has_patch = any(p.version == m.version for p in m.weights.patches)
-            assert warm.how == ("patches" if has_patch else "keyframe")
-            if has_patch:
-                assert warm.links == 1 and warm.bytes <= whole.size / 2
-            assert bytes(warm.buf) == bytes(cold.buf)
-        held = Held(m.run_id, m.version, whole.sha256, memoryview(bytearray(cold.buf)))
+    assert_rebuilds_bit_for_bit(run["storage"], run["manifests"])
 
 
 def test_the_volunteer_followed_by_patches(run):

@@ -1,0 +1,26 @@
+"""One check shared by the live patch tests: every published version rebuilds bit for bit."""
+from __future__ import annotations
+
+from volunteer_rl.model.checkpoint import Held, build_weights, sha256_bytes
+from volunteer_rl.protocol.manifest import KEYFRAME_FILE
+
+
+def assert_rebuilds_bit_for_bit(storage, manifests) -> None:
+    """Each manifest's weights, rebuilt from the bucket with nothing held (its keyframe and
+    the patches after it), hash to the sha256 the trainer computed from its own bytes; and
+    patched forward from the version before, as a volunteer that follows does, they are the
+    same bytes. A version with a patch of its own is reached by that one patch, at most half
+    the file."""
+    held = None
+    for m in manifests:
+        whole = m.files[KEYFRAME_FILE]
+        cold = build_weights(storage, m)
+        assert sha256_bytes(cold.buf) == whole.sha256 and len(cold.buf) == whole.size, m.version
+        if held is not None:
+            warm = build_weights(storage, m, held)
+            has_patch = any(p.version == m.version for p in m.weights.patches)
+            assert warm.how == ("patches" if has_patch else "keyframe"), m.version
+            if has_patch:
+                assert warm.links == 1 and warm.bytes <= whole.size / 2, m.version
+            assert bytes(warm.buf) == bytes(cold.buf), m.version
+        held = Held(m.run_id, m.version, whole.sha256, memoryview(bytearray(cold.buf)))
