@@ -1,8 +1,18 @@
-"""One check shared by the live patch tests: every published version rebuilds bit for bit."""
+"""What the live patch tests share: the manifests a run published, and the check that every
+version rebuilds bit for bit."""
 from __future__ import annotations
 
 from volunteer_rl.model.checkpoint import Held, build_weights, sha256_bytes
-from volunteer_rl.protocol.manifest import KEYFRAME_FILE
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import KEYFRAME_FILE, Manifest
+from volunteer_rl.storage import open_storage
+
+
+def published_manifests(bucket, last: int):
+    """(the folder bucket's storage, the kept manifest of every version 0..last)."""
+    storage = open_storage(str(bucket))
+    return storage, [Manifest.from_json(storage.read(layout.manifest_history_key(v)))
+                     for v in range(last + 1)]
 
 
 def assert_rebuilds_bit_for_bit(storage, manifests) -> None:

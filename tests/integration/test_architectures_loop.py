@@ -41,13 +41,12 @@ import re
 import pytest
 import torch
 
-from helpers.chain_checks import assert_rebuilds_bit_for_bit
+from helpers.chain_checks import assert_rebuilds_bit_for_bit, published_manifests
 from helpers.vrlproc import Proc, wait_for
 from test_hostile_bucket import tiny_policy, tokenizer  # noqa: F401  (tokenizer: a fixture)
 from volunteer_rl.model.policy import format_prompt, load_policy
 from volunteer_rl.protocol import layout, metrics
-from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE, Manifest
-from volunteer_rl.storage import open_storage
+from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE
 from volunteer_rl.task.dataset import load_csv
 from volunteer_rl.task.generate import generate_problems
 from volunteer_rl.trainer.warmstart import warm_start
@@ -137,9 +136,7 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
     finally:
         for p in (trainer, vol):
             p.kill()
-    storage = open_storage(str(bucket))
-    ms = [Manifest.from_json(storage.read(layout.manifest_history_key(v)))
-          for v in range(VERSIONS + 1)]
+    storage, ms = published_manifests(bucket, VERSIONS)
     assert json.loads((bucket / layout.MANIFEST).read_text())["version"] == VERSIONS
     run_id = ms[0].run_id
     assert all(m.run_id == run_id for m in ms)

@@ -13,11 +13,10 @@ import shutil
 
 import pytest
 
-from helpers.chain_checks import assert_rebuilds_bit_for_bit
+from helpers.chain_checks import assert_rebuilds_bit_for_bit, published_manifests
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE, Manifest
-from volunteer_rl.storage import open_storage
+from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE
 
 VERSIONS = 200
 KEYFRAME_EVERY = 20
@@ -45,9 +44,7 @@ def run(tmp_path_factory, template):
     finally:
         for p in (trainer, vol):
             p.kill()
-    storage = open_storage(str(bucket))
-    manifests = [Manifest.from_json(storage.read(layout.manifest_history_key(v)))
-                 for v in range(VERSIONS + 1)]
+    storage, manifests = published_manifests(bucket, VERSIONS)
     return {"bucket": bucket, "storage": storage, "manifests": manifests, "vol": vol.text()}
 
 

@@ -17,7 +17,6 @@ from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import (
     WEIGHTS_FILE,
-    CheckpointError,
     Filling,
     byte_buffer,
     clear_folder,
@@ -26,7 +25,6 @@ from volunteer_rl.model.checkpoint import (
     sha256_as_ready,
     sha256_bytes,
     upload_buffer,
-    upload_stream,
 )
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
@@ -191,10 +189,8 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     patch_link = None
     if patch is not None:
         patch_key = Weights.patch_key(version)
-        entry = upload_stream(storage, patch_key, lambda out: out.write(patch))
-        if storage.size(patch_key) != entry.size:
-            raise CheckpointError(f"{patch_key}: size after upload differs from {entry.size} bytes")
-        patch_link = Link(version, entry.sha256, entry.size)
+        upload_buffer(storage, patch_key, patch)
+        patch_link = Link(version, sha256_bytes(patch), len(patch))
     weights = chain.weights(version, whole, pieces, patch_link, keyframe)
     manifest = Manifest(
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
