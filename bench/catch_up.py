@@ -135,7 +135,7 @@ def results(quick: bool = False) -> list[Row]:
             for behind in BEHIND:
                 mine = manifests[target - behind]
                 held_buf = build_weights(local, mine, reuse=buf).buf  # v(target-behind), verified
-                held = Held(mine.run_id, mine.version, mine.files["model.safetensors"].sha256,
+                held = Held(mine.run_id, mine.version, mine.files["model.safetensors"].root,
                             held_buf)
                 sec, got = catch_up(held)
                 if got.how != "patches" or got.links != behind:

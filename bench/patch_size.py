@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import random
 import sys
 import time
@@ -77,12 +78,10 @@ def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
     """Run `steps` AdamW steps on `policy` (changed in place); per step the bf16 file's size,
     the patch's size, the changed words and the seconds spent making the patch."""
     from volunteer_rl.model.weights import weights_bytes
-    from volunteer_rl.protocol.patch import (
-        apply_patch,
-        make_patch,
-        read_header,
-        sha256_hex,
-    )
+    from volunteer_rl.protocol.patch import apply_patch, make_patch, read_header
+
+    def sha256_hex(buf) -> str:  # a patch names its files by any 32 bytes; the sha256 does here
+        return hashlib.sha256(buf).hexdigest()
 
     before = weights_bytes(policy.model, torch.bfloat16)
     before_sha = sha256_hex(before)

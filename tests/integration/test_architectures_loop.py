@@ -11,8 +11,8 @@ What it proves, for every family:
 2. every version from v1 on goes out as a patch (checkpoints/vN/weights.vrlpatch, no
    model.safetensors) that its manifest lists;
 3. the volunteer follows by patches (`now on vN of RUN (1 patch, X MB)`) up to the last one;
-4. every version's weights rebuild from the bucket bit for bit: the sha256 of the rebuilt file
-   equals the one the trainer computed from the bytes it serialized (manifest
+4. every version's weights rebuild from the bucket bit for bit: the root of the rebuilt file's
+   pieces equals the one the trainer computed from the bytes it serialized (manifest
    `files["model.safetensors"]`), both from the keyframe and patched forward from the
    version before;
 5. every optimizer step trained on groups from the volunteer's shards, which are in the

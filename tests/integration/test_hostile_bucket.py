@@ -27,7 +27,7 @@ from volunteer_rl.model.checkpoint import (
     check_model_folder,
     fetch_checkpoint,
     fetch_weights,
-    piece_hashes,
+    keyframe_weights,
     publish_checkpoint,
     sha256_bytes,
 )
@@ -38,11 +38,13 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     PIECE_BYTES,
     FileEntry,
-    Link,
+    Keyframe,
     Manifest,
     ManifestError,
     Sampling,
     Weights,
+    WeightsEntry,
+    pieces_root,
     read_manifest,
     write_manifest,
 )
@@ -105,13 +107,15 @@ def dataset_csv(tmp_path_factory) -> Path:
     return path
 
 
-def put_files(storage, version: int, files: dict[str, bytes]) -> dict[str, FileEntry]:
+def put_files(storage, version: int, files: dict[str, bytes]) -> dict[str, FileEntry | WeightsEntry]:
     """Checkpoint objects written as a hostile trainer would: anything, past publish_checkpoint's
-    own refusal. A name that is no key (`../x`) gets a manifest entry and no object."""
+    own refusal. A name that is no key (`../x`) gets a manifest entry and no object. The
+    weights file is listed by its root, as the protocol names it."""
     for name, data in files.items():
         if layout.is_safe_name(name):
             storage.create(layout.checkpoint_key(version, name), data)
-    return {name: FileEntry(sha256_bytes(data), len(data)) for name, data in files.items()}
+    return {name: keyframe_weights(version, data)[0] if name == "model.safetensors"
+            else FileEntry(sha256_bytes(data), len(data)) for name, data in files.items()}
 
 
 def folder_files(folder: Path, **changes: bytes | None) -> dict[str, bytes]:
@@ -135,11 +139,12 @@ def make_manifest(storage, version: int, files: dict[str, FileEntry], dataset_cs
     if weights is not None and "weights" not in fields:  # a keyframe, pieces of what is there
         try:
             data = storage.read(layout.checkpoint_key(version, "model.safetensors"))
-            pieces = piece_hashes(data, PIECE_BYTES)
-        except StorageError:
-            pieces = ["0" * 64] * -(-weights.size // PIECE_BYTES)
-        fields["weights"] = Weights(PIECE_BYTES, tuple(pieces),
-                                    Link(version, weights.sha256, weights.size))
+            fields["weights"] = keyframe_weights(version, data)[1]
+        except StorageError:  # not in the bucket: pieces of nothing, and their root
+            pieces = ("0" * 64,) * -(-weights.size // PIECE_BYTES)
+            root = pieces_root(PIECE_BYTES, weights.size, pieces)
+            files = {**files, "model.safetensors": WeightsEntry(root, weights.size)}
+            fields["weights"] = Weights(PIECE_BYTES, pieces, Keyframe(version, root, weights.size))
     return Manifest(run_id="run-h", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files, dataset=upload_dataset(storage, dataset_csv),
                     sampling=Sampling(2, 1.0, 8), max_staleness=2, **fields)

@@ -16,6 +16,7 @@ import moto.server  # noqa: F401  (a hard test dependency: a broken install fail
 import pytest
 from botocore.config import Config  # noqa: E402
 
+from helpers.chain_checks import root_of  # noqa: E402
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, wait_for  # noqa: E402
 from volunteer_rl.protocol import layout  # noqa: E402
 
@@ -105,14 +106,21 @@ def test_versions_are_published_and_the_manifest_names_the_last(run):
 
 
 def test_every_file_the_manifest_names_has_its_sha256(run):
+    """Every file the manifest names is there with its size and sha256; the weights file with
+    the root of its pieces (it is a keyframe: the loop publishes fp32, all keyframes)."""
+
     manifest = json.loads(run["bucket"].read(layout.MANIFEST))
     named = {f"{manifest['checkpoint']}/{name}": entry for name, entry in manifest["files"].items()}
     named[manifest["dataset"]["key"]] = manifest["dataset"]
-    assert any(k.endswith("model.safetensors") for k in named)
+    weights = f"{manifest['checkpoint']}/model.safetensors"
+    assert weights in named
     for key, entry in named.items():
         data = run["bucket"].read(key)
         assert len(data) == entry["size"], key
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"], key
+        if key == weights:
+            assert root_of(data, manifest["weights"]["piece_bytes"]) == entry["root"], key
+        else:
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"], key
 
 
 def test_each_volunteer_worked_on_several_versions_and_stopped_cleanly(run):

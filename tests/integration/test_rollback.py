@@ -51,7 +51,7 @@ T0 = 1_795_306_223.2  # some signed publish time
 
 def manifest(version=3, run_id="run-a", created_at=T0 + 3) -> Manifest:
     return Manifest(run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
-                    files={"model.safetensors": FileEntry("ab" * 32, 1000)},
+                    files={"config.json": FileEntry("ab" * 32, 1000)},
                     dataset=Dataset("train", "datasets/train-abc.csv", "cd" * 32, 10, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2, created_at=created_at)
 

@@ -2,7 +2,12 @@ import json
 
 import pytest
 
-from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, publish_checkpoint
+from volunteer_rl.model.checkpoint import (
+    CheckpointError,
+    fetch_checkpoint,
+    keyframe_weights,
+    publish_checkpoint,
+)
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     Dataset,
@@ -19,10 +24,10 @@ KEY = Ed25519PrivateKey.generate()
 TRUST = Trust(public_key_text(KEY))
 
 
-def make_manifest(version=3, files=None):
+def make_manifest(version=3, files=None, weights=None):
     return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files or {}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
-                    sampling=Sampling(8, 1.0, 32), max_staleness=2)
+                    sampling=Sampling(8, 1.0, 32), max_staleness=2, weights=weights)
 
 
 def test_round_trip_and_history(tmp_path):
@@ -48,10 +53,10 @@ def test_round_trip_and_history(tmp_path):
 @pytest.mark.parametrize("body, needle", [
     (b"{not json", "malformed"),
     (b"[]", "malformed"),
-    (b'{"schema_version": 99}', "schema_version 99 is not 3, the one this build speaks; upgrade"),
-    (b'{"schema_version": 2}', "schema_version 2 is not 3, the one this build speaks; the trainer "
+    (b'{"schema_version": 99}', "schema_version 99 is not 4, the one this build speaks; upgrade"),
+    (b'{"schema_version": 3}', "schema_version 3 is not 4, the one this build speaks; the trainer "
                                "runs an older"),
-    (b'{"schema_version": 3, "run_id": "x"}', "malformed"),
+    (b'{"schema_version": 4, "run_id": "x"}', "malformed"),
 ])
 def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle):
     s = open_storage(str(tmp_path))
@@ -102,7 +107,9 @@ def test_publish_then_fetch_verifies_sha(tmp_path):
     (src / "config.json").write_text("{}")
     files = publish_checkpoint(s, 3, src)
     assert set(files) == {"model.safetensors", "config.json"} and files["config.json"].size == 2
-    m = make_manifest(3, files)
+    entry, weights = keyframe_weights(3, b"w" * 1000)
+    assert files["model.safetensors"] == entry  # listed by its root, as the trainer lists it
+    m = make_manifest(3, files, weights)
     out = fetch_checkpoint(s, m, tmp_path / "dest")
     assert (out / "model.safetensors").read_bytes() == b"w" * 1000
     from volunteer_rl.storage.base import AlreadyExists

@@ -23,6 +23,11 @@ def sha(b) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def patch_of(base: bytes, target: bytes, word: int) -> bytes:
+    """A patch naming its files by their sha256 (the trainer names them by their roots)."""
+    return make_patch(base, target, word, sha(base), sha(target))
+
+
 def changed_copy(base: bytes, word: int, share: float, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     out = bytearray(base)
@@ -41,11 +46,11 @@ def test_apply_gives_the_target_exactly(size, word, share, seed, tail_changes):
     if tail_changes and size % word:
         target[-1] ^= 0xFF  # the bytes after the last whole word travel in the header
     target = bytes(target)
-    patch = make_patch(base, target, word)
+    patch = patch_of(base, target, word)
     buf = bytearray(base)
-    info = apply_patch(buf, patch, base_sha256=sha(base))
+    info = apply_patch(buf, patch, base=sha(base))
     assert bytes(buf) == target
-    assert info.target_sha256 == sha(target) and info.base_sha256 == sha(base)
+    assert info.target == sha(target) and info.base == sha(base)
     assert info.changed == sum(base[i * word:(i + 1) * word] != target[i * word:(i + 1) * word]
                                for i in range(size // word))
 
@@ -59,11 +64,11 @@ def test_a_one_step_change_costs_less_than_its_new_value():
     where = rng.choice(len(words), size=len(words) // 100, replace=False)
     words[where] += rng.choice(np.array([1, 0xFFFF], dtype="<u2"), size=len(where))  # +-1, wrapping
     target = words.tobytes()
-    patch = make_patch(base, target, 2)
+    patch = patch_of(base, target, 2)
     assert read_header(patch).changed == len(where)
     assert len(patch) < len(where) * 1.5, len(patch)  # gaps ~1 byte, deltas ~2 bits each
     buf = bytearray(base)
-    apply_patch(buf, patch, base_sha256=sha(base))
+    apply_patch(buf, patch, base=sha(base))
     assert bytes(buf) == target
 
 
@@ -72,11 +77,11 @@ def test_a_sparse_change_costs_what_changed():
     (positions and deltas), not the 4 MB."""
     base = np.random.default_rng(0).bytes(4 << 20)
     target = changed_copy(base, 2, 0.01, 1)
-    patch = make_patch(base, target, 2)
+    patch = patch_of(base, target, 2)
     changed = read_header(patch).changed
     assert 0.009 * (2 << 20) < changed <= 0.01 * (2 << 20)
     assert len(patch) < changed * 2 * 2.5, len(patch)  # values 2 bytes, gaps ~1.5 bytes each
-    assert len(make_patch(base, base, 2)) < HEADER.size + 100  # nothing changed: a header
+    assert len(patch_of(base, base, 2)) < HEADER.size + 100  # nothing changed: a header
 
 
 def refused(buf: bytearray, patch, match: str, **kw) -> None:
@@ -87,7 +92,7 @@ def refused(buf: bytearray, patch, match: str, **kw) -> None:
 
 
 def forged(word: int, size: int, changed: int, gaps, deltas, body: bytes | None = None) -> bytes:
-    header = HEADER.pack(MAGIC, 1, word, size, b"\0" * 32, b"\0" * 32, changed, b"\0" * 8)
+    header = HEADER.pack(MAGIC, 2, word, size, b"\0" * 32, b"\0" * 32, changed, b"\0" * 8)
     if body is None:
         g = np.asarray(gaps, dtype="<u8")
         v = np.asarray(deltas, dtype=f"<u{word}")
@@ -99,15 +104,15 @@ def forged(word: int, size: int, changed: int, gaps, deltas, body: bytes | None 
 def test_malformed_patches_are_refused_and_the_buffer_is_left_alone():
     base = bytes(range(256)) * 4
     target = changed_copy(base, 2, 0.1, 3)
-    good = make_patch(base, target, 2)
+    good = patch_of(base, target, 2)
     buf = bytearray(base)
     name = "weights.vrlpatch"
     refused(buf, good[:50], "shorter than a patch header")
     refused(buf, b"NOTPATCH" + good[8:], "not a vrl weights patch")
-    refused(buf, good[:8] + struct.pack("<I", 2) + good[12:], "patch format 2")
+    refused(buf, good[:8] + struct.pack("<I", 1) + good[12:], "patch format 1, this build reads 2")
     refused(buf, good[:12] + struct.pack("<I", 3) + good[16:], "word width 3")
     refused(bytearray(base[:-2]), good, "patches a file of 1024 bytes")
-    refused(buf, good, "made for another base", base_sha256=sha(b"other"))
+    refused(buf, good, "made for another base", base=sha(b"other"))
     refused(buf, good[:HEADER.size] + b"garbage", "not a zstd frame")
     refused(buf, good[:-5], "bytes, the header announces|not a zstd frame")
     # header n over the file's words
@@ -121,12 +126,14 @@ def test_malformed_patches_are_refused_and_the_buffer_is_left_alone():
     refused(buf, forged(2, 1024, 2, [300, 300], [7, 8]), "outside the file or out of order")
     refused(buf, forged(2, 1024, 3, [10, 2**63, 2**63], [1, 2, 3]), "outside the file or out of order")
     # and the untouched buffer still takes the good patch
-    apply_patch(buf, good, name, base_sha256=sha(base))
+    apply_patch(buf, good, name, base=sha(base))
     assert bytes(buf) == target
 
 
 def test_make_patch_refuses_what_it_cannot_express():
+    with pytest.raises(ValueError, match="32 bytes"):
+        make_patch(b"ab", b"ab", 1, "ab" * 16, "ab" * 20)
     with pytest.raises(ValueError, match="equal sizes"):
-        make_patch(b"ab", b"abc", 1)
+        patch_of(b"ab", b"abc", 1)
     with pytest.raises(ValueError, match="word 3"):
-        make_patch(b"ab", b"ab", 3)
+        patch_of(b"ab", b"ab", 3)

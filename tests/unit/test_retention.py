@@ -168,13 +168,14 @@ def fill(storage, versions, committed=None):
 
 def with_chain(version: int, keyframe: int, first_patch: int | None) -> Manifest:
     """A manifest whose weights come from keyframe `keyframe` and patches from `first_patch`."""
-    from volunteer_rl.protocol.manifest import FileEntry, Link, Weights
+    from volunteer_rl.protocol.manifest import Keyframe, Link, Weights, WeightsEntry, pieces_root
 
     sha = "ab" * 32
+    root = pieces_root(1 << 20, 5, (sha,))
     patches = () if first_patch is None else tuple(Link(v, sha, 1) for v in range(first_patch, version + 1))
     m = manifest(version)
-    return Manifest(**{**m.__dict__, "files": {"model.safetensors": FileEntry(sha, 5)},
-                       "weights": Weights(1 << 20, (sha,), Link(keyframe, sha, 5), patches)})
+    return Manifest(**{**m.__dict__, "files": {"model.safetensors": WeightsEntry(root, 5)},
+                       "weights": Weights(1 << 20, (sha,), Keyframe(keyframe, root, 5), patches)})
 
 
 def test_the_folders_the_kept_versions_are_rebuilt_from_stay(tmp_path):

@@ -42,7 +42,7 @@ OTHER = Ed25519PrivateKey.generate()
 
 def manifest(version=3) -> Manifest:
     return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
-                    files={"model.safetensors": FileEntry("ab" * 32, 1000)},
+                    files={"config.json": FileEntry("ab" * 32, 1000)},
                     dataset=Dataset("train", "datasets/train-abc.csv", "cd" * 32, 10, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2)
 
@@ -66,7 +66,7 @@ def test_round_trip_names_the_signer_and_survives_reformatting():
 
 
 @pytest.mark.parametrize("edit", [
-    lambda d: d["files"]["model.safetensors"].update(sha256="ef" * 32),
+    lambda d: d["files"]["config.json"].update(sha256="ef" * 32),
     lambda d: d.update(version=4, checkpoint="checkpoints/v000004"),
     lambda d: d["sampling"].update(temperature=0.5),
     lambda d: d.update(extra="field"),                       # additions are covered too
@@ -125,7 +125,7 @@ def test_unsigned_needs_allow_unsigned_and_a_signature_is_checked_anyway(tmp_pat
 
 
 def test_a_full_fetch_leaves_only_the_files_the_signed_manifest_names(tmp_path):
-    from volunteer_rl.model.checkpoint import fetch_checkpoint, publish_checkpoint
+    from volunteer_rl.model.checkpoint import fetch_checkpoint, keyframe_weights, publish_checkpoint
 
     s = open_storage(str(tmp_path / "bucket"))
     src = tmp_path / "src"
@@ -135,7 +135,8 @@ def test_a_full_fetch_leaves_only_the_files_the_signed_manifest_names(tmp_path):
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "generation_config.json").write_text("{}")  # left by another version or bucket
-    fetch_checkpoint(s, dataclasses.replace(manifest(3), files=files), dest)
+    fetch_checkpoint(s, dataclasses.replace(manifest(3), files=files,
+                                            weights=keyframe_weights(3, b"w" * 100)[1]), dest)
     assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]
 
 

@@ -159,6 +159,32 @@ def test_a_failed_local_streamed_create_leaves_nothing(tmp_path):
     assert not s.exists("w.bin") and list(tmp_path.iterdir()) == []
 
 
+def test_a_big_local_write_goes_to_the_disk_as_it_is_written(tmp_path, monkeypatch):
+    """The folder backend starts the disk writing every WRITEBACK_BYTES of a big object
+    (sync_file_range) instead of leaving it all to the final fsync: the ranges handed over
+    follow each other from byte 0, only bytes already flushed, and the object is exact."""
+    real = local._START_WRITEBACK
+    if sys.platform.startswith("linux"):
+        assert real is not None  # glibc and musl both have it
+    started = []
+
+    def record(fd, offset, length, flags):
+        assert os.fstat(fd).st_size >= offset + length  # flushed before it is handed over
+        started.append((offset, length))
+        return real(fd, offset, length, flags) if real is not None else 0
+    monkeypatch.setattr(local, "_START_WRITEBACK", record)
+    pieces = [os.urandom(n) for n in (5 << 20, 1, 20 << 20, 3, 17 << 20, 100)]
+
+    def write(f):
+        for p in pieces:
+            f.write(p)
+    LocalStorage(tmp_path).create_from("big.bin", write)
+    assert (tmp_path / "big.bin").read_bytes() == b"".join(pieces)
+    assert started and started[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))
+    assert all(n >= local.WRITEBACK_BYTES for _, n in started)
+
+
 def test_local_bounded_listing_stops_walking(tmp_path, monkeypatch):
     s = LocalStorage(tmp_path)
     for i in range(20):

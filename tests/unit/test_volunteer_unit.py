@@ -85,14 +85,14 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
     from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.model.checkpoint import Fetched
     from volunteer_rl.model.policy import Policy
-    from volunteer_rl.protocol.manifest import FileEntry
+    from volunteer_rl.protocol.manifest import WeightsEntry
     from volunteer_rl.volunteer import loop as vol
     from volunteer_rl.volunteer.loop import Volunteer
 
     small = Policy(torch.nn.Linear(10, 10), None, "plain", torch.device("cpu"))
 
     class M:
-        run_id, version, files, dataset = "run", 0, {"model.safetensors": FileEntry("0" * 64, 0)}, "d"
+        run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
 
     monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
     monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))

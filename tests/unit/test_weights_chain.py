@@ -19,12 +19,13 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     KEYFRAME_FILE,
     Dataset,
-    FileEntry,
     Link,
     Manifest,
     ManifestError,
     Sampling,
     Weights,
+    WeightsEntry,
+    pieces_root,
 )
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import NotFound
@@ -35,26 +36,27 @@ SIZE = 3 * MIB + 4096  # 4 pieces of 1 MiB, the last short
 DATASET = Dataset("train", "datasets/train-0.csv", "0" * 64, 1, 1)
 
 
-def manifest_of(version: int, sha: str, weights: Weights | None) -> Manifest:
+def manifest_of(version: int, root: str, weights: Weights | None) -> Manifest:
     m = Manifest(run_id="run", version=version, checkpoint=layout.checkpoint_prefix(version),
-                 files={KEYFRAME_FILE: FileEntry(sha, SIZE)}, dataset=DATASET, sampling=Sampling(),
+                 files={KEYFRAME_FILE: WeightsEntry(root, SIZE)}, dataset=DATASET, sampling=Sampling(),
                  max_staleness=2, weights=weights)
     return Manifest.from_raw(json.loads(m.to_json()))  # what a reader parses, checks included
 
 
 def publish_bytes(storage, chain: WeightsChain, version: int, buf: memoryview) -> Manifest:
     """What trainer.publish does with the weights file, without a model around it."""
-    sha = sha256_bytes(buf)
-    patch, keyframe = chain.plan(version, buf, sha, word=2)
+    pieces = piece_hashes(buf, MIB)
+    root = pieces_root(MIB, len(buf), pieces)
+    patch, keyframe = chain.plan(version, buf, root, word=2)
     if keyframe:
         storage.create(layout.checkpoint_key(version, KEYFRAME_FILE), bytes(buf))
     link = None
     if patch is not None:
         storage.create(Weights.patch_key(version), patch)
         link = Link(version, sha256_bytes(patch), len(patch))
-    w = chain.weights(version, FileEntry(sha, len(buf)), piece_hashes(buf, MIB), link, keyframe)
-    m = manifest_of(version, sha, w)
-    chain.commit(version, w, sha, buf)
+    w = chain.weights(version, WeightsEntry(root, len(buf)), pieces, link, keyframe)
+    m = manifest_of(version, root, w)
+    chain.commit(version, w, root, buf)
     return m
 
 
@@ -82,7 +84,7 @@ def run(tmp_path):
 
 
 def held(m: Manifest, data: np.ndarray) -> Held:
-    return Held(m.run_id, m.version, m.files[KEYFRAME_FILE].sha256, memoryview(data.copy()))
+    return Held(m.run_id, m.version, m.files[KEYFRAME_FILE].root, memoryview(data.copy()))
 
 
 def test_the_chain_is_keyframes_on_cadence_and_out_of_turn(run):
@@ -155,7 +157,7 @@ def test_held_bytes_that_are_not_what_they_claim_fall_back_to_the_keyframe(run):
     got = build_weights(storage, ms[19], wrong, logs.append)
     assert got.how == "keyframe" and bytes(got.buf) == files[19].tobytes()
     assert "piece" in logs[0] and "does not match manifest.json" in logs[0]
-    other_run = Held("another-run", 17, ms[17].files[KEYFRAME_FILE].sha256, memoryview(files[17].copy()))
+    other_run = Held("another-run", 17, ms[17].files[KEYFRAME_FILE].root, memoryview(files[17].copy()))
     assert plan_fetch(ms[19], other_run)[0] == "keyframe"
 
 
@@ -178,18 +180,24 @@ def test_a_manifest_whose_chain_does_not_hold_together_is_refused(run):
     refused(lambda w: w["pieces"].pop(), "3 pieces of 1048576 bytes do not cover")
     refused(lambda w: w.update(piece_bytes=4096), "piece_bytes 4096 is not an integer in")
     refused(lambda w: w["pieces"].__setitem__(0, "A" * 64), "is not a sha256 in lowercase hex")
+    # a piece swapped: the pieces no longer make the file's root
+    refused(lambda w: w["pieces"].__setitem__(0, "b" * 64), "root of the pieces is not")
     refused(lambda w: w.update(patches=[{}] * 300), "at most 256 patches")
     refused(lambda w: w.update(keyframe="v8"), "malformed")
+    own = json.loads(ms[8].to_json())  # v8 is its own keyframe: the root must be its file's
+    own["weights"]["keyframe"]["root"] = "b" * 64
+    with pytest.raises(ManifestError, match="keyframe v8 is this version's, so it must be its"):
+        Manifest.from_raw(own)
 
 
 def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fails(tmp_path):
-    """The trainer hashes and uploads the weights file while it is being made (Filling): the
+    """The trainer hashes (by pieces) and uploads the weights file while it is being made (Filling): the
     followers see exactly the finished bytes, and a making that fails stops them all with
     no object left behind, instead of leaving them waiting for ever."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from volunteer_rl.model.checkpoint import Filling, sha256_as_ready, upload_buffer
+    from volunteer_rl.model.checkpoint import Filling, upload_buffer
 
     storage = open_storage(str(tmp_path / "bucket"))
     data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
@@ -199,7 +207,6 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
         filling = Filling()
         with ThreadPoolExecutor(3) as pool:
             up = pool.submit(upload_buffer, storage, key, buf, filling.wait)
-            whole = pool.submit(sha256_as_ready, buf, filling.wait)
             pieces = pool.submit(piece_hashes, buf, MIB, 2, filling.wait)
             start, step = 0, 256 << 10
             while start < SIZE:  # made in slices, as tensors are
@@ -211,10 +218,10 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
                 filling.made(end)
                 start = end
                 threading.Event().wait(0.001)  # let the followers catch up and wait
-            return [f.exception() or f.result() for f in (up, whole, pieces)]
+            return [f.exception() or f.result() for f in (up, pieces)]
 
     done = follow("ok.bin", None)
-    assert done == [None, sha256_bytes(data), piece_hashes(data, MIB)]
+    assert done == [None, piece_hashes(data, MIB)]
     assert bytes(storage.read("ok.bin")) == data.tobytes()
 
     failed = follow("failed.bin", 2 * MIB)

@@ -2,12 +2,12 @@
 
 Write order (restic's rule): every file of the version first, each verified present at its
 size, and only then the manifest that points at them (see `trainer.publish`). Read order is
-the reverse: the manifest, then each file, each checked against the manifest's sha256 before
-anything is loaded from it.
+the reverse: the manifest, then each file, each checked against the manifest's sha256 (the
+weights file: its pieces' sha256s) before anything is loaded from it.
 
-Big files stream: the trainer's weights file is made in memory, hashed whole and by pieces
-while it uploads (`trainer.publish`, `upload_buffer`), and a volunteer's comes from the bucket
-into one buffer, its pieces hashed as they land (`fetch_weights`), and is copied into the
+Big files stream: the trainer's weights file is made in memory, hashed by pieces on every
+core while it uploads (`trainer.publish`, `upload_buffer`), and a volunteer's comes from the
+bucket into one buffer, its pieces hashed as they land (`fetch_weights`), and is copied into the
 model only after every hash matched. Hashing runs in threads of its own (hashlib releases
 the GIL on big buffers), so it overlaps the writing or the reading of the next piece.
 
@@ -40,7 +40,16 @@ from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.progress import progress
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import FileEntry, Link, Manifest, Weights
+from volunteer_rl.protocol.manifest import (
+    PIECE_BYTES,
+    FileEntry,
+    Keyframe,
+    Link,
+    Manifest,
+    Weights,
+    WeightsEntry,
+    pieces_root,
+)
 from volunteer_rl.storage.base import ShortObject, Storage, StorageError, TooLarge
 
 # A checkpoint file larger than this is refused before download (volunteers bound what they
@@ -281,7 +290,7 @@ _WEIGHTS_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 _HEADER_BYTES_PER_TENSOR = 1024  # a safetensors header entry is ~100-200 bytes: name, dtype, shape, offsets
 
 
-def check_weights_size(shape: ModelShape, entry: FileEntry, weights_dtype: str, key: str) -> None:
+def check_weights_size(shape: ModelShape, entry: WeightsEntry, weights_dtype: str, key: str) -> None:
     """CheckpointRefused unless a safetensors file of `shape`'s tensors, floats in
     `weights_dtype`, could be `entry.size` bytes long: its data exactly, plus 8 bytes and a
     header of 2 bytes up to 4 KiB + 1 KiB per tensor. A listed size that is not that is
@@ -520,16 +529,20 @@ def upload_buffer(storage: Storage, key: str, buf: memoryview,
         raise CheckpointError(f"{key}: size after upload differs from {len(view)} bytes")
 
 
-def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str, FileEntry]:
+def publish_checkpoint(storage: Storage, version: int, folder: Path
+                       ) -> dict[str, FileEntry | WeightsEntry]:
     """Upload every file of `folder` under checkpoints/vNNNNNN/, then verify each one landed.
-    (The weights file is not among them: the trainer uploads it from memory, upload_buffer.)
+    (The trainer's folder holds no weights file: it uploads that from memory, upload_buffer.
+    One that is there goes up whole, listed by its root; keyframe_weights gives the
+    manifest's `weights` for it.)
 
-    Returns the per-file sha256 and size for the manifest, hashed from the very bytes sent.
+    Returns the per-file sha256 (the weights file: its root) and size for the manifest,
+    hashed from the very bytes sent.
     Objects are created write-once: a version folder that already holds the file is an
     error (AlreadyExists), not an overwrite. A file readers would refuse (check_files) is
     CheckpointRefused before anything is uploaded.
     """
-    entries: dict[str, FileEntry] = {}
+    entries: dict[str, FileEntry | WeightsEntry] = {}
     writers = {p.name: _copy_file(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}
     sizes = {p.name: p.stat().st_size for p in Path(folder).iterdir() if p.is_file()}
     for name in writers:  # what readers refuse is not published
@@ -539,7 +552,13 @@ def publish_checkpoint(storage: Storage, version: int, folder: Path) -> dict[str
                                     f"checkpoint holding it, so v{version} is not published")
     with progress(f"upload v{version}", sum(sizes.values()), unit_bytes=True) as advance:
         for name, write in sorted(writers.items()):
-            entry = upload_stream(storage, layout.checkpoint_key(version, name), write)
+            key = layout.checkpoint_key(version, name)
+            if name == WEIGHTS_FILE:  # under its size cap: checked above
+                data = memoryview((Path(folder) / name).read_bytes())
+                upload_buffer(storage, key, data)
+                entry = keyframe_weights(version, data)[0]
+            else:
+                entry = upload_stream(storage, key, write)
             crash_point("checkpoint_upload")
             entries[name] = entry
             advance(sizes.get(name, 0))
@@ -558,7 +577,7 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     Nothing is downloaded (nor `dest` created) before `check_checkpoint(storage, manifest,
     require_model)` passed: volunteers and `vrl eval` pass require_model=True.
     `only` restricts the download to some files. The weights file comes from `weights` if
-    given (a buffer fetch_weights returned for this manifest), else from fetch_weights (the
+    given (a buffer fetch_weights returned for this manifest), else from build_weights (the
     keyframe and the patches after it). Files land under a temp name and are renamed when
     verified, so `dest` never holds bytes that did not match. A full fetch also removes files
     the manifest does not name (left by another version or bucket), so a loader reading the
@@ -571,8 +590,8 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     with progress(f"fetch v{manifest.version}", sum(e.size for e in wanted.values()),
                   unit_bytes=True) as advance:
         for name, entry in wanted.items():
-            if name == WEIGHTS_FILE and manifest.weights is not None:
-                data = weights if weights is not None else fetch_weights(storage, manifest).buf
+            if name == WEIGHTS_FILE:  # a manifest that lists it has weights (its schema)
+                data = weights if weights is not None else build_weights(storage, manifest).buf
                 _write_file(data, dest / name)
             else:
                 _fetch_file(storage, layout.checkpoint_key(manifest.version, name), entry, dest / name)
@@ -640,15 +659,14 @@ def piece_hashes(buf, piece_bytes: int, workers: int = 0,
         return list(pool.map(one, starts))
 
 
-def sha256_as_ready(buf, ready: Callable[[int], None] = lambda end: None) -> str:
-    """sha256 of `buf`, CHUNK by CHUNK as `ready` says each is made."""
-    view = memoryview(buf).cast("B")
-    h = hashlib.sha256()
-    for start in range(0, len(view), CHUNK):
-        end = min(start + CHUNK, len(view))
-        ready(end)
-        h.update(view[start:end])
-    return h.hexdigest()
+def keyframe_weights(version: int, buf, piece_bytes: int = PIECE_BYTES
+                     ) -> tuple[WeightsEntry, Weights]:
+    """files["model.safetensors"] and `weights` of version `version` published whole, its
+    weights file the bytes `buf`: the pieces hashed, the root made of them."""
+    size = len(memoryview(buf).cast("B"))
+    pieces = piece_hashes(buf, piece_bytes)
+    entry = WeightsEntry(pieces_root(piece_bytes, size, pieces), size)
+    return entry, Weights(piece_bytes, tuple(pieces), Keyframe(version, entry.root, entry.size))
 
 
 class Filling:
@@ -714,13 +732,14 @@ class PieceHasher:
 
 @dataclass
 class Held:
-    """A weights file a reader holds in memory, verified: the bytes whose sha256 is `sha256`,
-    version `version` of run `run_id`. `fetch_weights` may patch it into a newer version in
-    place, so after a fetch that failed its content is garbage and it is no longer held."""
+    """A weights file a reader holds in memory, verified: the bytes whose root is `root`
+    (manifest.pieces_root), version `version` of run `run_id`. `fetch_weights` may patch it
+    into a newer version in place, so after a fetch that failed its content is garbage and
+    it is no longer held."""
 
     run_id: str
     version: int
-    sha256: str
+    root: str
     buf: memoryview
 
 
@@ -736,13 +755,13 @@ class Fetched:
     links: int
 
 
-def plan_fetch(m: Manifest, held: Held | None) -> tuple[str, list[Link]]:
+def plan_fetch(m: Manifest, held: Held | None) -> tuple[str, list[Keyframe | Link]]:
     """("held" | "patches" | "keyframe", the links to download, in order): the fewer bytes of
     patching the held version forward (when the manifest lists every patch after it) and of
     the keyframe with the patches after it. Pure: no I/O."""
     w, whole = m.weights, m.files[WEIGHTS_FILE]
     same_run = held is not None and held.run_id == m.run_id
-    if same_run and held.sha256 == whole.sha256:
+    if same_run and held.root == whole.root:
         return "held", []
     from_keyframe = [w.keyframe, *(p for p in w.patches if p.version > w.keyframe.version)]
     if same_run and w.patches and w.patches[0].version - 1 <= held.version < m.version:
@@ -774,9 +793,10 @@ def _check_pieces(m: Manifest, hashes: list[str], how: str = "") -> None:
                               f"{bad} does not match manifest.json" + (f" ({how})" if how else ""))
 
 
-def _patch_forward(storage: Storage, m: Manifest, buf: memoryview, base_sha: str | None,
+def _patch_forward(storage: Storage, m: Manifest, buf: memoryview, base: str,
                    links: list[Link]) -> int:
-    """Apply `links` (patches, in order) to `buf` in place; the bytes downloaded."""
+    """Apply `links` (patches, in order) to `buf`, the file whose root is `base`, in place;
+    the bytes downloaded."""
     from volunteer_rl.protocol.patch import PatchError, apply_patch
 
     got = 0
@@ -785,10 +805,10 @@ def _patch_forward(storage: Storage, m: Manifest, buf: memoryview, base_sha: str
         patch = _read_link(storage, key, link)
         got += link.size
         try:
-            info = apply_patch(buf, patch, key, base_sha)
+            info = apply_patch(buf, patch, key, base)
         except PatchError as exc:
             raise CheckpointError(str(exc)) from None
-        base_sha = info.target_sha256
+        base = info.target
     return got
 
 
@@ -825,7 +845,7 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
         return Fetched(held.buf, how, 0, 0)
     if how == "patches":
         try:
-            got = _patch_forward(storage, manifest, held.buf, held.sha256, links)
+            got = _patch_forward(storage, manifest, held.buf, held.root, links)
             _check_pieces(manifest, piece_hashes(held.buf, w.piece_bytes),
                           f"patched from v{held.version}")
             return Fetched(held.buf, how, got, len(links))
@@ -844,7 +864,7 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
         _check_pieces(manifest, hashes)
         return Fetched(buf, how, whole.size, 1)
     _read_whole(storage, key, buf, lambda offset, piece: None)
-    got = whole.size + _patch_forward(storage, manifest, buf, w.keyframe.sha256, links[1:])
+    got = whole.size + _patch_forward(storage, manifest, buf, w.keyframe.root, links[1:])
     _check_pieces(manifest, piece_hashes(buf, w.piece_bytes),
                   f"rebuilt from keyframe v{w.keyframe.version}")
     return Fetched(buf, how, got, len(links))

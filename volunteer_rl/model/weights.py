@@ -62,6 +62,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
 _PIECE = 16 << 20
+"""Bytes written (write_weights) or cast (fill_weights) at a time."""
 
 
 def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -120,9 +121,12 @@ def weights_size(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
                  made: Callable[[int], None] = lambda end: None) -> None:
-    """Make in `buf` (weights_size bytes) the file `write_weights` writes, tensor by tensor,
-    calling `made(end)` when buf[:end] is done (checkpoint.Filling: threads that hash and
-    upload it follow along)."""
+    """Make in `buf` (weights_size bytes) the file `write_weights` writes, calling
+    `made(end)` each time buf[:end] is done (checkpoint.Filling: threads that hash and upload
+    it follow along, so a big tensor is made _PIECE bytes at a time).
+
+    Each tensor is cast straight into its place in `buf` (the same rounding as `Tensor.to`):
+    no temporary copy, which made this three times slower on a 0.6 B model."""
     import numpy as np
 
     head, tensors, total = _serialized(model, dtype)
@@ -130,12 +134,21 @@ def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
         raise ValueError(f"fill_weights: a buffer of {len(buf)} bytes for a {total}-byte file")
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out = torch.from_numpy(arr)
     at = len(head)
     with torch.no_grad():
         for t in tensors:
-            data = _tensor_bytes(t, dtype)
-            arr[at:at + len(data)] = data
-            at += len(data)
+            dt = dtype if t.is_floating_point() else t.dtype
+            n = t.numel() * dt.itemsize
+            if at % dt.itemsize:  # only after a tensor of odd bytes; never in a model of ours
+                arr[at:at + n] = _tensor_bytes(t, dtype)
+            else:
+                dst, src = out[at:at + n].view(dt), t.detach().reshape(-1)
+                step = max(1, _PIECE // dt.itemsize)
+                for i in range(0, src.numel(), step):
+                    dst[i:i + step].copy_(src[i:i + step])
+                    made(at + min((i + step) * dt.itemsize, n))
+            at += n
             made(at)
     made(total)
 

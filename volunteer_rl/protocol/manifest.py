@@ -2,7 +2,8 @@
 
 The trainer writes it only after every object of a version is uploaded and verified, so a
 reader that follows the manifest never meets a half-published checkpoint. Readers go the
-opposite way: manifest first, then the files it names, each checked against its sha256.
+opposite way: manifest first, then the files it names, each checked against its sha256
+(the weights file: against its pieces' sha256s, which make its root).
 The manifest is signed by the trainer's key (see signing.py) and readers check the signature
 on the bytes they read, against the key they trust, before any sha256 in it is used; a reader
 with a high-water mark (volunteers, `vrl eval`) then refuses a current manifest that is behind
@@ -12,9 +13,11 @@ to a dead version. Schema: docs/PROTOCOL.md.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -40,7 +43,20 @@ class ManifestError(VrlError):
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A checkpoint file other than the weights: its sha256 and size."""
+
     sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class WeightsEntry:
+    """files["model.safetensors"]: the weights file, named by `root`, the root of its pieces'
+    sha256s (pieces_root), and not by a sha256 of the whole file: a reader checks the pieces
+    on all its cores anyway, and the trainer, which makes a multi-GB file at every version,
+    hashes it once (by pieces, on every core) instead of twice."""
+
+    root: str
     size: int
 
 
@@ -55,12 +71,34 @@ PIECE_BYTES = 64 << 20
 """Bytes per hashed piece of the weights file the trainer publishes (the last is shorter)."""
 _PIECE_RANGE = (1 << 20, 1 << 30)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+ROOT_DOMAIN = b"vrl-weights-root-v1\0"
+
+
+def pieces_root(piece_bytes: int, size: int, pieces) -> str:
+    """The name of a weights file of `size` bytes whose `piece_bytes` slices have the sha256s
+    `pieces` (hex, in order): the sha256 of ROOT_DOMAIN, piece_bytes and size (uint64
+    little-endian), and every piece's 32-byte digest. Two files with one root have the same
+    size, the same cut and the same pieces, so the same bytes (unless sha256 collides)."""
+    h = hashlib.sha256(ROOT_DOMAIN + struct.pack("<QQ", piece_bytes, size))
+    for piece in pieces:
+        h.update(bytes.fromhex(piece))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Keyframe:
+    """The newest version at or before a manifest's published whole: its weights file's root
+    (WeightsEntry.root) and size."""
+
+    version: int
+    root: str
+    size: int
 
 
 @dataclass(frozen=True)
 class Link:
-    """One object a reader may fetch to build a version's weights: the keyframe (a whole
-    weights file) or one patch, named by version, with its sha256 and size."""
+    """One patch object a reader may fetch to build a version's weights, named by version,
+    with its sha256 and size."""
 
     version: int
     sha256: str
@@ -69,11 +107,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Weights:
-    """How a version's weights file (files["model.safetensors"]: its sha256 and size) is
+    """How a version's weights file (files["model.safetensors"]: its root and size) is
     fetched and checked.
 
     `pieces`: the sha256 of every `piece_bytes` slice of the file, so readers hash pieces
-    on all cores as they land, and check a file they rebuilt. `keyframe`: the newest version
+    on all cores as they land, and check a file they rebuilt; the file's root is made of
+    them (pieces_root). `keyframe`: the newest version
     at or before this one published whole. `patches`: consecutive versions ending at this
     one, each a patch against the version before it, reaching back at least to the one after
     the keyframe; a reader that holds any version from the one before the first patch on
@@ -81,7 +120,7 @@ class Weights:
 
     piece_bytes: int
     pieces: tuple[str, ...]
-    keyframe: Link
+    keyframe: Keyframe
     patches: tuple[Link, ...] = ()
 
     def keyframe_key(self) -> str:
@@ -117,7 +156,8 @@ class Manifest:
     run_id: str
     version: int
     checkpoint: str  # key prefix of the checkpoint folder, e.g. checkpoints/v000042
-    files: dict[str, FileEntry]
+    files: dict[str, FileEntry | WeightsEntry]
+    """Every file of the checkpoint; model.safetensors (KEYFRAME_FILE) as a WeightsEntry."""
     dataset: Dataset
     sampling: Sampling
     max_staleness: int
@@ -130,7 +170,7 @@ class Manifest:
     """Most groups one shard may hold (1..MAX_GROUPS_PER_SHARD). Absent in manifests of
     older trainers, which took up to MAX_GROUPS_PER_SHARD."""
     weights: Weights | None = None
-    """Pieces and chain of the weights file (schema 3). None only for a checkpoint without
+    """Pieces and chain of the weights file (schema 3 on). None only for a checkpoint without
     weights, which no reader loads (tests of the protocol's other parts)."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
@@ -154,7 +194,8 @@ class Manifest:
     def from_raw(raw: dict) -> "Manifest":
         """The manifest of a decoded JSON object; ManifestError if a field is wrong."""
         try:
-            files = {name: FileEntry(str(e["sha256"]), int(e["size"]))
+            files = {name: WeightsEntry(str(e["root"]), int(e["size"])) if name == KEYFRAME_FILE
+                     else FileEntry(str(e["sha256"]), int(e["size"]))
                      for name, e in raw["files"].items()}
             for name in files:
                 if not layout.is_safe_name(name):
@@ -182,6 +223,9 @@ class Manifest:
                                 f"an integer in 1..{MAX_GROUPS_PER_SHARD}")
         if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
             raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
+        if (m.weights is None) != (KEYFRAME_FILE not in m.files):
+            raise ManifestError(f"{layout.MANIFEST}: weights: files must list {KEYFRAME_FILE} "
+                                "exactly when the manifest has weights")
         if m.weights is not None:
             _check_weights(m)
         return m
@@ -189,6 +233,10 @@ class Manifest:
 
 def _link(raw) -> Link:
     return Link(version=raw["version"], sha256=raw["sha256"], size=raw["size"])
+
+
+def _keyframe(raw) -> Keyframe:
+    return Keyframe(version=raw["version"], root=raw["root"], size=raw["size"])
 
 
 def _weights(raw) -> Weights | None:
@@ -199,26 +247,27 @@ def _weights(raw) -> Weights | None:
             or len(raw["patches"]) > MAX_PATCHES:
         raise ValueError(f"weights: pieces and patches must be lists, at most {MAX_PATCHES} patches")
     return Weights(piece_bytes=raw["piece_bytes"], pieces=tuple(raw["pieces"]),
-                   keyframe=_link(raw["keyframe"]), patches=tuple(map(_link, raw["patches"])))
+                   keyframe=_keyframe(raw["keyframe"]), patches=tuple(map(_link, raw["patches"])))
 
 
 def _check_weights(m: Manifest) -> None:
-    """The pieces cover the weights file exactly; the keyframe is at or before this version
-    and of the file's size; the patches are consecutive, end at this version and reach the
-    keyframe; every number is an integer in bounds and every hash a sha256."""
-    w, whole = m.weights, m.files.get(KEYFRAME_FILE)
+    """The pieces cover the weights file exactly and make its root; the keyframe is at or
+    before this version and of the file's size; the patches are consecutive, end at this
+    version and reach the keyframe; every number is an integer in bounds and every hash a
+    sha256."""
+    w, whole = m.weights, m.files[KEYFRAME_FILE]
 
     def bad(why: str) -> ManifestError:
         return ManifestError(f"{layout.MANIFEST}: weights: {why}")
-    if whole is None:
-        raise bad(f"names the pieces of a weights file but files lists no {KEYFRAME_FILE}")
     if type(w.piece_bytes) is not int or not _PIECE_RANGE[0] <= w.piece_bytes <= _PIECE_RANGE[1]:
         raise bad(f"piece_bytes {w.piece_bytes!r:.40} is not an integer in {_PIECE_RANGE[0]}..{_PIECE_RANGE[1]}")
     if whole.size < 0 or len(w.pieces) != -(-whole.size // w.piece_bytes):
         raise bad(f"{len(w.pieces)} pieces of {w.piece_bytes} bytes do not cover {whole.size} bytes")
-    for sha in (*w.pieces, w.keyframe.sha256, *(p.sha256 for p in w.patches)):
+    for sha in (*w.pieces, whole.root, w.keyframe.root, *(p.sha256 for p in w.patches)):
         if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
             raise bad(f"{sha!r:.80} is not a sha256 in lowercase hex")
+    if pieces_root(w.piece_bytes, whole.size, w.pieces) != whole.root:
+        raise bad(f"the root of the pieces is not {KEYFRAME_FILE}'s root")
     for link in (w.keyframe, *w.patches):
         if type(link.version) is not int or type(link.size) is not int or not 0 <= link.size <= whole.size:
             raise bad(f"v{link.version!r:.20}: version and size must be integers, the size at most "
@@ -226,7 +275,7 @@ def _check_weights(m: Manifest) -> None:
     k = w.keyframe
     if not 0 <= k.version <= m.version or k.size != whole.size:
         raise bad(f"keyframe v{k.version} must be at or before v{m.version} and of {whole.size} bytes")
-    if k.version == m.version and k.sha256 != whole.sha256:
+    if k.version == m.version and k.root != whole.root:
         raise bad(f"keyframe v{k.version} is this version's, so it must be its weights file")
     versions = [p.version for p in w.patches]
     if versions and (versions != list(range(versions[0], m.version + 1)) or versions[0] < 1):

@@ -9,16 +9,17 @@ one word and a weight that did not change costs nothing. RL steps at small learn
 leave most bf16 weights exactly as they were (PULSE measures ~99 %), so a patch is the
 changed words' positions and, for each, the difference of its bit pattern: new word minus
 old word as unsigned integers, modulo 2^(8 word). That is integer arithmetic on the bits,
-not a float difference, so applying it gives the new file exactly (the new file's hashes in
-the manifest verify it); and a weight that moved by one bf16 step differs by 1, which zstd
+not a float difference, so applying it gives the new file exactly (the new file's piece
+hashes in the manifest verify it); and a weight that moved by one bf16 step differs by 1, which zstd
 stores in a few bits where the new value itself took about 12 (bench/README.md, patch_size:
 66x instead of 35x fewer bytes than the file for a Qwen3-0.6B shape at lr 1e-6).
 
 The object, little-endian:
 
     fixed header (HEADER, 112 bytes)
-      magic "VRLPATCH", format 1, word (1, 2, 4 or 8 bytes),
-      size (bytes of both files), sha256 of the base file and of the target file (raw),
+      magic "VRLPATCH", format 2, word (1, 2, 4 or 8 bytes),
+      size (bytes of both files), the 32-byte names of the base file and of the target file
+      (the maker's choice; vrl's trainer gives each file's root, manifest.pieces_root),
       changed words n, tail: the target's last size % word bytes (zero-padded to 8)
     body: one zstd frame that decompresses to exactly n * (8 + word) bytes:
       the gaps between changed word positions (first = the first position, then
@@ -37,7 +38,6 @@ never gets here; the bounds hold anyway.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -46,10 +46,12 @@ import numpy as np
 from volunteer_rl.errors import VrlError
 
 MAGIC = b"VRLPATCH"
-FORMAT = 1
+FORMAT = 2
+"""1 (schema 3) named the base and target by their sha256; 2 by whatever the maker gives
+(the files' roots), so no reader or maker hashes a whole file for it."""
 WORDS = (1, 2, 4, 8)
 HEADER = struct.Struct("<8sIIQ32s32sQ8s")
-"""magic, format, word, size, base sha256, target sha256, changed words, tail."""
+"""magic, format, word, size, base name, target name, changed words, tail."""
 ZSTD_LEVEL = 3
 """Level 3 compresses the shuffled gaps and values of a 1 %-changed bf16 file within a few
 percent of level 19, at hundreds of MB/s."""
@@ -65,8 +67,9 @@ class PatchInfo:
 
     word: int
     size: int
-    base_sha256: str
-    target_sha256: str
+    base: str
+    """The base file's name, hex (what the maker gave: for vrl, its root)."""
+    target: str
     changed: int
 
 
@@ -85,8 +88,11 @@ def _unshuffle(planes: memoryview, n: int, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(np.frombuffer(planes, np.uint8, count=n * k).reshape(k, n).T).view(dtype).reshape(n)
 
 
-def sha256_hex(buf) -> str:
-    return hashlib.sha256(buf).hexdigest()
+def _name(hex_name: str) -> bytes:
+    raw = bytes.fromhex(hex_name)
+    if len(raw) != 32:
+        raise ValueError(f"a patch names its files by 32 bytes, not {len(raw)}")
+    return raw
 
 
 def count_changed(base, target, word: int) -> int:
@@ -95,11 +101,11 @@ def count_changed(base, target, word: int) -> int:
     return int(np.count_nonzero(_words(base, word) != _words(target, word)))
 
 
-def make_patch(base, target, word: int, base_sha256: str | None = None,
-               target_sha256: str | None = None, threads: int = -1) -> bytes:
-    """The patch that turns the bytes `base` into the bytes `target` (same length). The
-    sha256s are computed unless given (the caller usually has them already). `threads`:
-    zstd's workers (-1: one per CPU, 0: none, compress on the calling thread)."""
+def make_patch(base, target, word: int, base_name: str, target_name: str,
+               threads: int = -1) -> bytes:
+    """The patch that turns the bytes `base` into the bytes `target` (same length), naming
+    them `base_name` and `target_name` (32 bytes each, hex; the trainer gives their roots).
+    `threads`: zstd's workers (-1: one per CPU, 0: none, compress on the calling thread)."""
     if word not in WORDS:
         raise ValueError(f"word {word} is not one of {WORDS}")
     base, target = memoryview(base).cast("B"), memoryview(target).cast("B")
@@ -114,8 +120,7 @@ def make_patch(base, target, word: int, base_sha256: str | None = None,
     whole = len(new) * word
     tail = bytes(target[whole:]).ljust(8, b"\0")
     header = HEADER.pack(MAGIC, FORMAT, word, len(target),
-                         bytes.fromhex(base_sha256 or sha256_hex(base)),
-                         bytes.fromhex(target_sha256 or sha256_hex(target)), len(where), tail)
+                         _name(base_name), _name(target_name), len(where), tail)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=threads)
     body = cctx.compress(_shuffle(gaps) + deltas.tobytes())
     return header + body
@@ -138,14 +143,14 @@ def read_header(patch, name: str = "patch") -> PatchInfo:
     return PatchInfo(word, size, base.hex(), target.hex(), changed)
 
 
-def apply_patch(buf, patch, name: str = "patch", base_sha256: str | None = None) -> PatchInfo:
+def apply_patch(buf, patch, name: str = "patch", base: str | None = None) -> PatchInfo:
     """Rewrite `buf` (a writable buffer holding the base file) into the target file, in place.
 
-    `base_sha256`, the hash the caller verified `buf` against, must be the patch's base (a
+    `base`, the name (root) the caller verified `buf` against, must be the patch's base (a
     patch for another version is refused before anything is written). Every bound is checked
     before the first word is written, so on PatchError `buf` is unchanged. Returns the header:
-    its target_sha256 is what `buf` now hashes to if the patch was made honestly (the caller
-    checks the manifest's hashes of the result, which are what count)."""
+    its `target` names what `buf` now holds if the patch was made honestly (the caller checks
+    the manifest's hashes of the result, which are what count)."""
     import zstandard
 
     info = read_header(patch, name)
@@ -153,9 +158,9 @@ def apply_patch(buf, patch, name: str = "patch", base_sha256: str | None = None)
     buf = memoryview(buf).cast("B")
     if len(buf) != info.size:
         raise PatchError(f"{name}: patches a file of {info.size} bytes, the base is {len(buf)}")
-    if base_sha256 is not None and base_sha256 != info.base_sha256:
-        raise PatchError(f"{name}: made for another base (sha256 {info.base_sha256[:12]}..., "
-                         f"held {base_sha256[:12]}...)")
+    if base is not None and base != info.base:
+        raise PatchError(f"{name}: made for another base ({info.base[:12]}..., "
+                         f"held {base[:12]}...)")
     n, word = info.changed, info.word
     expected = n * (8 + word)
     # A stream read into a buffer of the announced size (+1 to see a longer body): whatever

@@ -28,6 +28,50 @@ from volunteer_rl.storage.base import (
 READ_CHUNK = 16 << 20
 """Bytes per piece of a streamed local read: big enough for few syscalls, small enough that
 hashing one piece overlaps reading the next."""
+WRITEBACK_BYTES = 16 << 20
+"""A big object's bytes are handed to the disk this many at a time while it is written (see
+_EarlyWriteback)."""
+
+
+def _sync_file_range():
+    """Linux's sync_file_range from the C library, or None where there is none (macOS)."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_START_WRITEBACK = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+class _EarlyWriteback:
+    """A temp file being written whose pages start going to the disk every WRITEBACK_BYTES
+    (sync_file_range: started, not waited for), so the fsync that ends the write waits for
+    the last few pages, not the whole object: a 1.19 GB weights file written while it is
+    made then fsynced took 0.5-0.9 s more than the making on this project's 2-core VM;
+    started early, 0.1-0.25 s more.
+    Only a hint: where the call is missing or fails, the fsync does it all, as before."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.started = f, 0
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        if _START_WRITEBACK is not None and self.f.tell() - self.started >= WRITEBACK_BYTES:
+            self.f.flush()
+            end = self.f.tell()
+            _START_WRITEBACK(self.f.fileno(), self.started, end - self.started, _SYNC_FILE_RANGE_WRITE)
+            self.started = end
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self.f, name)
 
 
 def _fill_from(key: str, src: BinaryIO, buf: memoryview,
@@ -107,7 +151,7 @@ class LocalStorage:
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with self._open_new(tmp) as f:
-                write(f)
+                write(_EarlyWriteback(f))
                 f.flush()
                 crash_point("local_write")
                 os.fsync(f.fileno())

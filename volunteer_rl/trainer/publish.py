@@ -22,7 +22,6 @@ from volunteer_rl.model.checkpoint import (
     clear_folder,
     piece_hashes,
     publish_checkpoint,
-    sha256_as_ready,
     sha256_bytes,
     upload_buffer,
 )
@@ -32,11 +31,13 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     PIECE_BYTES,
     Dataset,
-    FileEntry,
+    Keyframe,
     Link,
     Manifest,
     Sampling,
     Weights,
+    WeightsEntry,
+    pieces_root,
     write_manifest,
 )
 from volunteer_rl.protocol.patch import count_changed, make_patch
@@ -90,11 +91,11 @@ class WeightsChain:
     def __init__(self, keyframe_every: int, patch_max_fraction: float, piece_bytes: int = PIECE_BYTES):
         self.keyframe_every, self.patch_max_fraction = keyframe_every, patch_max_fraction
         self.piece_bytes = piece_bytes
-        self.last: tuple[int, str, memoryview] | None = None  # version, sha256, the file
+        self.last: tuple[int, str, memoryview] | None = None  # version, root, the file
         self.spare: memoryview | None = None
         """The file published before the last: the next version's file is made in it (a fresh
         multi-GB buffer costs a page fault per 4 KiB page, several times the making)."""
-        self.keyframe: Link | None = None
+        self.keyframe: Keyframe | None = None
         self.patches: list[Link] = []
 
     def due(self, version: int, size: int) -> bool:
@@ -103,10 +104,10 @@ class WeightsChain:
         return (self.last is None or self.last[0] != version - 1 or len(self.last[2]) != size
                 or self.keyframe is None or version - self.keyframe.version >= self.keyframe_every)
 
-    def plan(self, version: int, buf: memoryview, sha: str, word: int
+    def plan(self, version: int, buf: memoryview, root: str, word: int
              ) -> tuple[bytes | None, bool]:
-        """(patch or None, whether this version is a keyframe too) for `buf`, whose sha256 is
-        `sha`. Changes nothing: `commit` does, once the version is published."""
+        """(patch or None, whether this version is a keyframe too) for `buf`, whose root is
+        `root`. Changes nothing: `commit` does, once the version is published."""
         patch = None
         if self.last is not None and self.last[0] == version - 1 and len(self.last[2]) == len(buf):
             limit = self.patch_max_fraction * len(buf)
@@ -115,25 +116,25 @@ class WeightsChain:
             # value changes at every step, so most trainers never spend the compression.
             changed = count_changed(self.last[2], buf, word)
             if changed * word * 0.5 < limit:
-                made = make_patch(self.last[2], buf, word, self.last[1], sha,
+                made = make_patch(self.last[2], buf, word, self.last[1], root,
                                   threads=-1 if len(buf) > (64 << 20) else 0)
                 if len(made) <= limit:
                     patch = made
         return patch, patch is None or self.due(version, len(buf))
 
-    def weights(self, version: int, whole: FileEntry, pieces: list[str],
+    def weights(self, version: int, whole: WeightsEntry, pieces: list[str],
                 patch: Link | None, keyframe: bool) -> Weights:
         """The manifest's `weights` for this version, published with `patch` (its Link) and
         as a keyframe or not."""
-        key = Link(version, whole.sha256, whole.size) if keyframe else self.keyframe
+        key = Keyframe(version, whole.root, whole.size) if keyframe else self.keyframe
         patches = ([*self.patches, patch] if patch is not None else [])[-self.keyframe_every:]
         return Weights(self.piece_bytes, tuple(pieces), key, tuple(patches))
 
-    def commit(self, version: int, weights: Weights, sha: str, buf: memoryview) -> None:
+    def commit(self, version: int, weights: Weights, root: str, buf: memoryview) -> None:
         """Version `version` is published with `weights`: it is now the last one."""
         if self.last is not None and self.last[2] is not buf:
             self.spare = self.last[2]
-        self.last = (version, sha, buf)
+        self.last = (version, root, buf)
         self.keyframe, self.patches = weights.keyframe, list(weights.patches)
 
 
@@ -144,7 +145,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
 
-    The weights file is made in memory, hashed whole and by pieces, and uploaded as a
+    The weights file is made in memory, hashed by pieces (its root names it), and uploaded as a
     keyframe (checkpoints/vN/model.safetensors), a patch against the last version
     (checkpoints/vN/weights.vrlpatch), or both, as `chain` decides.
 
@@ -156,22 +157,20 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     filling = Filling()
     with ThreadPoolExecutor(2) as pool:
         # Everything that reads the file follows its making, piece by piece: a keyframe that
-        # is due whatever the patch goes up (mostly the disk's or the link's time), one thread
-        # computes the whole file's sha256 (sequential by nature), the pieces hash on every
-        # core. The making (a cast per tensor) runs here; a failure stops every follower.
+        # is due whatever the patch goes up (mostly the disk's or the link's time) and the
+        # pieces hash on every core. The making (a cast per tensor) runs here; a failure stops
+        # every follower. The file is hashed once: its name is the root of its pieces.
         upload = pool.submit(upload_buffer, storage, weights_key, buf, filling.wait) \
             if chain.due(version, len(buf)) else None
-        whole_sha = pool.submit(sha256_as_ready, buf, filling.wait)
-        with ThreadPoolExecutor(1) as one:
-            pieces_f = one.submit(piece_hashes, buf, chain.piece_bytes, 0, filling.wait)
-            try:
-                fill_weights(policy.model, dtype, buf, filling.made)
-            except BaseException as exc:
-                filling.fail(exc)
-                raise
-            pieces = pieces_f.result()
-        sha = whole_sha.result()
-        patch, keyframe = chain.plan(version, buf, sha, dtype.itemsize)
+        pieces_f = pool.submit(piece_hashes, buf, chain.piece_bytes, 0, filling.wait)
+        try:
+            fill_weights(policy.model, dtype, buf, filling.made)
+        except BaseException as exc:
+            filling.fail(exc)
+            raise
+        pieces = pieces_f.result()
+        root = pieces_root(chain.piece_bytes, len(buf), pieces)
+        patch, keyframe = chain.plan(version, buf, root, dtype.itemsize)
         if keyframe and upload is None:  # the patch was refused: a keyframe after all
             upload = pool.submit(upload_buffer, storage, weights_key, buf)
         if upload is not None:
@@ -184,7 +183,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         files = publish_checkpoint(storage, version, staging)
     finally:
         clear_folder(staging)
-    whole = FileEntry(sha, len(buf))
+    whole = WeightsEntry(root, len(buf))
     files[WEIGHTS_FILE] = whole  # a patch version lists the file its chain rebuilds
     patch_link = None
     if patch is not None:
@@ -205,7 +204,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     except PreconditionFailed:
         raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
                            "being published; is a second trainer running on this bucket?") from None
-    chain.commit(version, weights, sha, buf)
+    chain.commit(version, weights, root, buf)
     return manifest, new_etag
 
 

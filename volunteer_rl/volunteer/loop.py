@@ -190,7 +190,7 @@ class Volunteer:
             raise
         # The buffer now holds m's weights file, verified, whatever happens next.
         self.weights_buffer = fetched.buf
-        self.held = Held(m.run_id, m.version, m.files[WEIGHTS_FILE].sha256, fetched.buf)
+        self.held = Held(m.run_id, m.version, m.files[WEIGHTS_FILE].root, fetched.buf)
         if same_shape:
             load_weights(self.policy, fetched.buf)
         else:
