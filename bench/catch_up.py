@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -152,7 +153,7 @@ def results(quick: bool = False) -> list[Row]:
                     f"through one {MBPS} MB/s link shared by every connection; "
                     f"{'small Qwen3' if quick else 'Qwen3-0.6B shape'}, "
                     f"AdamW lr {LR:g}; the trainer published each patch version in "
-                    f"{sorted(publish_s[1:-1])[len(publish_s[1:-1]) // 2]:.1f} s (median)"))
+                    f"{statistics.median_high(publish_s[1:-1]):.1f} s (median)"))
         finally:
             for proc in (relay, server):
                 if proc is not None:

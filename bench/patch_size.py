@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import random
 import sys
 import time
@@ -77,20 +76,18 @@ def calculator_steps(policy, lr: float, seed: int = 0):
 def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
     """Run `steps` AdamW steps on `policy` (changed in place); per step the bf16 file's size,
     the patch's size, the changed words and the seconds spent making the patch."""
+    from volunteer_rl.model.checkpoint import sha256_bytes
     from volunteer_rl.model.weights import weights_bytes
     from volunteer_rl.protocol.patch import apply_patch, make_patch, read_header
 
-    def sha256_hex(buf) -> str:  # a patch names its files by any 32 bytes; the sha256 does here
-        return hashlib.sha256(buf).hexdigest()
-
     before = weights_bytes(policy.model, torch.bfloat16)
-    before_sha = sha256_hex(before)
+    before_sha = sha256_bytes(before)  # a patch names its files by any 32 bytes: their sha256 here
     out = []
     run = calculator_steps(policy, lr, seed)
     for _ in range(steps):
         loss, step_seconds = next(run)
         after = weights_bytes(policy.model, torch.bfloat16)
-        after_sha = sha256_hex(after)
+        after_sha = sha256_bytes(after)
         t0 = time.perf_counter()
         patch = make_patch(before, after, 2, before_sha, after_sha)
         made = time.perf_counter() - t0

@@ -191,9 +191,9 @@ def test_a_manifest_whose_chain_does_not_hold_together_is_refused(run):
 
 
 def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fails(tmp_path):
-    """The trainer hashes (by pieces) and uploads the weights file while it is being made (Filling): the
-    followers see exactly the finished bytes, and a making that fails stops them all with
-    no object left behind, instead of leaving them waiting for ever."""
+    """The trainer hashes (by pieces) and uploads the weights file while it is being made
+    (Filling): the followers see exactly the finished bytes, and a making that fails stops
+    them all with no object left behind, instead of leaving them waiting for ever."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -205,7 +205,7 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
     def follow(key: str, fail_at: int | None):
         buf = memoryview(np.zeros(SIZE, dtype=np.uint8))
         filling = Filling()
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(2) as pool:
             up = pool.submit(upload_buffer, storage, key, buf, filling.wait)
             pieces = pool.submit(piece_hashes, buf, MIB, 2, filling.wait)
             start, step = 0, 256 << 10
@@ -226,5 +226,5 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
 
     failed = follow("failed.bin", 2 * MIB)
     assert all(isinstance(r, Exception) and "cast failed" in str(r) for r in failed), failed
-    assert all(isinstance(r, CheckpointError) for r in failed[1:])  # the storage names the key
+    assert isinstance(failed[1], CheckpointError)  # the hashing stops with Filling's error
     assert not storage.exists("failed.bin")

@@ -1,5 +1,5 @@
 """The policy's weights on disk and on the wire: safetensors written straight from the tensors
-(`write_weights`) or made in one buffer for a published checkpoint (`weights_bytes`), a model
+(`write_weights`) or made in one buffer for a published checkpoint (`fill_weights`), a model
 folder saved (`save_policy`), and new weights swapped into a live model in place
 (`load_weights`).
 """

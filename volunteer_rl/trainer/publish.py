@@ -98,18 +98,23 @@ class WeightsChain:
         self.keyframe: Keyframe | None = None
         self.patches: list[Link] = []
 
+    def _follows(self, version: int, size: int) -> bool:
+        """Whether the last version published is the one before `version`, of the same size:
+        the file a patch for `version` is made against."""
+        return self.last is not None and self.last[0] == version - 1 and len(self.last[2]) == size
+
     def due(self, version: int, size: int) -> bool:
         """Whether `version`, a file of `size` bytes, is a keyframe whatever its patch: there
         is no last version to patch from, or the last keyframe is `keyframe_every` back."""
-        return (self.last is None or self.last[0] != version - 1 or len(self.last[2]) != size
-                or self.keyframe is None or version - self.keyframe.version >= self.keyframe_every)
+        return (not self._follows(version, size) or self.keyframe is None
+                or version - self.keyframe.version >= self.keyframe_every)
 
     def plan(self, version: int, buf: memoryview, root: str, word: int
              ) -> tuple[bytes | None, bool]:
         """(patch or None, whether this version is a keyframe too) for `buf`, whose root is
         `root`. Changes nothing: `commit` does, once the version is published."""
         patch = None
-        if self.last is not None and self.last[0] == version - 1 and len(self.last[2]) == len(buf):
+        if self._follows(version, len(buf)):
             limit = self.patch_max_fraction * len(buf)
             # Skip making a patch that cannot pay: zstd never got changed values below half
             # their raw size here (0.75-0.85 with the positions), and with fp32 weights every
