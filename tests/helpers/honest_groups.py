@@ -1,0 +1,20 @@
+"""Honest completions made the way a volunteer makes them (volunteer/loop.py `_generate`):
+each completion sampled with its committed draw (protocol.draws). The one place tests that
+need honest groups of a given policy call the sampler, so a change to the sampling rule is a
+change here."""
+from __future__ import annotations
+
+from volunteer_rl.model.sampling import Sample, sample
+from volunteer_rl.protocol.draws import completion_uniforms
+
+
+def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, prompt_id: int,
+                 prompt_tokens: list[int], k: int, temperature: float,
+                 max_new_tokens: int) -> list[Sample]:
+    """The K completions (token ids, behavior logprobs, text) volunteer `volunteer` uploads
+    as its group number `seq` of `version` for prompt `prompt_id`, sampled with `policy`."""
+    streams = [completion_uniforms(run_id, version, volunteer, seq, prompt_id, j, max_new_tokens)
+               for j in range(k)]
+    (samples,) = sample(policy, [prompt_tokens], k, temperature, max_new_tokens,
+                        uniforms=[streams])
+    return samples
