@@ -35,6 +35,9 @@ def trainer(tmp_path_factory):
                         eval_dataset=str(eval_csv), work_dir=str(root / "work"),
                         signing_key=str(root / "key.pem"), k=K, max_new_tokens=MAX_NEW,
                         max_staleness=2, audit_share=1.0, dashboard_every=0)
+    # One thread: two wait for each other at every op on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     t = Trainer(cfg, log=lambda m: None)
     t.start()
     v0 = copy.deepcopy(t.published_policy)
@@ -44,7 +47,8 @@ def trainer(tmp_path_factory):
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
     t.publish_next()
     assert t.version == 1 and sorted(t.window_weights.versions) == [0, 1]
-    return t, v0
+    yield t, v0
+    torch.set_num_threads(threads)
 
 
 def group(t: Trainer, policy, volunteer: str, seq: int, version: int, prompt_id: int) -> Group:
