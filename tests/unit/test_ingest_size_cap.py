@@ -42,7 +42,8 @@ def rules() -> Rules:
 
 def shard(volunteer: str) -> bytes:
     """One honest group of v3 (rewards as the trainer computes them): [12] is right, [9] not."""
-    completions = [Completion([12, EOS], [-0.5, -0.5], "", 1.0), Completion([9, EOS], [-0.5, -0.5], "", 0.0)]
+    completions = [Completion([12, EOS], [-0.5, -0.5], "", 1.0),
+                   Completion([9, EOS], [-0.5, -0.5], "", 0.0)]
     return encode_shard([Group(0, 3, volunteer, 0, completions)])
 
 
