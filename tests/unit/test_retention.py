@@ -414,7 +414,9 @@ def test_after_publish_runs_the_pass_on_its_own_thread_one_at_a_time(tmp_path):
 
     s = Held(open_storage(str(tmp_path)), free=threading.main_thread())
     fill(s.inner, range(8))
-    r = TrainerRetention(s, keep_versions=2, every=1)
+    logs = []  # (thread, line): only the trainer's thread writes its log
+    r = TrainerRetention(s, keep_versions=2, every=1,
+                         log=lambda line: logs.append((threading.current_thread(), line)))
     r.after_publish(manifest(6))  # returns while its pass is held in a listing
     assert s.entered.wait(60) and not s.release.is_set()
     r.after_publish(manifest(7))  # due while one runs: not a second thread
@@ -423,6 +425,9 @@ def test_after_publish_runs_the_pass_on_its_own_thread_one_at_a_time(tmp_path):
     s.release.set()
     r.close()
     assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {6, 7}  # v7's pass ran
+    assert [line for _, line in logs] == ["retention: removed 20 objects; kept v5-v6",
+                                          "retention: removed 4 objects; kept v6-v7"]
+    assert {thread for thread, _ in logs} == {threading.main_thread()}
 
 
 def test_close_on_a_stop_ends_the_pass_at_its_next_request(tmp_path):

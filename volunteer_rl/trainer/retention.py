@@ -372,6 +372,7 @@ class TrainerRetention:
         self.next: dict[str, int] | None = None  # per prefix: every version below it is gone
         self.debris: list[int] = []  # checkpoint folders of never-committed versions
         self._lock = threading.Lock()
+        self._lines: list[str] = []  # said on the pass's thread, logged on the caller's
         self._pending: Manifest | None = None
         self._thread: threading.Thread | None = None
         self._running = self._closed = False
@@ -382,6 +383,7 @@ class TrainerRetention:
         """Call once per published version; every `every` calls a pass is due."""
         if not self.every:
             return
+        self._flush()
         self.publishes += 1
         if self.publishes % self.every:
             return
@@ -420,6 +422,23 @@ class TrainerRetention:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
+        self._flush()
+
+    def _say(self, line: str) -> None:
+        """Log `line`: at once on the caller's thread; from the pass's thread, at the next
+        publish or `wait`, so that only the trainer's thread writes its log (two threads
+        printing can splice their lines)."""
+        if threading.current_thread() is not self._thread:
+            self.log(line)
+            return
+        with self._lock:
+            self._lines.append(line)
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+        for line in lines:
+            self.log(line)
 
     # --- one pass -------------------------------------------------------------------------
 
@@ -428,9 +447,9 @@ class TrainerRetention:
         try:
             return self._pass(m)
         except StorageError as exc:
-            self.log(f"warning: retention pass skipped, will retry: {printable(one_line(exc))}")
+            self._say(f"warning: retention pass skipped, will retry: {printable(one_line(exc))}")
         except Exception as exc:  # noqa: BLE001 - on its own thread: nothing may escape it
-            self.log(f"warning: retention pass failed, will retry: {type(exc).__name__}: "
+            self._say(f"warning: retention pass failed, will retry: {type(exc).__name__}: "
                      f"{printable(one_line(exc))}")
         return None
 
@@ -501,11 +520,11 @@ class TrainerRetention:
     def _report(self, outcome: Outcome, low: int, current: int, budget: _Budget) -> None:
         more = "; more next pass" if budget.listings <= 0 or budget.deletes <= 0 else ""
         if outcome.objects:
-            self.log(f"retention: removed {n_objects(outcome.objects)}; kept v{low}-v{current}{more}")
+            self._say(f"retention: removed {n_objects(outcome.objects)}; kept v{low}-v{current}{more}")
         for key, message in outcome.failed[: self.MAX_REPORTED]:
-            self.log(f"warning: retention could not delete {printable(message)}")
+            self._say(f"warning: retention could not delete {printable(message)}")
         if len(outcome.failed) > self.MAX_REPORTED:
-            self.log(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
+            self._say(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
 
 
 @dataclass
