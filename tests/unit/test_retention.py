@@ -316,6 +316,20 @@ def test_crash_debris_is_found_by_the_first_pass(tmp_path):
     assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {3, 4, 6, 7, 8}
 
 
+def test_crash_debris_left_by_a_pass_out_of_budget_goes_in_the_next(tmp_path, monkeypatch):
+    import volunteer_rl.trainer.retention as retention
+
+    monkeypatch.setattr(retention, "MAX_LISTINGS_PER_PASS", 3)  # the start's two, one more
+    s = open_storage(str(tmp_path))
+    fill(s, range(9), committed=set(range(9)) - {4, 5})
+    r = TrainerRetention(s, keep_versions=6, every=1)
+    r.run_pass(manifest(8))
+    assert r.debris == [5]
+    r.run_pass(manifest(8))
+    assert r.debris == [] and s.list(layout.checkpoint_prefix(5)) == []
+    assert s.list(layout.checkpoint_prefix(4)) == [] and s.list(layout.checkpoint_prefix(6))
+
+
 def junk(root, version, n, vid="vol-9"):
     """`n` objects a volunteer wrote under its own folder of `version` (of a folder bucket at
     `root`, written as plain files: quicker than one fsync each)."""

@@ -458,9 +458,11 @@ class TrainerRetention:
         floor = chain_floor(m, _lowest(self.storage, m, low, None), low)
         budget = _Budget(MAX_LISTINGS_PER_PASS, MAX_DELETES_PER_PASS)
         outcome = Outcome()
-        committed = self._start(m, low, budget) if self.next is None else None
+        if self.next is None:
+            self._start(m, low, budget)
+        # Debris folders are known never committed: planned as such (committed: none).
         while self.debris and self._clear(layout.CHECKPOINTS, self.debris[0], m, floor,
-                                          committed, budget, outcome):
+                                          set(), budget, outcome):
             self.debris.pop(0)
         for prefix in self.prefixes:
             end = low
@@ -472,10 +474,10 @@ class TrainerRetention:
         self._report(outcome, low, m.version, budget)
         return outcome
 
-    def _start(self, m: Manifest, low: int, budget: _Budget) -> set[int]:
+    def _start(self, m: Manifest, low: int, budget: _Budget) -> None:
         """Where the walk begins: the lowest checkpoint folder left (or the kept range), and
         which folders are crash debris. Lists checkpoints/ one level and manifests/, which
-        only the trainer writes. Returns the committed versions."""
+        only the trainer writes."""
         budget.listings -= 2
         folders = {v for e in self.storage.list_level(layout.CHECKPOINTS)
                    if e.endswith("/") and (v := _version(e)) is not None}
@@ -485,7 +487,6 @@ class TrainerRetention:
         self.next = {p: start for p in self.prefixes}
         self.debris = sorted(v for v in folders
                              if v not in committed and start <= v < window_from and v < m.version)
-        return committed
 
     def _clear(self, prefix: str, version: int, m: Manifest, floor: int,
                committed: set[int] | None, budget: _Budget, outcome: Outcome) -> bool:
