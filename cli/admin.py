@@ -48,6 +48,7 @@ def gc(
 
     Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
     """
+    from volunteer_rl.protocol.printable import printable
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
     from volunteer_rl.trainer.retention import collect, summary_lines
@@ -58,7 +59,7 @@ def gc(
     for line in summary_lines(plan, outcome, dry_run):
         log(line)
     for _, message in outcome.failed[:GC_REPORTED_FAILURES]:
-        print(f"error: could not delete {message}", file=sys.stderr)
+        print(f"error: could not delete {printable(message)}", file=sys.stderr)  # keys: volunteers
     if outcome.failed:
         more = len(outcome.failed) - GC_REPORTED_FAILURES
         print(f"error: {len(outcome.failed)} objects could not be deleted"

@@ -119,8 +119,8 @@ class TrainerConfig(_Checked):
     (gc_every)."""
     gc_every: int = setting(0, at_least=0)
     """Run a retention pass after every this many publishes (0: never; `vrl gc` does the same
-    by hand). The first pass lists checkpoints/ and rollouts/ whole, later ones only the
-    versions that fell out of the kept range since."""
+    by hand), on a thread of its own, each pass bounded in listings and deletes (retention.py);
+    the next pass goes on where one stopped."""
     eval_every: int = 10
     """Versions between held-out evaluations (0: none)."""
     eval_prompts: int = 200

@@ -140,6 +140,11 @@ resource "google_storage_bucket_iam_member" "volunteer_read" {
 
 # Create rollout shards under rollouts/<version>/<name>/ only. objectCreator has no delete
 # permission, and Cloud Storage needs delete to replace an object, so shards are create-only.
+# extract() takes the text after the template's prefix up to the first occurrence of what
+# follows the variable, which may span folders: alone, `rollouts/{version}/<name>/` would let
+# alice write rollouts/v1/bob/alice/x into bob's folder ({version} = "v1/bob"). The last term
+# is the AWS policy's DenyOwnNameNestedInAnotherPrefix: what comes before the first
+# `/<name>/` must be the first folder under rollouts/ itself.
 resource "google_storage_bucket_iam_member" "volunteer_rollouts" {
   for_each = var.volunteers
 
@@ -153,6 +158,8 @@ resource "google_storage_bucket_iam_member" "volunteer_rollouts" {
     expression = join(" && ", [
       format("resource.name.startsWith(%q)", "${local.objects}rollouts/"),
       format("resource.name.extract(%q) != \"\"", "${local.objects}rollouts/{version}/${each.key}/"),
+      format("resource.name.extract(%q) == resource.name.extract(%q)",
+      "${local.objects}rollouts/{version}/${each.key}/", "${local.objects}rollouts/{version}/"),
     ])
   }
 }

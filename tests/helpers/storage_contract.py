@@ -75,6 +75,23 @@ def check_write_read_size_exists_delete(make: Make) -> None:
     assert not s.exists("a/b/c.txt")
 
 
+def check_delete_many_removes_a_batch_and_skips_missing_keys(make: Make) -> None:
+    """`delete_many` removes every named object, in batches past S3's 1,000 keys per request,
+    counts an object already gone as deleted, and leaves every other object alone."""
+    s = make()
+    keys = [f"d/v/{i:04d}" for i in range(1003)]
+    for key in keys:
+        s.write(key, b"x")
+    s.write("d/keep", b"k")
+    s.write("d/v0/other", b"k")
+    assert s.delete_many(keys[:1] + ["d/missing", "nothing/at/all"]) == []
+    assert s.list("d/v", limit=2) == [keys[1], keys[2]]
+    assert s.delete_many(keys[1:]) == []
+    assert s.list("d") == ["d/keep", "d/v0/other"]
+    assert s.delete_many([]) == [] and s.delete_many(keys[:5]) == []
+    assert s.read("d/keep") == b"k"
+
+
 def check_missing_objects_are_not_found(make: Make) -> None:
     """Every way of touching a missing object raises NotFound, one line naming the key, and
     is_missing says so; `exists` says False."""

@@ -30,6 +30,7 @@ from botocore.exceptions import ClientError  # noqa: E402
 from helpers.vrlproc import load_infra  # noqa: E402
 from volunteer_rl.observe.dashboard import read_history
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
 from volunteer_rl.storage.s3 import S3Storage
 from volunteer_rl.trainer.retention import TrainerRetention
 
@@ -525,6 +526,15 @@ class _RecordingClient:
         self.calls.append(("put_object", kwargs))
         return {"ETag": '"0"'}
 
+    def get_object(self, **kwargs):
+        self.calls.append(("get_object", kwargs))
+        raise ClientError({"Error": {"Code": "NoSuchKey"}, "ResponseMetadata": {"HTTPStatusCode": 404}},
+                          "GetObject")
+
+    def delete_objects(self, **kwargs):
+        self.calls.append(("delete_objects", kwargs))
+        return {}
+
 
 def _recording_storage(key_prefix: str) -> tuple[S3Storage, _RecordingClient]:
     root = key_prefix.rstrip("/")
@@ -562,17 +572,23 @@ def test_trainer_lists_only_the_run_prefixes(key_prefix):
     storage, client = _recording_storage(key_prefix)
     read_history(storage)  # the dashboard: metrics/
     retention = TrainerRetention(storage, keep_versions=3, every=1)
-    retention._keys(low=5)  # first pass, and `vrl gc`: checkpoints/, rollouts/, manifests/ whole
-    retention.floor = 3
-    retention._keys(low=5)  # later passes: <prefix>/vNNNNNN/ of the versions that fell out
+    m = Manifest(run_id="r", version=7, checkpoint=layout.checkpoint_prefix(7), files={},
+                 dataset=Dataset("train", "datasets/t.csv", "ab" * 32, 10, 1),
+                 sampling=Sampling(2, 1.0, 8), max_staleness=1)
+    retention.run_pass(m)  # first pass: checkpoints/ one level and manifests/, where to start
+    retention.next = {layout.ROLLOUTS: 3, layout.CHECKPOINTS: 3}
+    retention.run_pass(m)  # the walk: rollouts/vNNNNNN/ of the versions below the kept range
+    for prefix in (layout.CHECKPOINTS, layout.ROLLOUTS):  # `vrl gc`: the prefixes whole
+        storage.list(prefix)
     for prefix in (layout.CHECKPOINTS, layout.MANIFESTS):  # trainer.published_or_started
         storage.list(prefix)
     storage.list(layout.rollout_version_prefix(7))  # ingest.poll: the window's shards
     storage.list(layout.VOLUNTEERS)  # status.read_status: the heartbeats
 
-    assert {op for op, _ in client.calls} == {"list_objects_v2"}
-    listed = {kwargs["Prefix"] for _, kwargs in client.calls}
-    assert len(listed) == 10, sorted(listed)
+    assert {op for op, _ in client.calls} == {"list_objects_v2", "get_object"}
+    listed = {kwargs["Prefix"] for op, kwargs in client.calls if op == "list_objects_v2"}
+    walked = {f"{key_prefix}{p}/" for p in (layout.rollout_version_prefix(3), layout.rollout_version_prefix(4))}
+    assert walked <= listed and len(listed) == 8, sorted(listed)
     policy = trainer_policy(key_prefix)
     for prefix in listed:
         for action in ("s3:ListBucket", "s3:ListBucketVersions"):
@@ -581,6 +597,22 @@ def test_trainer_lists_only_the_run_prefixes(key_prefix):
     for prefix in ("", key_prefix, "runs/", "other-run/rollouts/", f"{key_prefix}dashboard/", f"{key_prefix}trainer/"):
         assert _applying(policy, "Allow", "s3:ListBucket", BUCKET_ARN, {"s3:prefix": prefix}) == set(), prefix
     assert _applying(policy, "Allow", "s3:ListBucket", BUCKET_ARN, {}) == set()  # no Prefix at all
+
+
+@pytest.mark.parametrize("key_prefix", ["", "runs/calc/"])
+def test_retention_deletes_in_batches_the_trainer_policy_allows(key_prefix):
+    """Document check: S3Storage.delete_many sends one DeleteObjects per 1,000 keys (not one
+    request per object), and DeleteObjects is authorized per key as s3:DeleteObject, which
+    the trainer's policy allows under the run's prefix."""
+    storage, client = _recording_storage(key_prefix)
+    keys = [layout.shard_key(1, "vol-a", f"s{i}") for i in range(2500)]
+    assert storage.delete_many(keys) == []
+    assert [op for op, _ in client.calls] == ["delete_objects"] * 3
+    sent = [o["Key"] for _, kwargs in client.calls for o in kwargs["Delete"]["Objects"]]
+    assert sent == [key_prefix + k for k in keys]
+    policy = trainer_policy(key_prefix)
+    for key in (sent[0], sent[-1], key_prefix + layout.checkpoint_key(1, "model.safetensors")):
+        assert _applying(policy, "Allow", "s3:DeleteObject", f"{BUCKET_ARN}/{key}", {}), key
 
 
 @pytest.mark.parametrize("key_prefix", ["", "runs/calc/"])

@@ -96,10 +96,11 @@ def test_trainer_gc_every_keeps_the_newest_versions(run):
     assert versions(bucket, layout.MANIFESTS) == set(range(STEPS + 1))  # history stays
     assert versions(bucket, layout.METRICS) == set(range(STEPS + 1))
     # The pass after v2 finds nothing old enough; each later one removes two versions.
-    kept = re.findall(r"^retention: removed \d+ objects, [\d.]+ MB; kept (v\d+-v\d+)$",
-                      run["trainer"], re.M)
-    assert kept == ["v2-v4", "v4-v6", "v6-v8"], run["trainer"]
-    assert "warning" not in run["trainer"]
+    # Passes run off the publish path, one at a time: one that falls due while another runs
+    # is folded into the next, but the last publish always gets its pass.
+    kept = re.findall(r"^retention: removed \d+ objects; kept (v\d+-v\d+)$", run["trainer"], re.M)
+    assert kept[-1] == "v6-v8" and set(kept) <= {"v2-v4", "v4-v6", "v6-v8"}, run["trainer"]
+    assert kept == sorted(kept) and "warning" not in run["trainer"]
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,93 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     v.manifest = m7
     assert not v.try_switch(v.latest) and not v.try_switch(v.latest)
     assert sum("cannot load v9" in line for line in logs) == 1 and v.manifest is m7, logs[-3:]
+
+
+# --- off the publish path ---------------------------------------------------------------------
+
+class HeldListings:
+    """The trainer's real storage, whose listings from any thread but the main one wait until
+    `release` is set: a retention pass on its own thread stops at its first listing."""
+
+    def __init__(self, inner):
+        import threading
+
+        self.inner, self.uri = inner, inner.uri
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        import threading
+
+        fn = getattr(self.inner, name)
+        if name not in ("list", "list_level"):
+            return fn
+
+        def held(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                self.entered.set()
+                self.release.wait()
+            return fn(*args, **kwargs)
+        return held
+
+
+def held_trainer(tmp_path, monkeypatch):
+    """A trainer on a fresh folder bucket (no warm start, v0 then v1 and v2 published) with a
+    pass after every publish keeping one version; the bucket's retention listings are held
+    from now on, and a volunteer left junk in v2, which the next publish puts out of range."""
+    import volunteer_rl.trainer.loop as loop
+    from volunteer_rl.config import TrainerConfig
+
+    bucket = tmp_path / "bucket"
+    held = HeldListings(open_storage(str(bucket)))
+    held.release.set()  # v0-v2 go out with their passes unheld
+    monkeypatch.setattr(loop, "open_storage", lambda uri, endpoint=None: held)
+    cfg = TrainerConfig(bucket=str(bucket), gc_every=1, keep_versions=1, max_staleness=0,
+                        warm_start_steps=0, eval_every=0, dashboard_every=0, threads=1,
+                        eval_dataset=str(head(PACKAGE_DATA / "eval.csv", tmp_path / "eval.csv", 2)),
+                        work_dir=str(tmp_path / "tw"))
+    logs: list[str] = []
+    trainer = loop.Trainer(cfg, log=logs.append)
+    trainer.start()
+    trainer.publish_next()
+    trainer.publish_next()
+    trainer.retention.wait()
+    junk = [f"{layout.rollout_volunteer_prefix(2, 'vol-9')}/junk-{i}" for i in range(5)]
+    for key in junk:
+        held.write(key, b"j")
+    held.release.clear()
+    held.entered.clear()
+    return trainer, held, junk, logs
+
+
+def test_publish_does_not_wait_for_retention(tmp_path, monkeypatch):
+    """Trainer.publish_next returns while its retention pass is held in a listing (on the
+    publish path it would have deleted the junk before returning); released, the pass
+    removes what fell out of the kept range."""
+    trainer, held, junk, logs = held_trainer(tmp_path, monkeypatch)
+    trainer.publish_next()
+    assert trainer.version == 3
+    assert all(held.exists(key) for key in junk), "retention ran inside the publish"
+    assert held.entered.wait(120) and not held.release.is_set()
+    held.release.set()
+    trainer.retention.close()
+    assert not any(held.exists(key) for key in junk)
+    assert held.list(layout.rollout_version_prefix(2)) == []
+    assert held.exists(layout.MANIFEST) and held.exists(layout.manifest_history_key(0))
+    assert any(line.startswith("retention: removed") for line in logs), logs
+
+
+def test_a_stopping_trainer_does_not_wait_for_a_hung_pass(tmp_path, monkeypatch):
+    """A stop signal while a pass hangs in a request: the trainer's run ends (after at most
+    RETENTION_STOP_WAIT) with no traceback, leaving the pass's thread behind; once the
+    request returns, the pass stops at once, having deleted nothing."""
+    trainer, held, junk, logs = held_trainer(tmp_path, monkeypatch)
+    trainer.publish_next()
+    assert held.entered.wait(120)
+    trainer.stop.event.set()  # what SIGINT or SIGTERM does
+    trainer.run()  # stops at once: no step, the views' last write, retention abandoned
+    thread = trainer.retention._thread
+    assert thread.is_alive()
+    held.release.set()
+    thread.join(60)
+    assert not thread.is_alive() and all(held.exists(key) for key in junk)
+    assert not any("Traceback" in line or "warning" in line for line in logs), logs

@@ -85,6 +85,7 @@ CHECKS = [
     contract.check_streamed_create_and_read_into,
     contract.check_listing_is_recursive_relative_sorted_under_the_prefix,
     contract.check_bounded_listing_and_one_level,
+    contract.check_delete_many_removes_a_batch_and_skips_missing_keys,
 ]
 """The checks every backend passes with nothing but a factory of fresh stores."""
 

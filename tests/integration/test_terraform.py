@@ -264,6 +264,66 @@ def test_gcs_volunteer_bindings_use_object_name_conditions():
     assert "uniform_bucket_level_access = true" in text
 
 
+def _gcs_rollouts_condition(bucket: str, key_prefix: str, volunteer: str) -> str:
+    """The volunteer_rollouts binding's CEL expression as Terraform renders it: the module's
+    join(" && ", [format(...), ...]) with local.objects and each.key filled in (%q quotes a
+    string as JSON does)."""
+    text = (TERRAFORM / "gcs" / "main.tf").read_text(encoding="utf-8")
+    block = re.search(r'"volunteer_rollouts" \{.*?expression = join\(" && ", \[(.*?)\]\)', text, re.S)[1]
+    objects = f"projects/_/buckets/{bucket}/objects/{key_prefix}"
+    terms = []
+    for call in re.findall(r"format\(((?:\"(?:[^\"\\]|\\.)*\"\s*,?\s*)+)\)", block):
+        fmt, *args = json.loads(f"[{call.rstrip().rstrip(',')}]")
+        args = [json.dumps(a.replace("${local.objects}", objects).replace("${each.key}", volunteer))
+                for a in args]
+        terms.append(fmt.replace("%q", "{}").format(*args))
+    return " && ".join(terms)
+
+
+def _cel(expression: str, name: str) -> bool:
+    """Evaluate the forms of CEL the GCS conditions use on `resource.name`, with extract()
+    as IAM documents it: the text after the first occurrence of the template's prefix, up to
+    the first occurrence of its suffix after that, or "" if either is missing."""
+    def extract(template: str) -> str:
+        before, after = re.fullmatch(r"(.*)\{\w+\}(.*)", template).groups()
+        if before not in name:
+            return ""
+        rest = name[name.index(before) + len(before):]
+        return rest[:rest.index(after)] if after in rest else ""
+
+    quoted = r'"((?:[^"\\]|\\.)*)"'
+    for term in expression.split(" && "):
+        if m := re.fullmatch(rf"resource\.name\.startsWith\({quoted}\)", term):
+            ok = name.startswith(json.loads(f'"{m[1]}"'))
+        elif m := re.fullmatch(rf'resource\.name\.extract\({quoted}\) != ""', term):
+            ok = extract(json.loads(f'"{m[1]}"')) != ""
+        elif m := re.fullmatch(rf"resource\.name\.extract\({quoted}\) == resource\.name\.extract\({quoted}\)", term):
+            ok = extract(json.loads(f'"{m[1]}"')) == extract(json.loads(f'"{m[2]}"'))
+        else:
+            raise AssertionError(f"unknown CEL term {term}")
+        if not ok:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("key_prefix", ["", "runs/calc/"])
+def test_gcs_rollouts_condition_denies_own_name_nested_in_another_prefix(key_prefix):
+    """GCS's counterpart of the AWS DenyOwnNameNestedInAnotherPrefix: alice may create under
+    rollouts/<version>/alice/ and nowhere else, not in bob's folder with her name nested."""
+    expression = _gcs_rollouts_condition("vrl-b", key_prefix, "alice")
+    objects = f"projects/_/buckets/vrl-b/objects/{key_prefix}"
+    allowed = ["rollouts/v000001/alice/s.jsonl.gz", "rollouts/v000001/alice/x/alice/y"]
+    denied = ["rollouts/v000001/bob/alice/x", "rollouts/v000001/bob/alice/", "rollouts/v1/v2/alice/x",
+              "rollouts/v000001/bob/s.jsonl.gz", "rollouts/v000001/alicex/s", "rollouts//alice/x",
+              "checkpoints/v000001/alice/x", "other/rollouts/v000001/alice/x", "rollouts/alice/x"]
+    for key in allowed:
+        assert _cel(expression, objects + key), key
+    for key in denied:
+        assert not _cel(expression, objects + key), key
+    if key_prefix:  # the same key outside the run's prefix
+        assert not _cel(expression, "projects/_/buckets/vrl-b/objects/rollouts/v000001/alice/s")
+
+
 # --------------------------------------------------------------------------- policy templates
 
 

@@ -247,6 +247,11 @@ class DenyDelete:
             raise Forbidden(f"{key}: access denied (delete)")
         self.inner.delete(key)
 
+    def delete_many(self, keys):  # as S3's DeleteObjects: per-key errors, the rest deleted
+        failed = [(k, f"{k}: access denied (delete)") for k in keys if any(d in k for d in self.deny)]
+        self.inner.delete_many([k for k in keys if not any(d in k for d in self.deny)])
+        return failed
+
 
 def test_failed_deletes_are_reported_and_the_rest_goes_on(tmp_path):
     s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
@@ -280,23 +285,103 @@ def listed(s: RecordingStorage) -> list[str]:
     return [prefix for _, prefix, _, _ in s.lists]
 
 
-def test_trainer_passes_list_only_the_versions_that_fell_out(tmp_path):
+def test_trainer_passes_walk_only_the_versions_that_fell_out(tmp_path):
     s = RecordingStorage(open_storage(str(tmp_path)))
     logs = []
     r = TrainerRetention(s, keep_versions=3, every=2, log=logs.append)
     fill(s, range(11), committed=set(range(11)) - {2})
-    assert r.after_publish(manifest(9)) is None and listed(s) == []  # 1st publish: no pass
-    out = r.after_publish(manifest(10))                               # 2nd: full pass
-    assert set(listed(s)) == {"checkpoints", "rollouts", "manifests"} and out.objects == 8 * 4
-    assert r.floor == 8 and logs == ["retention: removed 32 objects, 160 B; kept v8-v10"]
+    out = r.run_pass(manifest(10))  # first pass: where to start, then v0-v7 of each prefix
+    assert listed(s)[:2] == ["checkpoints", "manifests"] and "rollouts" not in listed(s)
+    assert out.objects == 8 * 4 and not out.failed
+    assert r.next == {"rollouts": 8, "checkpoints": 8} and r.debris == []
+    assert logs == ["retention: removed 32 objects; kept v8-v10"]
+    assert s.calls["delete"] == 0 and s.calls["size"] == 0  # batches, no HEAD per object
     s.lists.clear()
     fill(s, range(11, 13))
-    r.after_publish(manifest(11))
-    out = r.after_publish(manifest(12))
+    out = r.run_pass(manifest(12))
     assert sorted(listed(s)) == ["checkpoints/v000008", "checkpoints/v000009",
                                 "rollouts/v000008", "rollouts/v000009"]
-    assert out.objects == 8 and r.floor == 10
+    assert out.objects == 8 and r.next == {"rollouts": 10, "checkpoints": 10}
     assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {10, 11, 12}
+
+
+def test_crash_debris_is_found_by_the_first_pass(tmp_path):
+    """v5's checkpoint folder never got its manifests/ copy: below the window it goes, though
+    it is in the kept range; v6's (in the window) stays."""
+    s = open_storage(str(tmp_path))
+    fill(s, range(9), committed=set(range(9)) - {5, 7})
+    r = TrainerRetention(s, keep_versions=6, every=1)
+    out = r.run_pass(manifest(8))
+    assert out.removed[("checkpoints", UNCOMMITTED)].objects == 2 and r.debris == []
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {3, 4, 6, 7, 8}
+
+
+def test_crash_debris_left_by_a_pass_out_of_budget_goes_in_the_next(tmp_path, monkeypatch):
+    import volunteer_rl.trainer.retention as retention
+
+    monkeypatch.setattr(retention, "MAX_LISTINGS_PER_PASS", 3)  # the start's two, one more
+    s = open_storage(str(tmp_path))
+    fill(s, range(9), committed=set(range(9)) - {4, 5})
+    r = TrainerRetention(s, keep_versions=6, every=1)
+    r.run_pass(manifest(8))
+    assert r.debris == [5]
+    r.run_pass(manifest(8))
+    assert r.debris == [] and s.list(layout.checkpoint_prefix(5)) == []
+    assert s.list(layout.checkpoint_prefix(4)) == [] and s.list(layout.checkpoint_prefix(6))
+
+
+def junk(root, version, n, vid="vol-9"):
+    """`n` objects a volunteer wrote under its own folder of `version` (of a folder bucket at
+    `root`, written as plain files: quicker than one fsync each)."""
+    folder = root / layout.rollout_volunteer_prefix(version, vid)
+    folder.mkdir(parents=True)
+    for i in range(n):
+        (folder / f"junk-{i:06d}").write_bytes(b"j")
+
+
+def test_a_pass_is_bounded_whatever_volunteers_wrote_and_the_next_ones_finish(tmp_path, monkeypatch):
+    """A volunteer's 1,200 objects in each of two old versions: each pass makes at most its
+    listings and deletes (in batches), and a few passes later everything expired is gone."""
+    import volunteer_rl.trainer.retention as retention
+
+    monkeypatch.setattr(retention, "LIST_LIMIT", 100)  # the same bounds, at a test's scale
+    monkeypatch.setattr(retention, "MAX_DELETES_PER_PASS", 500)
+    monkeypatch.setattr(retention, "MAX_LISTINGS_PER_PASS", 20)
+    s = RecordingStorage(open_storage(str(tmp_path)))
+    fill(s, range(8))
+    junk(tmp_path, 1, 1200)
+    junk(tmp_path, 3, 1200)
+    logs = []
+    r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
+    passes = 0
+    while s.list("rollouts/v000003", limit=1) or s.list("checkpoints/v000005", limit=1):
+        s.calls.clear()
+        s.lists.clear()
+        out = r.run_pass(manifest(7))
+        passes += 1
+        assert s.calls["list"] + s.calls["list_level"] <= 20
+        assert all(limit is not None and limit <= 100 for name, prefix, limit, _ in s.lists
+                   if name == "list" and prefix.startswith("rollouts"))
+        assert out.objects <= 500 and s.calls["delete_many"] <= s.calls["list"]
+        assert s.calls["delete"] == 0 and s.calls["size"] == 0
+        assert passes < 10, logs
+    assert passes == 5  # 2,400 junk objects and the run's 24 at 500 a pass
+    assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {6, 7}
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {6, 7}
+    assert logs[0].endswith("; more next pass") and not logs[-1].endswith("more next pass")
+
+
+def test_retention_log_lines_escape_the_keys_volunteers_chose(tmp_path):
+    """A key with ESC, BEL and a newline that cannot be deleted is logged escaped."""
+    evil = f"{layout.rollout_volunteer_prefix(0, 'vol-2')}/\x1b]0;owned\x07\nfake line"
+    s = Retrying(DenyDelete(tmp_path, deny=["owned"]), sleep=lambda s: None)
+    fill(s, range(4))
+    s.write(evil, b"x")
+    logs = []
+    TrainerRetention(s, keep_versions=2, every=1, log=logs.append).run_pass(manifest(3))
+    named = [line for line in logs if "owned" in line]
+    assert named and all(ch.isprintable() for line in logs for ch in line), logs
+    assert "vol-2/\\x1b]0;owned\\x07\\x0afake line: access denied" in named[0]
 
 
 def test_trainer_pass_failures_never_stop_the_trainer(tmp_path):
@@ -304,12 +389,78 @@ def test_trainer_pass_failures_never_stop_the_trainer(tmp_path):
     s = Retrying(DenyDelete(tmp_path, deny=["checkpoints"]), sleep=lambda s: None)
     fill(s, range(8))
     r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
-    out = r.after_publish(manifest(7))
-    assert len(out.failed) == 12 and r.floor is None  # the next pass looks at everything again
-    assert sum("could not delete" in line for line in logs) == TrainerRetention.MAX_REPORTED + 1
-    assert TrainerRetention(s, keep_versions=2, every=0).after_publish(manifest(7)) is None
+    out = r.run_pass(manifest(7))
+    assert len(out.failed) == 2 and r.next["checkpoints"] == 0  # the next pass tries again
+    assert r.next["rollouts"] == 6 and out.objects == 6 * 2
+    assert sum("could not delete" in line for line in logs) == 2
     with pytest.raises(ValueError):
         TrainerRetention(s, keep_versions=0, every=1)
+
+
+class Held:
+    """A real store whose listings, made from any thread but `free`, wait until `release`
+    is set; `threads` holds the thread of every listing."""
+
+    def __init__(self, inner, free):
+        import threading
+
+        self.inner, self.uri, self.free = inner, inner.uri, free
+        self.entered, self.release, self.threads = threading.Event(), threading.Event(), []
+
+    def __getattr__(self, name):
+        import threading
+
+        fn = getattr(self.inner, name)
+        if name not in ("list", "list_level"):
+            return fn
+
+        def held(*args, **kwargs):
+            self.threads.append(threading.current_thread())
+            if threading.current_thread() is not self.free:
+                self.entered.set()
+                self.release.wait()
+            return fn(*args, **kwargs)
+        return held
+
+
+def test_after_publish_runs_the_pass_on_its_own_thread_one_at_a_time(tmp_path):
+    import threading
+
+    s = Held(open_storage(str(tmp_path)), free=threading.main_thread())
+    fill(s.inner, range(8))
+    logs = []  # (thread, line): only the trainer's thread writes its log
+    r = TrainerRetention(s, keep_versions=2, every=1,
+                         log=lambda line: logs.append((threading.current_thread(), line)))
+    r.after_publish(manifest(6))  # returns while its pass is held in a listing
+    assert s.entered.wait(60) and not s.release.is_set()
+    r.after_publish(manifest(7))  # due while one runs: not a second thread
+    assert threading.main_thread() not in s.threads
+    assert sum(t.name == "vrl-retention" for t in threading.enumerate()) == 1
+    s.release.set()
+    r.close()
+    assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {6, 7}  # v7's pass ran
+    assert [line for _, line in logs] == ["retention: removed 20 objects; kept v5-v6",
+                                          "retention: removed 4 objects; kept v6-v7"]
+    assert {thread for thread, _ in logs} == {threading.main_thread()}
+
+
+def test_close_on_a_stop_ends_the_pass_at_its_next_request(tmp_path):
+    import threading
+
+    stop = threading.Event()
+    s = Held(open_storage(str(tmp_path)), free=threading.main_thread())
+    fill(s.inner, range(8))
+    logs = []
+    r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append, stopping=stop.is_set)
+    r.after_publish(manifest(7))
+    assert s.entered.wait(60)
+    stop.set()
+    s.release.set()
+    r.close()
+    assert not r._thread.is_alive() and r.next is not None
+    assert len(s.list("rollouts")) == 16 and logs == []  # cut short before any delete
+    r.after_publish(manifest(7))  # closed: no pass after close
+    assert not r._thread.is_alive()
 
 
 def test_gc_command_names_each_failed_object_and_exits_1(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from typing import BinaryIO, Callable, Iterator, Protocol
+from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
 
 from volunteer_rl.errors import VrlError
 
@@ -86,6 +86,10 @@ class Storage(Protocol):
     # One level under `prefix`, sorted: its objects, and its folders as keys ending in '/'.
     def list_level(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
+    # Delete several objects in as few requests as the backend allows (S3: one per 1,000
+    # keys); an object already gone is no failure. Returns (key, one-line error) of each
+    # object the bucket refused to delete; a failure of the whole request raises.
+    def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]: ...
     # Conditional operations. `etag` is an opaque version token of one object.
     def create(self, key: str, data: bytes) -> None: ...
     def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None: ...

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Sequence
 
 from volunteer_rl.storage.base import (
     AlreadyExists,
     NotFound,
     PreconditionFailed,
     ShortObject,
+    StorageError,
+    Transient,
     check_cap,
     classify_errors,
     is_transient_os_error,
+    one_line,
 )
 
 
@@ -172,3 +175,28 @@ class FsspecStorage:
             if not self.fs.isfile(self._path(key)):  # s3fs's rm_file is silent about missing keys
                 raise NotFound(f"{key}: not found in {self.uri}")
             self.fs.rm_file(self._path(key))
+
+    def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """One batch `rm` (s3fs: one DeleteObjects per 1,000 keys). Where that fails for a
+        reason other than a transient fault (some file systems refuse the whole batch for one
+        missing path), each object is deleted on its own, missing ones skipped."""
+        if not keys:
+            return []
+        try:
+            with self._errors(keys[0], "delete"):
+                self.fs.rm([self._path(k) for k in keys])
+            return []
+        except Transient:
+            raise
+        except (OSError, StorageError):
+            pass
+        failed = []
+        for key in keys:
+            try:
+                with self._errors(key, "delete"):
+                    self.fs.rm_file(self._path(key))
+            except FileNotFoundError:
+                continue
+            except StorageError as exc:
+                failed.append((key, one_line(exc)))
+        return failed

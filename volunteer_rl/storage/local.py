@@ -11,7 +11,7 @@ import itertools
 import os
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from volunteer_rl.faults import crash_point
 from volunteer_rl.storage.base import (
@@ -23,6 +23,7 @@ from volunteer_rl.storage.base import (
     TooLarge,
     check_cap,
     classify_errors,
+    one_line,
 )
 
 READ_CHUNK = 16 << 20
@@ -303,3 +304,15 @@ class LocalStorage:
             except OSError:  # not empty (a hidden temp or lock file counts): stop here
                 return
             folder = folder.parent
+
+    def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """`delete` each object (a folder has no batch delete); one already gone is fine."""
+        failed = []
+        for key in keys:
+            try:
+                self.delete(key)
+            except NotFound:
+                continue
+            except StorageError as exc:
+                failed.append((key, one_line(exc)))
+        return failed

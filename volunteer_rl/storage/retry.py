@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import BinaryIO, Callable, TypeVar
+from typing import BinaryIO, Callable, Sequence, TypeVar
 
 from volunteer_rl.storage.base import Storage, StorageError, Transient, one_line
 
@@ -63,6 +63,11 @@ class Retrying:
 
     def delete(self, key: str) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key))
+
+    def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """A retry sends the whole batch again: deleting an object twice is harmless."""
+        first = keys[0] if keys else ""
+        return self._call("delete", first, lambda: self.inner.delete_many(keys))
 
     def create(self, key: str, data: bytes) -> None:
         return self._call("create", key, lambda: self.inner.create(key, data))

@@ -30,7 +30,7 @@ import contextlib
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from volunteer_rl.storage.base import (
     AlreadyExists,
@@ -72,6 +72,9 @@ is the limit, a big object splits after PROBE_BYTES."""
 RETRY_EVERY = 10
 """Once both upload methods have been measured, every this many big uploads use the one that
 is not the current best, so the choice follows a link that changes."""
+
+DELETE_BATCH = 1000
+"""Keys per DeleteObjects request: S3's own limit."""
 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120
@@ -711,6 +714,23 @@ class S3Storage:
         self.size(key)
         with self._errors(key, "delete"):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """DeleteObjects, DELETE_BATCH keys per request; S3 reports a missing key as deleted.
+        Returns the keys S3 refused (its per-key errors), each with a one-line reason."""
+        failed = []
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = keys[start:start + DELETE_BATCH]
+            with self._errors(batch[0], "delete"):
+                response = self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+            for error in response.get("Errors", []):
+                if error.get("Code") == "NoSuchKey":
+                    continue
+                key = self._relative(error.get("Key", ""))
+                why = " ".join(f"{error.get('Code', '?')} {error.get('Message', '')}".split())
+                failed.append((key, f"{key}: delete refused in {self.uri}: {why}"))
+        return failed
 
 
 class _PartSink:

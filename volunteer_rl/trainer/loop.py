@@ -56,6 +56,10 @@ from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
 
 
+RETENTION_STOP_WAIT = 5.0
+"""Seconds a stopping trainer waits for its retention pass to reach its next request."""
+
+
 def dataset_paths(cfg: TrainerConfig) -> tuple[Path, Path]:
     train = Path(cfg.dataset) if cfg.dataset else PACKAGE_DATA / "train.csv"
     held_out = Path(cfg.eval_dataset) if cfg.eval_dataset else PACKAGE_DATA / "eval.csv"
@@ -89,7 +93,9 @@ class Trainer:
         self.log = log
         self.stop = stop or StopSignal(log)  # set by SIGINT/SIGTERM once handlers are installed
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
-        self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log)
+        # Passes run on their own thread (a stop signal cuts them short): never on the publish path.
+        self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log,
+                                          stopping=self.stop.is_set)
         self.device = pick_device(cfg.device)
         train_path, eval_path = dataset_paths(cfg)
         self.train_path = train_path
@@ -381,6 +387,9 @@ class Trainer:
             self.publish_next(final=True)
         else:
             self._write_views(final=True)
+        # The last retention pass: finished, or after a stop signal cut short and waited for
+        # at most RETENTION_STOP_WAIT seconds (a request hanging then is abandoned).
+        self.retention.close(RETENTION_STOP_WAIT if self.stop.is_set() else None)
 
     def _record(self, groups: list[ScoredGroup], outcome: str, step: int | None = None) -> None:
         """Ledger records for `groups`, one per shard."""

@@ -3,8 +3,9 @@
 A run publishes a version every few seconds; without retention the bucket keeps every
 checkpoint and shard it ever saw. What may go is decided by `plan`, a pure function of the
 manifest's version, its staleness window and the listed keys, so it can be tested and shown
-as a dry run; `execute` deletes through the Storage interface, one object at a time, and
-reports the objects it could not delete without stopping at them.
+as a dry run; `execute` deletes through the Storage interface in batches (`delete_many`: one
+request per 1,000 objects on S3), and reports the objects it could not delete without
+stopping at them.
 
 The rules (docs/PROTOCOL.md, "Retention"):
 
@@ -22,15 +23,20 @@ The rules (docs/PROTOCOL.md, "Retention"):
   objects of a version below the window that never got its `manifests/` copy (a publish
   interrupted before its commit, never named by any manifest).
 
-`vrl gc` lists the prefixes whole; the trainer (`TrainerRetention`) lists them whole once per
-start and afterwards only the versions that fell below the kept range since its last pass.
+`vrl gc` lists the prefixes whole. The trainer (`TrainerRetention`) runs its passes on a
+thread of their own, off the publish path, and bounds each one: it walks the version folders
+below the kept range in order, each listed at most LIST_LIMIT keys at a time, and stops after
+MAX_LISTINGS_PER_PASS listings or MAX_DELETES_PER_PASS deletes; the next pass goes on where it
+stopped. A volunteer can write any number of objects under rollouts/, so what one pass costs
+must not depend on them; over passes everything expired still goes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable
+from typing import Callable, Collection, Iterable, Sequence
 
 from volunteer_rl.config import TrainerConfig, check
 from volunteer_rl.errors import VrlError
@@ -41,8 +47,9 @@ from volunteer_rl.protocol.manifest import (
     ManifestError,
     read_manifest,
 )
+from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.storage.base import NotFound, Storage, StorageError
+from volunteer_rl.storage.base import NotFound, Storage, StorageError, one_line
 
 DEFAULT_PREFIXES = (layout.CHECKPOINTS, layout.ROLLOUTS)
 """Top-level prefixes whose old versions retention removes."""
@@ -50,6 +57,15 @@ DEBRIS_PREFIXES = (layout.CHECKPOINTS,)
 """Prefixes where objects of a never-committed version are crash debris."""
 PROTECTED = frozenset({layout.MANIFEST, layout.MANIFESTS})
 """Never deleted whatever the caller asks: the commit point and the version history."""
+
+DELETE_CHUNK = 1000
+"""Keys handed to one `delete_many` call (S3 takes 1,000 per DeleteObjects request)."""
+LIST_LIMIT = 1000
+"""Keys one listing of the trainer's pass asks for (one S3 LIST page)."""
+MAX_LISTINGS_PER_PASS = 64
+"""Listings one trainer pass makes at most, the version folders it walks included."""
+MAX_DELETES_PER_PASS = 4 * LIST_LIMIT
+"""Objects one trainer pass deletes at most (four DeleteObjects requests on S3)."""
 
 BELOW_RANGE = "below the kept range"
 UNCOMMITTED = "never committed"
@@ -198,32 +214,46 @@ class Outcome:
         return sum(t.bytes for t in self.removed.values())
 
 
-def _remove(storage: Storage, key: str, dry_run: bool) -> int | None:
-    """Bytes removed, or None if the object was already gone (lifecycle expiry, another gc)."""
-    try:
-        size = storage.size(key)
-        if not dry_run:
-            storage.delete(key)
-    except NotFound:
-        return None
-    return size
+def _failure(key: str, exc: BaseException) -> tuple[str, str]:
+    """(key, one-line error naming it) of an object that could not be removed."""
+    message = one_line(exc)
+    return key, message if key in message else f"{key}: {message}"
+
+
+def delete_batch(storage: Storage, keys: Sequence[str]) -> list[tuple[str, str]]:
+    """Delete `keys` DELETE_CHUNK at a time; (key, one-line error) of each that stays. A
+    failed request fails its keys, not the batches after it."""
+    failed: list[tuple[str, str]] = []
+    for start in range(0, len(keys), DELETE_CHUNK):
+        chunk = keys[start:start + DELETE_CHUNK]
+        try:
+            failed += storage.delete_many(chunk)
+        except (StorageError, OSError) as exc:
+            failed += [_failure(key, exc) for key in chunk]
+    return failed
 
 
 def execute(storage: Storage, p: Plan, dry_run: bool = False) -> Outcome:
-    """Delete every key of the plan, oldest version first; record failures and go on."""
+    """Delete every key of the plan, oldest version first, in batches; record failures and go
+    on. Each object's size is read first (a HEAD each) for the report: `vrl gc`, run by hand;
+    the trainer's passes do without."""
     outcome = Outcome()
     for removal in p.removals:
         tally = outcome.removed.setdefault((removal.prefix, removal.reason), Tally())
+        sizes: dict[str, int] = {}
         for key in removal.keys:
             try:
-                size = _remove(storage, key, dry_run)
-            except (StorageError, OSError) as exc:
-                message = " ".join(str(exc).split())
-                outcome.failed.append((key, message if key in message else f"{key}: {message}"))
+                sizes[key] = storage.size(key)
+            except NotFound:  # already gone (lifecycle expiry, another gc)
                 continue
-            if size is not None:
-                tally.objects += 1
-                tally.bytes += size
+            except (StorageError, OSError) as exc:
+                outcome.failed.append(_failure(key, exc))
+        failed = [] if dry_run else delete_batch(storage, list(sizes))
+        outcome.failed += failed
+        for key, _ in failed:
+            sizes.pop(key, None)
+        tally.objects += len(sizes)
+        tally.bytes += sum(sizes.values())
     return outcome
 
 
@@ -308,63 +338,205 @@ def summary_lines(p: Plan, outcome: Outcome, dry_run: bool = False) -> list[str]
 # Inside the trainer.
 
 class TrainerRetention:
-    """Retention run by the trainer right after a publish, every `every` publishes (0: off).
+    """Retention run by the trainer every `every` publishes (0: off), on a thread of its own.
 
-    The first pass after a (re)start lists checkpoints/, rollouts/ and manifests/ whole, as
-    `vrl gc` does. After a clean pass it remembers the floor below which everything is gone,
-    so later passes list only `<prefix>/vNNNNNN/` of the versions that fell below the kept
-    range since: a publish never pays for the run's whole history. A shard uploaded late into
-    a version already below the floor is left for `vrl gc` (or the bucket's lifecycle expiry).
-    Failures are logged and retried at the next pass; they never stop the trainer."""
+    `after_publish` only hands the new manifest over: a pass never delays a publish. One pass
+    runs at a time; a pass that falls due while one runs is not started, the running one
+    takes the newest manifest when it ends (so the last publish always gets its pass).
+
+    A pass is bounded whatever the bucket holds (MAX_LISTINGS_PER_PASS listings of at most
+    LIST_LIMIT keys, MAX_DELETES_PER_PASS deletes) and walks the version folders below the
+    kept range in version order, rollouts/ before checkpoints/, from where the last pass
+    stopped. The first pass after a (re)start finds where to begin from checkpoints/ and
+    manifests/, which only the trainer writes: the lowest checkpoint folder left, and the
+    checkpoint folders of never-committed versions (crash debris). A shard uploaded late
+    into a version already walked is left for `vrl gc` (or the bucket's lifecycle expiry).
+    Failures are logged (keys escaped: volunteers name them) and retried by the next pass;
+    they never stop the trainer."""
 
     MAX_REPORTED = 3  # failed objects named per pass; the rest are counted
 
     def __init__(self, storage: Storage, keep_versions: int, every: int,
                  log: Callable[[str], None] = print,
-                 prefixes: Collection[str] = DEFAULT_PREFIXES):
+                 prefixes: Collection[str] = DEFAULT_PREFIXES,
+                 stopping: Callable[[], bool] = lambda: False):
         check(TrainerConfig, "gc_every", every)
         if every:
             check_rules(keep_versions, prefixes)
         self.storage, self.keep_versions, self.every, self.log = storage, keep_versions, every, log
-        self.prefixes = tuple(prefixes)
+        # rollouts/ (and any prefix but checkpoints/) first: a checkpoint folder left means
+        # every version from it on may still hold rollouts, which a restart relies on.
+        self.prefixes = tuple(sorted(prefixes, key=lambda p: p == layout.CHECKPOINTS))
+        self.stopping = stopping  # a stop signal: the pass ends at its next request
         self.publishes = 0
-        self.floor: int | None = None  # every version below it is known to be gone
+        self.next: dict[str, int] | None = None  # per prefix: every version below it is gone
+        self.debris: list[int] = []  # checkpoint folders of never-committed versions
+        self._lock = threading.Lock()
+        self._lines: list[str] = []  # said on the pass's thread, logged on the caller's
+        self._pending: Manifest | None = None
+        self._thread: threading.Thread | None = None
+        self._running = self._closed = False
 
-    def after_publish(self, manifest: Manifest) -> Outcome | None:
-        """Call once per published version; runs a pass every `every` calls."""
+    # --- the thread -----------------------------------------------------------------------
+
+    def after_publish(self, manifest: Manifest) -> None:
+        """Call once per published version; every `every` calls a pass is due."""
         if not self.every:
-            return None
+            return
+        self._flush()
         self.publishes += 1
         if self.publishes % self.every:
-            return None
-        try:
-            return self._pass(manifest)
-        except StorageError as exc:
-            self.log(f"warning: retention pass skipped, will retry: {exc}")
-            return None
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._pending = manifest
+            if self._running:  # the running pass takes it when it ends
+                return
+            self._running = True
+            self._thread = threading.Thread(target=self._work, name="vrl-retention", daemon=True)
+            self._thread.start()
 
-    def _keys(self, low: int) -> tuple[list[str], set[int] | None]:
-        """Keys to plan from: everything on the first pass, else only the newly old versions."""
-        if self.floor is None:
-            keys = [k for prefix in self.prefixes for k in self.storage.list(prefix)]
-            return keys, committed_versions(self.storage.list(layout.MANIFESTS))
-        return [k for v in range(self.floor, low) for prefix in self.prefixes
-                for k in self.storage.list(layout.versioned_prefix(prefix, v))], None
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                m, self._pending = self._pending, None
+                if m is None or self.stopping():
+                    self._running = False
+                    return
+            self.run_pass(m)
+
+    def close(self, timeout: float | None = None) -> None:
+        """No new pass after this. Wait, at most `timeout` seconds (None: for good), for the
+        pass in flight and the one due after it (the last publish's) to end; after a stop
+        signal (`stopping`) the pass ends at its next request and none follows. A pass still
+        in a request when the wait ends is abandoned with its thread (a daemon): it only
+        deletes what is no longer needed, and the next start's pass takes what it left."""
+        with self._lock:
+            self._closed = True
+        self.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait, at most `timeout` seconds, until no pass runs or is due (tests, `close`)."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        self._flush()
+
+    def _say(self, line: str) -> None:
+        """Log `line`: at once on the caller's thread; from the pass's thread, at the next
+        publish or `wait`, so that only the trainer's thread writes its log (two threads
+        printing can splice their lines)."""
+        if threading.current_thread() is not self._thread:
+            self.log(line)
+            return
+        with self._lock:
+            self._lines.append(line)
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._lines = self._lines, []
+        for line in lines:
+            self.log(line)
+
+    # --- one pass -------------------------------------------------------------------------
+
+    def run_pass(self, m: Manifest) -> Outcome | None:
+        """One bounded pass for manifest `m`; None if it could not run (logged, retried)."""
+        try:
+            return self._pass(m)
+        except StorageError as exc:
+            self._say(f"warning: retention pass skipped, will retry: {printable(one_line(exc))}")
+        except Exception as exc:  # noqa: BLE001 - on its own thread: nothing may escape it
+            self._say(f"warning: retention pass failed, will retry: {type(exc).__name__}: "
+                     f"{printable(one_line(exc))}")
+        return None
 
     def _pass(self, m: Manifest) -> Outcome:
         low = kept_from(m.version, m.max_staleness, self.keep_versions)
         floor = chain_floor(m, _lowest(self.storage, m, low, None), low)
-        keys, committed = self._keys(min(low, floor))
-        p = plan(keys, m.version, m.max_staleness, self.keep_versions, committed, self.prefixes,
-                 checkpoints_from=floor)
-        outcome = execute(self.storage, p)
-        if outcome.objects:
-            self.log(f"retention: removed {n_objects(outcome.objects)}, "
-                     f"{human_bytes(outcome.bytes)}; kept v{low}-v{m.version}")
-        for key, message in outcome.failed[: self.MAX_REPORTED]:
-            self.log(f"warning: retention could not delete {message}")
-        if len(outcome.failed) > self.MAX_REPORTED:
-            self.log(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
-        if not outcome.failed:
-            self.floor = min(low, floor)
+        budget = _Budget(MAX_LISTINGS_PER_PASS, MAX_DELETES_PER_PASS)
+        outcome = Outcome()
+        if self.next is None:
+            self._start(m, low, budget)
+        # Debris folders are known never committed: planned as such (committed: none).
+        while self.debris and self._clear(layout.CHECKPOINTS, self.debris[0], m, floor,
+                                          set(), budget, outcome):
+            self.debris.pop(0)
+        for prefix in self.prefixes:
+            end = low
+            if prefix == layout.CHECKPOINTS:
+                end = min([low, floor] + [self.next[p] for p in self.prefixes if p != prefix])
+            while self.next[prefix] < end and self._clear(prefix, self.next[prefix], m, floor,
+                                                          None, budget, outcome):
+                self.next[prefix] += 1
+        self._report(outcome, low, m.version, budget)
         return outcome
+
+    def _start(self, m: Manifest, low: int, budget: _Budget) -> None:
+        """Where the walk begins: the lowest checkpoint folder left (or the kept range), and
+        which folders are crash debris. Lists checkpoints/ one level and manifests/, which
+        only the trainer writes."""
+        budget.listings -= 2
+        folders = {v for e in self.storage.list_level(layout.CHECKPOINTS)
+                   if e.endswith("/") and (v := _version(e)) is not None}
+        committed = committed_versions(self.storage.list(layout.MANIFESTS))
+        start = min(folders | {low})
+        window_from = layout.window(m.version, m.max_staleness).start
+        self.next = {p: start for p in self.prefixes}
+        self.debris = sorted(v for v in folders
+                             if v not in committed and start <= v < window_from and v < m.version)
+
+    def _clear(self, prefix: str, version: int, m: Manifest, floor: int,
+               committed: set[int] | None, budget: _Budget, outcome: Outcome) -> bool:
+        """Remove what the plan says goes of `<prefix>/vNNNNNN/`, LIST_LIMIT keys at a time,
+        within the budget. True once nothing of it is left to remove; False if the budget or
+        a stop ran out first, or an object could not be deleted (the next pass tries again)."""
+        folder = layout.versioned_prefix(prefix, version)
+        while True:
+            want = min(LIST_LIMIT, budget.deletes)
+            if self.stopping() or budget.listings <= 0 or want <= 0:
+                return False
+            budget.listings -= 1
+            keys = self.storage.list(folder, limit=want)
+            p = plan(keys, m.version, m.max_staleness, self.keep_versions, committed,
+                     self.prefixes, checkpoints_from=floor)
+            if not p.keys:  # nothing (more) here goes
+                return True
+            if self.stopping():  # came while the listing ran
+                return False
+            budget.deletes -= len(p.keys)
+            failed = delete_batch(self.storage, p.keys)
+            outcome.failed += failed
+            stayed = {key for key, _ in failed}
+            for r in p.removals:
+                tally = outcome.removed.setdefault((r.prefix, r.reason), Tally())
+                tally.objects += sum(key not in stayed for key in r.keys)
+            if failed:
+                return False
+            if len(keys) < want:
+                return True
+
+    def _report(self, outcome: Outcome, low: int, current: int, budget: _Budget) -> None:
+        more = "; more next pass" if budget.listings <= 0 or budget.deletes <= 0 else ""
+        if outcome.objects:
+            self._say(f"retention: removed {n_objects(outcome.objects)}; kept v{low}-v{current}{more}")
+        for key, message in outcome.failed[: self.MAX_REPORTED]:
+            self._say(f"warning: retention could not delete {printable(message)}")
+        if len(outcome.failed) > self.MAX_REPORTED:
+            self._say(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
+
+
+@dataclass
+class _Budget:
+    """What is left of one pass's listings and deletes."""
+
+    listings: int
+    deletes: int
+
+
+def _version(folder_key: str) -> int | None:
+    """The version of a listed folder key such as `checkpoints/v000042/`."""
+    parsed = layout.split_versioned_key(folder_key)
+    return None if parsed is None else parsed[1]
