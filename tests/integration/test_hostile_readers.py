@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.signing import parse_private_key, public_key_text
@@ -61,3 +63,15 @@ def test_deep_manifest_leaves_a_running_volunteer_on_its_version(template, tmp_p
     assert code == 0 and "Traceback" not in log, log[-3000:]
     assert log[mark:].count(REFUSED) == 1 and "now on" not in log[mark:], log[mark:]
     assert beat["version"] == 2, beat
+
+
+def test_a_deep_denylist_is_one_line(tmp_path):
+    """denylist.json, read by the trainer, `vrl status` and `vrl volunteers list`, with the
+    same bounds: one DenylistError line, not a RecursionError."""
+    from volunteer_rl.protocol.fleet import DenylistError, read_denylist
+    from volunteer_rl.storage import open_storage
+
+    s = open_storage(str(tmp_path))
+    s.write(layout.DENYLIST, b'{"volunteers": ' + b"[" * 100_000)
+    with pytest.raises(DenylistError, match=r"^denylist\.json: malformed \(nested deeper than 8\)$"):
+        read_denylist(s)
