@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -52,10 +53,15 @@ def test_deep_manifest_leaves_a_running_volunteer_on_its_version(template, tmp_p
         put_deep_manifest(bucket)
         mark = len(vol.text())
         wait_for(lambda: REFUSED in vol.text()[mark:], 60, "the refusal")
-        # still at work on v2: it uploads again after the refusal
+        refused_at = time.time()
+        # still at work on v2: it uploads again after the refusal, and says so in a heartbeat
         at = len(vol.text())
-        wait_for(lambda: "uploaded" in vol.text()[at:], 60, "an upload after the refusal")
-        beat = json.loads((bucket / layout.heartbeat_key("vol")).read_text())
+        wait_for(lambda: "uploaded rollouts/v000002/" in vol.text()[at:], 60,
+                 "an upload after the refusal")
+        heartbeat = bucket / layout.heartbeat_key("vol")
+        wait_for(lambda: json.loads(heartbeat.read_text())["updated_at"] > refused_at, 60,
+                 "a heartbeat written after the refusal")
+        beat = json.loads(heartbeat.read_text())
         code = vol.terminate()
     finally:
         vol.kill()

@@ -3,9 +3,10 @@
 Python's json recurses once per nesting level: a megabyte of "[" raises RecursionError (not
 ValueError) from inside the parser, and a reader that catches ValueError dies on it. So the
 nesting is measured on the raw bytes first, by a linear scan, and the parser runs only on
-what is shallow enough; numbers are parsed with bounds (no bignums, no NaN/Infinity). Shards
-(shards.py) use the scan with their own reason codes; manifests, the denylist and the
-volunteer's own trust files use `loads`.
+what is shallow enough; numbers are parsed with bounds (integers of at most MAX_INT_DIGITS
+digits, no NaN/Infinity, floats finite). Shards (shards.py) use the scan with their own number
+rules and reason codes; manifests, the denylist and the volunteer's own trust files use
+`loads`, each after a size cap of its own.
 """
 
 from __future__ import annotations
