@@ -57,6 +57,14 @@ def test_round_trip_and_history(tmp_path):
     (b'{"schema_version": 3}', "schema_version 3 is not 4, the one this build speaks; the trainer "
                                "runs an older"),
     (b'{"schema_version": 4, "run_id": "x"}', "malformed"),
+    (b"[" * 100_000, "malformed (nested deeper than 8)"),
+    (b'{"a": ' * 100_000, "malformed (nested deeper than 8)"),
+    (b'{"schema_version": 4, "x": [' + b"[]" * 50_000 + b"[[[[[[[[[]]]]]]]]]]}", "nested deeper"),
+    (b'{"schema_version": NaN}', "malformed (NaN is not JSON)"),
+    (b'{"schema_version": 1e999}', "malformed (1e999 is not a finite number)"),
+    (b'{"schema_version": ' + b"9" * 4000 + b"}", "malformed (an integer of 4000 digits)"),
+    (b'{"schema_version": "\xff"}', "malformed ('utf-8' codec can't decode"),
+    (b'\xff\xfe{\x00}\x00', "malformed"),
 ])
 def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle):
     s = open_storage(str(tmp_path))
@@ -65,6 +73,26 @@ def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle
         read_manifest(s, trust=Trust(allow_unsigned=True))  # the field checks, not the signature
     msg = str(e.value)
     assert msg.startswith("manifest.json") and needle in msg and "\n" not in msg
+
+
+def test_deep_manifests_are_refused_by_every_reader(tmp_path):
+    """The current manifest (read and polled), a version's kept copy and `vrl status`'s
+    unverified read: nesting 100,000 deep is one ManifestError naming the object, not a
+    RecursionError out of the parser, before any signature is looked at."""
+    from volunteer_rl.observe.status import read_manifest_unverified
+    from volunteer_rl.protocol.manifest import poll_manifest
+
+    s = open_storage(str(tmp_path))
+    deep = b'{"schema_version": 4, "signature": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    s.write("manifest.json", deep)
+    s.write(layout.manifest_history_key(3), deep)
+    for read in (lambda: read_manifest(s, trust=TRUST),
+                 lambda: poll_manifest(s, None, trust=TRUST),
+                 lambda: read_manifest_unverified(s)):
+        with pytest.raises(ManifestError, match=r"^manifest\.json: malformed \(nested deeper than 8\)$"):
+            read()
+    with pytest.raises(ManifestError, match=r"^manifests/v000003\.json: malformed \(nested deeper"):
+        read_manifest(s, version=3, trust=TRUST)
 
 
 def test_manifest_must_point_at_its_own_version(tmp_path):

@@ -9,6 +9,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from volunteer_rl.protocol import patch as patch_module
 from volunteer_rl.protocol.patch import (
     HEADER,
     MAGIC,
@@ -137,3 +138,48 @@ def test_make_patch_refuses_what_it_cannot_express():
         patch_of(b"ab", b"abc", 1)
     with pytest.raises(ValueError, match="word 3"):
         patch_of(b"ab", b"ab", 3)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_apply_is_exact_and_checks_across_chunk_edges(monkeypatch, chunk):
+    """apply_patch works through the positions `CHUNK` at a time: the same result and the
+    same refusals when a chunk edge falls anywhere, a bad position in a later chunk included
+    (checked before the first chunk is written)."""
+    monkeypatch.setattr(patch_module, "CHUNK", chunk)
+    base = np.random.default_rng(5).bytes(4001)
+    for word, share in ((1, 0.3), (2, 1.0), (4, 0.05), (8, 0.5)):
+        target = changed_copy(base, word, share, word)
+        buf = bytearray(base)
+        apply_patch(buf, patch_of(base, target, word), base=sha(base))
+        assert bytes(buf) == target
+    buf = bytearray(base[:1024])
+    gaps = [0] + [1] * 199
+    refused(buf, forged(2, 1024, 200, gaps[:150] + [0] + gaps[151:], list(range(200))),
+            "outside the file or out of order")
+    refused(buf, forged(2, 1024, 200, gaps[:199] + [400], list(range(200))),
+            "outside the file or out of order")
+    refused(buf, forged(2, 1024, 3, [10, 2**63, 2**63], [1, 2, 3]), "outside the file or out of order")
+
+
+@pytest.mark.parametrize("word", [2, 4])
+def test_applying_a_patch_needs_the_body_and_little_more(word):
+    """Worst case: every word of a 4 MiB file changed. Beyond the patch's decompressed body
+    (n * (8 + word) bytes, which the header bounds by the file) apply_patch holds a constant:
+    it used to hold ~35 bytes per changed word on top (int64 positions made and copied
+    whole), 272 MiB for one 8 MiB file."""
+    import tracemalloc
+
+    size = 4 << 20
+    base = np.random.default_rng(1).bytes(size)
+    target = (np.frombuffer(base, dtype=f"<u{word}") + 1).tobytes()  # every word changed
+    patch = patch_of(base, target, word)
+    buf = bytearray(base)
+    body = size // word * (8 + word)
+    tracemalloc.start()
+    try:
+        apply_patch(buf, patch, base=sha(base))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert bytes(buf) == target
+    assert peak <= body + (4 << 20), f"{peak / 2**20:.1f} MiB for a body of {body / 2**20:.1f} MiB"

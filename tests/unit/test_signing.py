@@ -21,6 +21,8 @@ from volunteer_rl.protocol.signing import (
     Ed25519PrivateKey,
     ForeignKey,
     KeyFileError,
+    MARK_FILE,
+    PIN_FILE,
     PinFile,
     SignatureError,
     Trust,
@@ -251,3 +253,19 @@ def test_volunteer_refuses_a_foreign_key_at_start_and_a_key_change_mid_run(tmp_p
     # The rightful trainer publishes again: followed as usual.
     (tmp_path / "bucket" / "manifest.json").write_bytes(manifest(5).to_signed_json(KEY))
     assert v.poll().version == 5
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    (PIN_FILE, "[" * 100_000, "nested deeper than 4"),
+    (MARK_FILE, '{"b": ' * 100_000, "nested deeper than 4"),
+    (MARK_FILE, '{"b": {"run_id": "r", "version": 1, "created_at": NaN}}', "NaN is not JSON"),
+    (MARK_FILE, " " * (4 << 20) + "{}", "larger than 4194304 bytes"),
+])
+def test_a_deep_or_huge_trust_file_is_one_line_naming_it(tmp_path, name, text, needle):
+    """The volunteer's own pin and mark files are parsed with the same bounds as manifests:
+    whoever else can write the work dir gets a one-line refusal, not a RecursionError."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(KeyFileError) as e:
+        reader_trust("b", None, tmp_path, None, False, print)
+    msg = str(e.value)
+    assert msg.startswith(str(tmp_path / name)) and needle in msg and "\n" not in msg

@@ -217,3 +217,61 @@ def test_local_listing_of_a_deep_folder_does_not_recurse(tmp_path):
         for _ in range(1200):
             os.rmdir(path)
             path = os.path.dirname(path)
+
+
+def _within(seconds: float, call):
+    """call() on a thread: its result or exception, or "hung" if it has not returned in
+    `seconds` (a safety net so a blocking read fails the test instead of hanging it)."""
+    import threading
+
+    out: list = ["hung"]
+
+    def run():
+        try:
+            out[0] = call()
+        except Exception as exc:  # noqa: BLE001 - handed back to the test
+            out[0] = exc
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_local_a_fifo_is_no_object(tmp_path):
+    """A FIFO where an object should be used to block the reader forever (open() waits for a
+    writer, past SIGINT). Every read is NotFound at once; listings and exists() skip it."""
+    s = LocalStorage(tmp_path)
+    s.write("checkpoints/v000002/model.patch.ok", b"x")
+    fifo = tmp_path / "checkpoints" / "v000002" / "model.patch"
+    os.mkfifo(fifo)
+    try:
+        for call in (lambda: s.read("checkpoints/v000002/model.patch"),
+                     lambda: s.read("checkpoints/v000002/model.patch", max_bytes=10),
+                     lambda: s.read_into("checkpoints/v000002/model.patch", memoryview(bytearray(4))),
+                     lambda: s.read_if_changed("checkpoints/v000002/model.patch", None, 10),
+                     lambda: s.size("checkpoints/v000002/model.patch")):
+            got = _within(10, call)
+            assert isinstance(got, NotFound) and "model.patch: " in str(got), got
+        assert s.list("checkpoints/") == ["checkpoints/v000002/model.patch.ok"]
+        assert s.list_level("checkpoints/v000002/") == ["checkpoints/v000002/model.patch.ok"]
+        assert not s.exists("checkpoints/v000002/model.patch")
+    finally:  # release a reader the old code left blocked in open()
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader waiting: nothing to release
+            pass
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+def test_local_a_device_or_folder_is_no_object(tmp_path):
+    """/dev/zero never ends (a read without a cap used to fill the memory) and a folder
+    holds no bytes: NotFound, never read."""
+    s = LocalStorage("/dev")
+    for call in (lambda: s.read("zero", max_bytes=16), lambda: s.size("zero"),
+                 lambda: s.read_into("zero", memoryview(bytearray(16)))):
+        with pytest.raises(NotFound, match="^zero: is not a regular file in /dev$"):
+            call()
+    (tmp_path / "d").mkdir()
+    with pytest.raises(NotFound, match="^d: is a folder in "):
+        LocalStorage(tmp_path).read("d", max_bytes=16)

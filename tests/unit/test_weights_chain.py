@@ -3,6 +3,8 @@ bytes: the trainer's WeightsChain decides and lists, a reader rebuilds every ver
 bit from a keyframe or from any version it holds, the cheaper way, and a missing or corrupt
 patch is refused in one line and costs nothing held."""
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -148,6 +150,33 @@ def test_a_corrupt_or_missing_patch_is_one_line_and_the_keyframe_path_follows(ru
     (root / Weights.patch_key(10)).write_bytes(good)  # patch 8's bytes under 10's name
     with pytest.raises(CheckpointError, match=f"^{Weights.patch_key(10)}: sha256 or size"):
         build_weights(storage, ms[10], None)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_where_a_patch_should_be_is_one_line_and_the_keyframe_path_follows(run, tmp_path):
+    """A FIFO in a folder bucket used to block the reader in open() forever, past SIGINT:
+    now it is no object (NotFound), and the keyframe path runs. On a thread with a timeout,
+    so a reader that blocks fails the test instead of hanging it."""
+    storage, files, ms = run
+    fifo = tmp_path / "bucket" / Weights.patch_key(8)
+    fifo.unlink()
+    os.mkfifo(fifo)
+    logs, out = [], []
+    t = threading.Thread(target=lambda: out.append(
+        build_weights(storage, ms[10], held(ms[6], files[6]), logs.append)), daemon=True)
+    t.start()
+    t.join(60)
+    try:
+        assert not t.is_alive(), "the read blocked on the FIFO"
+    finally:  # release a reader blocked in open()
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    got = out[0]
+    assert got.how == "keyframe" and bytes(got.buf) == files[10].tobytes()
+    assert logs == [f"warning: {Weights.patch_key(8)}: is not a regular file in {storage.uri}; "
+                    "fetching keyframe v8 instead"]
 
 
 def test_held_bytes_that_are_not_what_they_claim_fall_back_to_the_keyframe(run):

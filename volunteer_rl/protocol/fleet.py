@@ -13,12 +13,14 @@ import json
 from typing import Callable
 
 from volunteer_rl.errors import VrlError
-from volunteer_rl.protocol import layout
+from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.storage.base import NotFound, PreconditionFailed, Storage, StorageError
 
 MAX_SUMMARY_BYTES = 16 << 20
 """fleet.json is read whole by `vrl status` and the trainer's own resume: at most this much."""
 MAX_DENYLIST_BYTES = 4 << 20
+DENYLIST_NESTING = 8
+"""An entry nests 3 deep ({"volunteers": {id: {...}}}); room for a person's notes in it."""
 CAS_ATTEMPTS = 5
 
 
@@ -29,7 +31,7 @@ class DenylistError(VrlError):
 def parse_denylist(data: bytes) -> dict[str, dict]:
     """{volunteer id: entry} from denylist.json bytes; DenylistError if malformed."""
     try:
-        raw = json.loads(data)
+        raw = jsonbounds.loads(data, DENYLIST_NESTING)
         entries = raw["volunteers"]
         if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
             raise TypeError("volunteers must map ids to objects")

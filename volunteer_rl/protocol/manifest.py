@@ -24,13 +24,16 @@ from dataclasses import asdict, dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.errors import VrlError
-from volunteer_rl.protocol import layout
+from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
 from volunteer_rl.protocol.signing import Seen, Trust, sign
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB; anything near this is not ours
+MAX_MANIFEST_NESTING = 8
+"""A manifest nests 4 deep (weights, patches, a patch); deeper is not ours, and is refused
+before the parser recurses into it (jsonbounds)."""
 OLD_MANIFEST_SECONDS = 15 * 60
 """`vrl status` flags a manifest.json whose `created_at` is older than this: the trainer has
 stopped publishing, or an old manifest was put back. A trainer publishes every few seconds to
@@ -287,9 +290,9 @@ def _check_weights(m: Manifest) -> None:
 def decode(data: bytes) -> dict:
     """The JSON object of a manifest's bytes, checked for the schema version only."""
     try:
-        raw = json.loads(data)
-    except ValueError as exc:
-        raise ManifestError(f"{layout.MANIFEST}: malformed ({type(exc).__name__}: {exc})") from None
+        raw = jsonbounds.loads(data, MAX_MANIFEST_NESTING)
+    except jsonbounds.JsonError as exc:
+        raise ManifestError(f"{layout.MANIFEST}: malformed ({printable(exc, 120)})") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{layout.MANIFEST}: malformed (not a JSON object)")
     found = raw.get("schema_version")

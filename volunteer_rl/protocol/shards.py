@@ -30,6 +30,7 @@ import zlib
 from dataclasses import asdict, dataclass
 
 from volunteer_rl.errors import VrlError
+from volunteer_rl.protocol.jsonbounds import too_deep
 
 MAX_SHARD_BYTES = 8 << 20          # compressed object size
 MAX_DECOMPRESSED_BYTES = 64 << 20  # after gunzip
@@ -158,26 +159,11 @@ def _no_constant(text: str):
     raise ShardError("bad_number", f"{text} is not JSON")
 
 
-_BRACKETS = re.compile(rb'"(?:[^"\\]|\\.)*"|".*|[\[\]{}]', re.DOTALL)
-"""A string, a string left open (it runs to the end of the line), or a bracket."""
-
-
 def _check_nesting(line: bytes) -> None:
-    """Refuse a line nested deeper than MAX_NESTING, scanning brackets outside strings, so
-    the parser never recurses on volunteer input beyond that.
-
-    A string left open swallows the rest of the line: the parser fails on it before it gets
-    to anything after it, and the scan stays linear. (Retrying from every later quote made
-    a line of escaped quotes quadratic: 26 KB of them cost almost two seconds.)"""
-    depth = 0
-    for m in _BRACKETS.finditer(line):
-        c = m.group()
-        if c in (b"[", b"{"):
-            depth += 1
-            if depth > MAX_NESTING:
-                raise ShardError("too_deep", f"nested deeper than {MAX_NESTING}")
-        elif c in (b"]", b"}"):
-            depth -= 1
+    """Refuse a line nested deeper than MAX_NESTING (jsonbounds.too_deep: a linear scan of
+    the brackets outside strings), so the parser never recurses on volunteer input beyond that."""
+    if too_deep(line, MAX_NESTING):
+        raise ShardError("too_deep", f"nested deeper than {MAX_NESTING}")
 
 
 def _int_list(value, what: str) -> list[int]:

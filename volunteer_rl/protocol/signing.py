@@ -37,6 +37,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from volunteer_rl.errors import VrlError
+from volunteer_rl.protocol import jsonbounds
+from volunteer_rl.protocol.printable import printable
 
 ALG = "ed25519"
 KEY_PREFIX = "ed25519:"
@@ -217,15 +219,28 @@ def signer(obj: dict, where: str) -> str:
 # Whom a reader trusts.
 
 
+MAX_STATE_FILE_BYTES = 4 << 20
+"""A pin or mark file holds a line per bucket: a few hundred bytes each."""
+STATE_FILE_NESTING = 4
+"""A mark file nests 2 deep ({bucket: {run_id, version, created_at}})."""
+
+
 def _read_state_file(path: Path, what: str) -> object:
     """The JSON of one of the volunteer's local trust files (None if there is none yet);
-    KeyFileError naming the file if it cannot be read or parsed."""
+    KeyFileError naming the file if it cannot be read or parsed, or is bigger or deeper than
+    a trust file gets (whoever else can write the work dir must not crash the volunteer)."""
     try:
-        return json.loads(path.read_text())
+        with open(path, "rb") as f:
+            data = f.read(MAX_STATE_FILE_BYTES + 1)
+        if len(data) > MAX_STATE_FILE_BYTES:
+            raise jsonbounds.JsonError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+        return jsonbounds.loads(data, STATE_FILE_NESTING)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise KeyFileError(f"{path}: unreadable {what} file ({exc}); fix or delete it") from None
+        raise KeyFileError(f"{path}: unreadable {what} file ({printable(exc, 200)}); "
+                           "fix or delete it") from None
+
 
 class Trust:
     """The signer a reader accepts for one bucket.

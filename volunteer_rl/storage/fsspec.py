@@ -67,6 +67,30 @@ class FsspecStorage:
     def _errors(self, key: str, what: str) -> contextlib.AbstractContextManager[None]:
         return classify_errors(key, what, self.uri, transient=self._transient)
 
+    def _s3_capped(self, path: str, max_bytes: int) -> bytes:
+        """At most max_bytes + 1 bytes of an s3:// object, from one ranged GET whose body is
+        taken in chunks and dropped past the cap. s3fs's cat_file reads whatever body the
+        server sends in one piece: a server that ignores the Range, or a man in the middle
+        on plain http, could push any size into a 1 MiB read. (gcsfs has the same gap.)"""
+        from fsspec.asyn import sync
+
+        from volunteer_rl.storage.s3 import STREAM_CHUNK
+
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def get() -> bytes:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                              Range=f"bytes=0-{max_bytes}")
+            body, data = response["Body"], bytearray()
+            try:
+                while len(data) <= max_bytes and (
+                        chunk := await body.read(min(STREAM_CHUNK, max_bytes + 1 - len(data)))):
+                    data += chunk
+            finally:
+                body.close()  # drops the connection: the rest of the body is never read
+            return bytes(data)
+        return sync(self.fs.loop, get)
+
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
         try:
@@ -74,6 +98,8 @@ class FsspecStorage:
                 try:
                     if max_bytes is None:
                         data = self.fs.cat_file(path)
+                    elif self.protocol == "s3":
+                        data = self._s3_capped(path, max_bytes)
                     else:  # one ranged GET: never more than the cap crosses the wire
                         data = self.fs.cat_file(path, start=0, end=max_bytes + 1)
                 except (FileNotFoundError, PermissionError):

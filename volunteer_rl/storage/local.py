@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Sequence
@@ -107,14 +108,32 @@ class LocalStorage:
             raise StorageError(f"{key}: key escapes the bucket folder")
         return path
 
+    def _object(self, key: str, mode: int) -> None:
+        """NotFound unless `mode` is a regular file's: only a regular file is an object."""
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise NotFound(f"{key}: is {what} in {self.uri}")
+
+    def _open(self, key: str, buffering: int = -1) -> BinaryIO:
+        """The object's file, open for reading. Only a regular file is an object: a folder,
+        FIFO, device or socket at the key is NotFound, decided on the opened file (fstat), so
+        nothing can be swapped in after the check. O_NONBLOCK keeps the open itself from
+        waiting for a FIFO's writer; a read from a FIFO or /dev/zero would block or never end."""
+        fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            self._object(key, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+            return open(fd, "rb", buffering=buffering)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         try:
-            with classify_errors(key, "read", self.uri), open(self._path(key), "rb") as f:
+            with classify_errors(key, "read", self.uri), self._open(key) as f:
                 data = f.read() if max_bytes is None else f.read(max_bytes + 1)
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
-        except IsADirectoryError:
-            raise NotFound(f"{key}: is a folder in {self.uri}") from None
         return check_cap(key, data, max_bytes)
 
     @staticmethod
@@ -133,13 +152,10 @@ class LocalStorage:
                   on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
         """Fill `buf` with the object, which must be exactly len(buf) bytes long."""
         try:
-            with (classify_errors(key, "read", self.uri),
-                  open(self._path(key), "rb", buffering=0) as f):
+            with classify_errors(key, "read", self.uri), self._open(key, buffering=0) as f:
                 _fill_from(key, f, buf, on_chunk)
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
-        except IsADirectoryError:
-            raise NotFound(f"{key}: is a folder in {self.uri}") from None
 
     def _put(self, key: str, data: bytes, create_only: bool) -> None:
         self._put_from(key, lambda f: f.write(data), create_only)
@@ -222,9 +238,11 @@ class LocalStorage:
     def size(self, key: str) -> int:
         try:
             with classify_errors(key, "size", self.uri):
-                return self._path(key).stat().st_size
+                st = self._path(key).stat()
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
+        self._object(key, st.st_mode)
+        return st.st_size
 
     def list(self, prefix: str, limit: int | None = None) -> list[str]:
         """All keys under `prefix` (recursive), sorted; temp and hidden files excluded.
@@ -256,18 +274,19 @@ class LocalStorage:
     def _entries(folder: str, rel: str) -> list[tuple[str, str | None]]:
         """(key, path if a sub-folder else None) of a folder's visible entries, sorted by key,
         sub-folders as `rel/name/`: all of their keys sort exactly there among the folder's
-        other entries, so walking them in this order yields every key in sorted order. As
-        with os.walk, symlinked folders are not entered, and a folder that cannot be read
-        (a concurrent delete prunes empty ones) is empty."""
+        other entries, so walking them in this order yields every key in sorted order. Only
+        regular files are keys (a FIFO or device is not an object). As with os.walk,
+        symlinked folders are not entered, and a folder that cannot be read (a concurrent
+        delete prunes empty ones) is empty."""
         entries: list[tuple[str, str | None]] = []
         try:
             with os.scandir(folder) as it:
                 for e in it:
                     if e.name.startswith("."):
                         continue
-                    if not e.is_dir():
+                    if e.is_file():  # a FIFO, device or socket is no object
                         entries.append((rel + e.name, None))
-                    elif not e.is_symlink():
+                    elif e.is_dir() and not e.is_symlink():
                         entries.append((rel + e.name + "/", e.path))
         except OSError:
             return []

@@ -192,6 +192,22 @@ def _socket_reader(body) -> Callable[[memoryview], int]:
     return readinto
 
 
+def _read_capped(key: str, body, cap: int) -> bytes:
+    """All of a GET's body, taken STREAM_CHUNK at a time and given up (TooLarge) as soon as
+    more than `cap` bytes have come, whatever the Range asked and Content-Length said: a
+    server that ignores the Range, or a man in the middle on plain http, costs the cap and
+    what is in flight when the connection drops, not what it sends. Closes the body."""
+    data = bytearray()
+    try:
+        while chunk := body.read(min(STREAM_CHUNK, cap + 1 - len(data))):
+            data += chunk
+            if len(data) > cap:
+                raise TooLarge(f"{key}: larger than the {cap}-byte limit")
+    finally:
+        body.close()  # drops the connection: the rest of an oversized body is never read
+    return bytes(data)
+
+
 def _fill(key: str, readinto: Callable[[memoryview], int], view: memoryview,
           got: int, stop: int) -> int:
     """Read view[got:stop] from a stream; returns stop. Transient if it ends early
@@ -316,14 +332,14 @@ class S3Storage:
 
     # --- reads -------------------------------------------------------------------------
 
-    def _get(self, key: str, first: int, last: int | None, **conditions) -> dict:
-        """One GET of bytes first..last (None: to the end); returns the boto3 response
-        with the body already read into 'Data'."""
+    def _get(self, key: str, last: int | None, cap: int, **conditions) -> dict:
+        """One GET of bytes 0..last (None: all); returns the boto3 response with the body
+        already read into 'Data', TooLarge if more than `cap` bytes came (_read_capped)."""
         params = dict(Bucket=self.bucket, Key=self._key(key), **conditions)
         if last is not None:
-            params["Range"] = f"bytes={first}-{last}"
+            params["Range"] = f"bytes=0-{last}"
         response = self.client.get_object(**params)
-        response["Data"] = response["Body"].read()
+        response["Data"] = _read_capped(key, response["Body"], cap)
         return response
 
     def _open(self, key: str, conditions: dict) -> dict | None:
@@ -428,13 +444,14 @@ class S3Storage:
 
     def _get_capped(self, key: str, max_bytes: int, conditions: dict) -> dict | None:
         """One ranged GET of at most max_bytes + 1 bytes, so an oversized object costs at
-        most the cap on the wire; None on 304. An empty object answers any Range with 416,
-        so that case falls back to a plain GET."""
+        most the cap on the wire; None on 304; TooLarge if more than max_bytes come, whatever
+        the server sends. An empty object answers any Range with 416, so that case falls back
+        to a plain GET, under the same cap."""
         from botocore.exceptions import ClientError
 
         for last in (max_bytes, None):
             try:
-                return self._get(key, 0, last, **conditions)
+                return self._get(key, last, max_bytes, **conditions)
             except ClientError as exc:
                 if _status(exc) == 304:
                     return None
@@ -452,14 +469,11 @@ class S3Storage:
         is read, streamed and split if it is slow (_stream).
         """
         conditions = {"IfNoneMatch": if_none_match} if if_none_match else {}
-        too_large = TooLarge(f"{key}: larger than the {max_bytes}-byte limit")
         with self._errors(key, "read"):
             if max_bytes is not None and max_bytes < MULTIPART_THRESHOLD:
                 response = self._get_capped(key, max_bytes, conditions)
                 if response is None:
                     return None, if_none_match
-                if len(response["Data"]) > max_bytes:
-                    raise too_large
                 return response["Data"], response["ETag"]
             opened = self._open_sized(key, max_bytes, conditions)
             if opened is None:
