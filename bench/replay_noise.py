@@ -53,7 +53,7 @@ from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import Sample, sample
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.task.dataset import load_csv
 
 GROUPS, QUICK_GROUPS = 10_000, 500
@@ -70,7 +70,7 @@ class Groups:
     """The honest groups every setting samples: prompts, dataset rows, committed streams."""
     prompts: list[list[int]]
     prompt_ids: list[int]
-    streams: list[list[list[float]]]
+    streams: list[list[bytes]]
 
 
 @dataclass
@@ -98,8 +98,7 @@ def make_groups(policy: Policy, problems, n: int, k: int, max_new: int, seed: in
     rng = random.Random(seed)
     ids = [rng.randrange(len(problems)) for _ in range(n)]
     prompts = encode_prompts(policy, [problems[i].prompt for i in ids])
-    streams = [[completion_uniforms(RUN_ID, VERSION, VOLUNTEER, g, pid, j, max_new)
-                for j in range(k)] for g, pid in enumerate(ids)]
+    streams = [group_keys(RUN_ID, VERSION, VOLUNTEER, g, pid, k) for g, pid in enumerate(ids)]
     return Groups(prompts, ids, streams)
 
 
@@ -109,7 +108,7 @@ def sample_all(policy: Policy, groups: Groups, k: int, temperature: float, max_n
     out: list[list[Sample]] = []
     for a in range(0, len(groups.prompts), per_call):
         out += sample(policy, groups.prompts[a:a + per_call], k, temperature, max_new,
-                      batch_size=max(256, per_call * k), uniforms=groups.streams[a:a + per_call])
+                      batch_size=max(256, per_call * k), draw_keys=groups.streams[a:a + per_call])
     return out
 
 

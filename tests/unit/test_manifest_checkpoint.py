@@ -53,10 +53,10 @@ def test_round_trip_and_history(tmp_path):
 @pytest.mark.parametrize("body, needle", [
     (b"{not json", "malformed"),
     (b"[]", "malformed"),
-    (b'{"schema_version": 99}', "schema_version 99 is not 4, the one this build speaks; upgrade"),
-    (b'{"schema_version": 3}', "schema_version 3 is not 4, the one this build speaks; the trainer "
+    (b'{"schema_version": 99}', "schema_version 99 is not 5, the one this build speaks; upgrade"),
+    (b'{"schema_version": 4}', "schema_version 4 is not 5, the one this build speaks; the trainer "
                                "runs an older"),
-    (b'{"schema_version": 4, "run_id": "x"}', "malformed"),
+    (b'{"schema_version": 5, "run_id": "x"}', "malformed"),
 ])
 def test_malformed_manifest_is_one_line_naming_the_object(tmp_path, body, needle):
     s = open_storage(str(tmp_path))
