@@ -157,7 +157,7 @@ class TrainerConfig(_Checked):
     """Largest gap (nats) allowed between a volunteer's behavior logprob of a token and the
     trainer's own in an audited group (0: no audit at all). A shard beyond it is rejected
     (`logprob_mismatch`)."""
-    replay_tolerance: float = setting(1e-4, at_least=0)
+    replay_tolerance: float = setting(5e-5, at_least=0)
     """How far (nats) an audited token's perturbed score may fall below the top one of the
     trainer's replay of its committed draw: the runner-up of a near-tie passes within it (room
     for float noise between machines), nothing else does; 0 accepts only the replay's own
