@@ -53,8 +53,8 @@ BENCH = "replay choice"
 COMMAND = "python -m bench.replay_choice"
 VOCABS = (32_000, 151_936)
 K, NEW, T = 8, 16, 1.0
-GROUPS, QUICK_GROUPS = {32_000: 12, 151_936: 4}, {32_000: 4, 151_936: 2}
-FORGED, QUICK_FORGED = {32_000: 3_000, 151_936: 1_500}, {32_000: 300, 151_936: 150}
+GROUPS, QUICK_GROUPS = {32_000: 8, 151_936: 3}, {32_000: 4, 151_936: 2}
+FORGED, QUICK_FORGED = {32_000: 2_400, 151_936: 900}, {32_000: 300, 151_936: 150}
 FORGE_SPAN = 6
 GROUPS_PER_REPLAY = 8
 TOP1_PEAKED = 0.37
@@ -110,8 +110,8 @@ def replay_all(policy, prompts, completions, keys, threads):
     torch.set_num_threads(threads)
     rows = []
     for a in range(0, len(prompts), GROUPS_PER_REPLAY):
-        rows += replay(policy, prompts[a:a + GROUPS_PER_REPLAY], completions[a:a + GROUPS_PER_REPLAY],
-                       keys[a:a + GROUPS_PER_REPLAY], T)
+        end = a + GROUPS_PER_REPLAY
+        rows += replay(policy, prompts[a:end], completions[a:end], keys[a:end], T)
     return rows
 
 
@@ -136,7 +136,8 @@ def old_rule(policy, prompts, completions, rng):
             # distance of the target from each token's interval [lo, cdf)
             dist = torch.clamp(torch.maximum(lo - target[:, None], target[:, None] - cdf), min=0)
             passing = dist <= OLD_BAND
-            drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=cdf.shape[1] - 2)
+            drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+            drawn = drawn.clamp(max=cdf.shape[1] - 2)
             n += len(cdf)
             several += int((passing.sum(-1) > 1).sum())
             neighbour += int(passing.gather(1, drawn[:, None] + 1).sum())
@@ -222,7 +223,8 @@ def results(quick: bool) -> list[Row]:
             total["old_positions"] += n
             total["old_several"] += several
             total["old_neighbour"] += neighbour
-            per_kind = forge(base, prompts, fp32_comps, keys, fp32_rows, likely, forged_n[vocab], rng)
+            per_kind = forge(base, prompts, fp32_comps, keys, fp32_rows, likely, forged_n[vocab],
+                             rng)
             for kind, (f, c) in per_kind.items():
                 kinds_total.setdefault(kind, [0, 0])
                 kinds_total[kind][0] += f

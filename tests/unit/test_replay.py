@@ -197,7 +197,8 @@ def test_completions_sampled_with_other_keys_are_caught(tiny):
     is the committed sample."""
     policy, prompts = tiny
     u = keys(len(prompts))
-    honest = [t for g in tokens_of(sample(policy, prompts, K, 1.0, MAX_NEW, draw_keys=u)) for t in g]
+    honest = [t for g in tokens_of(sample(policy, prompts, K, 1.0, MAX_NEW, draw_keys=u))
+              for t in g]
     other = tokens_of(sample(policy, prompts, K, 1.0, MAX_NEW, draw_keys=keys(len(prompts), 100)))
     rows = replay(policy, prompts, other, u, 1.0)
     differ = [a != b for a, b in zip(honest, (t for g in other for t in g))]
