@@ -3,13 +3,14 @@ tolerance the trainer can accept without ever rejecting an honest volunteer.
 
     python -m bench.replay_noise [--groups 10000] [--quick] [--model PATH] [--warm-steps 250]
 
-A volunteer samples each completion with its committed uniforms (protocol.draws,
-`sampling.sample(..., uniforms=...)`); the trainer replays the draw (`model.replay.replay`)
-with its own forward and measures the margin of every token inside the interval its
-uniform selects. An honest token's margin is >= 0 in exact arithmetic; float noise between
-the sampler's forward (token by token over a KV cache, its own batch, thread count) and the
-replay's (all positions at once, another batch, another thread count) can push a target that
-lies next to an interval's edge just across it. This measures that noise.
+A volunteer samples each completion with its committed Gumbel noise (protocol.draws,
+`sampling.sample(..., draw_keys=...)`); the trainer replays the draw (`model.replay.replay`)
+with its own forward and measures every token's margin in nats: the gap between the top two
+perturbed scores for its own token, minus that gap for the runner-up. An honest token's
+margin is >= 0 in exact arithmetic; float noise between the sampler's forward (token by
+token over a KV cache, its own batch, thread count) and the replay's (all positions at once,
+another batch, another thread count) can swap two scores that nearly tie. This measures that
+noise; bench/replay_choice.py measures what the tolerance concedes on real vocabularies.
 
 Setup: the trainer's tiny v0 for `--model tiny` (bench.generation.make_model: tokenizer from
 data/train.csv, `build_tiny_model`, WARM_STEPS warm-start steps so distributions are a
@@ -17,7 +18,7 @@ trained model's, saved and loaded as a volunteer gets it), or `--model PATH` (an
 `load_policy`). GROUPS groups of K = 8 completions, temperature 1.0, 32 new tokens (the
 trainer's defaults), prompts drawn at random from data/train.csv (mixed lengths), sampled as
 a volunteer samples them: 16 prompts per `sample` call, each completion with its committed
-stream (seq = the group's number). Every setting samples the same groups and replays them
+key (seq = the group's number). Every setting samples the same groups and replays them
 REPLAY_GROUPS groups per call (a different batch composition from the sampler's):
 
 - weights fp32, or rounded to bf16 and upcast (what `--weights-dtype bf16` publishes and a
@@ -53,7 +54,7 @@ from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import Sample, sample
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.task.dataset import load_csv
 
 GROUPS, QUICK_GROUPS = 10_000, 500
@@ -67,10 +68,10 @@ BINS = [1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2]
 
 @dataclass
 class Groups:
-    """The honest groups every setting samples: prompts, dataset rows, committed streams."""
+    """The honest groups every setting samples: prompts, dataset rows, committed draw keys."""
     prompts: list[list[int]]
     prompt_ids: list[int]
-    streams: list[list[list[float]]]
+    keys: list[list[bytes]]
 
 
 @dataclass
@@ -98,18 +99,17 @@ def make_groups(policy: Policy, problems, n: int, k: int, max_new: int, seed: in
     rng = random.Random(seed)
     ids = [rng.randrange(len(problems)) for _ in range(n)]
     prompts = encode_prompts(policy, [problems[i].prompt for i in ids])
-    streams = [[completion_uniforms(RUN_ID, VERSION, VOLUNTEER, g, pid, j, max_new)
-                for j in range(k)] for g, pid in enumerate(ids)]
-    return Groups(prompts, ids, streams)
+    keys = [group_keys(RUN_ID, VERSION, VOLUNTEER, g, pid, k) for g, pid in enumerate(ids)]
+    return Groups(prompts, ids, keys)
 
 
 def sample_all(policy: Policy, groups: Groups, k: int, temperature: float, max_new: int,
                per_call: int) -> list[list[Sample]]:
-    """The volunteer's rounds: `per_call` prompts per `sample` call, committed streams."""
+    """The volunteer's rounds: `per_call` prompts per `sample` call, committed draw keys."""
     out: list[list[Sample]] = []
     for a in range(0, len(groups.prompts), per_call):
         out += sample(policy, groups.prompts[a:a + per_call], k, temperature, max_new,
-                      batch_size=max(256, per_call * k), uniforms=groups.streams[a:a + per_call])
+                      batch_size=max(256, per_call * k), draw_keys=groups.keys[a:a + per_call])
     return out
 
 
@@ -120,7 +120,7 @@ def replay_all(policy: Policy, groups: Groups, samples: list[list[Sample]], temp
         batch = samples[a:a + REPLAY_GROUPS]
         rows = replay(policy, groups.prompts[a:a + REPLAY_GROUPS],
                       [[s.token_ids for s in g] for g in batch],
-                      groups.streams[a:a + REPLAY_GROUPS], temperature)
+                      groups.keys[a:a + REPLAY_GROUPS], temperature)
         for row, s in zip(rows, (s for g in batch for s in g)):
             setting.margins.append(row.margin)
             setting.tokens += len(s.token_ids)

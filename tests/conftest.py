@@ -49,16 +49,15 @@ class Template:
 def honest_groups(t: Template, volunteer: str, version: int) -> list:
     from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.sampling import sample
-    from volunteer_rl.protocol.draws import completion_uniforms
+    from volunteer_rl.protocol.draws import group_keys
     from volunteer_rl.protocol.shards import Completion, Group
     from volunteer_rl.task.reward import completion_reward
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
     policy = t.policy
-    streams = [[completion_uniforms(t.run_id, version, volunteer, i, p.id, j, max_new)
-                for j in range(k)] for i, p in enumerate(t.problems)]
+    keys = [group_keys(t.run_id, version, volunteer, i, p.id, k) for i, p in enumerate(t.problems)]
     out = sample(policy, encode_prompts(policy, [p.prompt for p in t.problems]), k, temperature,
-                 max_new, uniforms=streams)
+                 max_new, draw_keys=keys)
     groups = []
     for i, (p, samples) in enumerate(zip(t.problems, out)):
         rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all, policy.eos_id,

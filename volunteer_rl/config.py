@@ -157,10 +157,12 @@ class TrainerConfig(_Checked):
     """Largest gap (nats) allowed between a volunteer's behavior logprob of a token and the
     trainer's own in an audited group (0: no audit at all). A shard beyond it is rejected
     (`logprob_mismatch`)."""
-    replay_tolerance: float = setting(1e-4, at_least=0)
-    """How far (in probability mass) the committed draw of an audited token may fall outside
-    that token's interval of the trainer's recomputed distribution: room for float noise
-    between machines. A token beyond it was not sampled (`replay_mismatch`)."""
+    replay_tolerance: float = setting(5e-5, at_least=0)
+    """How far (nats) an audited token's perturbed score may fall below the top one of the
+    trainer's replay of its committed draw: the runner-up of a near-tie passes within it (room
+    for float noise between machines), nothing else does; 0 accepts only the replay's own
+    token. A token beyond it was not sampled (`replay_mismatch`). Audits are off only with
+    --audit-tolerance 0."""
     audit_share: float = setting(0.1, above=0, at_most=1)
     """Share of the trainer's wall time the audit may take; a shard drawn for an audit when it
     is spent waits for a later poll."""

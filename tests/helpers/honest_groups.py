@@ -5,7 +5,7 @@ change here."""
 from __future__ import annotations
 
 from volunteer_rl.model.sampling import Sample, sample
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 
 
 def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, prompt_id: int,
@@ -13,8 +13,7 @@ def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, pr
                  max_new_tokens: int) -> list[Sample]:
     """The K completions (token ids, behavior logprobs, text) volunteer `volunteer` uploads
     as its group number `seq` of `version` for prompt `prompt_id`, sampled with `policy`."""
-    streams = [completion_uniforms(run_id, version, volunteer, seq, prompt_id, j, max_new_tokens)
-               for j in range(k)]
+    keys = group_keys(run_id, version, volunteer, seq, prompt_id, k)
     (samples,) = sample(policy, [prompt_tokens], k, temperature, max_new_tokens,
-                        uniforms=[streams])
+                        draw_keys=[keys])
     return samples

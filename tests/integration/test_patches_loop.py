@@ -82,4 +82,4 @@ def test_the_volunteer_followed_by_patches(run):
     assert len(by_patch) >= 0.9 * (len(arrivals) - 1), arrivals[:20]
     assert "warning" not in run["vol"]
     manifest = json.loads((run["bucket"] / "manifest.json").read_text())
-    assert manifest["schema_version"] == 4 and manifest["version"] == VERSIONS
+    assert manifest["schema_version"] == layout.SCHEMA_VERSION and manifest["version"] == VERSIONS

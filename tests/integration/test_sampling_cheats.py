@@ -90,13 +90,12 @@ class Cheater:
         return g
 
     def cherry_pick(self, groups: list[dict], tries: int = 4) -> list[dict]:
-        """Each completion drawn `tries` times with noise of the cheat's own; the first that
-        scores 1 is kept (else the first draw)."""
+        """Each completion drawn `tries` times with noise of the cheat's own (random draw keys);
+        the first that scores 1 is kept (else the first draw)."""
         rng = random.Random(7)
         prompts = encode_prompts(self.policy, [self.problems[g["prompt_id"]].prompt for g in groups])
         draws = [sample(self.policy, prompts, K, T, MAX_NEW,
-                        uniforms=[[[rng.random() for _ in range(MAX_NEW)] for _ in range(K)]
-                                  for _ in groups])
+                        draw_keys=[[rng.randbytes(32) for _ in range(K)] for _ in groups])
                  for _ in range(tries)]
         out = []
         for i, group in enumerate(groups):

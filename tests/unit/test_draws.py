@@ -1,40 +1,79 @@
-"""protocol.draws: the committed uniforms, pinned to the protocol's derivation."""
+"""protocol.draws: the committed Gumbel noise, pinned to the protocol's derivation, and
+model.sampling's vectorised version of it, bit for bit."""
 import hashlib
+import math
+import random
+import struct
 
 import pytest
+import torch
 
-from volunteer_rl.protocol.draws import completion_uniforms, draw_key, uniforms
+from volunteer_rl.model.sampling import gumbel_noise, key_words, noise_bits as torch_bits
+from volunteer_rl.protocol.draws import draw_key, group_keys, gumbel, mix32, noise_bits
 
 FIELDS = ("run-7f3a", 12, "laptop-ab12", 3, 4021, 5)
-# Computed once from this implementation; a change here is a protocol change (vrl-draw-v2).
-KEY_HEX = "e7cb943f0af466449a60959be415005adffa78385ef899aede8e23a4d620e7df"
-FIRST_FOUR = [0.30003392286520847, 0.22556910899671245, 0.7868683316552609, 0.8598068448945249]
+# Computed once from this implementation; a change here is a protocol change (vrl-draw-v3).
+KEY_HEX = "0b58926fc555cbf6aff91d641c85361fd6b4a6f9fce4e6413f60a2ada0985feb"
+AT = [(0, 0), (0, 1), (1, 0), (31, 151935), (7, 65536)]  # (position, token)
+BITS = [2122848010, 2949598474, 1640733686, 1669281704, 4265014433]
+GUMBEL = [0.3500038840720826, 0.9787650110979544, 0.03842858044020812, 0.05651688822348388,
+          4.962077176787996]
 
 
-def spec_uniforms(fields: tuple, n: int) -> list[float]:
-    """The derivation as docs and protocol.draws state it, written out again independently."""
-    data = b"vrl-draw-v1" + b"".join(b"\x00" + str(f).encode("utf-8") for f in fields)
+def spec_bits(fields: tuple, position: int, token: int) -> int:
+    """The derivation as docs/PROTOCOL.md states it, written out again independently."""
+    def lowbias32(x):
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) % 2 ** 32
+        x = ((x ^ (x >> 15)) * 0x846CA68B) % 2 ** 32
+        return x ^ (x >> 16)
+    data = b"vrl-draw-v2" + b"".join(b"\x00" + str(f).encode("utf-8") for f in fields)
     key = hashlib.sha256(data).digest()
-    stream = hashlib.shake_256(key).digest(8 * n)
-    return [(int.from_bytes(stream[8 * p: 8 * p + 8], "big") >> 11) * 2.0 ** -53
-            for p in range(n)]
+    k0, k1 = int.from_bytes(key[0:4], "big"), int.from_bytes(key[4:8], "big")
+    x = lowbias32(k0 ^ lowbias32(k1 ^ position)) ^ lowbias32(token)
+    return lowbias32(x % 2 ** 16) ^ lowbias32(2 ** 16 + x // 2 ** 16)
 
 
 def test_known_answer_vector():
     key = draw_key(*FIELDS)
     assert key.hex() == KEY_HEX
-    assert uniforms(key, 4) == FIRST_FOUR
-    assert completion_uniforms(*FIELDS, 4) == FIRST_FOUR
+    assert [noise_bits(key, p, t) for p, t in AT] == BITS
+    assert [gumbel(key, p, t) for p, t in AT] == GUMBEL
+    assert [mix32(x) for x in (0, 1, 2 ** 32 - 1)] == [0, 1753845952, 1734902346]
+    assert group_keys(*FIELDS[:5], 7)[5] == key
 
 
 @pytest.mark.parametrize("fields", [FIELDS, ("", 0, "", 0, 0, 0),
                                     ("rün", 1, "v-é", 10**6, 7, 63)])
 def test_implementation_equals_the_written_derivation(fields):
-    assert completion_uniforms(*fields, 40) == spec_uniforms(fields, 40)
+    key = draw_key(*fields)
+    rng = random.Random(1)
+    for position, token in [(0, 0), (2 ** 32 - 1, 2 ** 32 - 1)] + [
+            (rng.randrange(512), rng.randrange(200_000)) for _ in range(200)]:
+        assert noise_bits(key, position, token) == spec_bits(fields, position, token)
 
 
-def test_every_field_changes_the_stream():
-    base = completion_uniforms(*FIELDS, 8)
+def test_torch_noise_equals_the_pure_python_bit_for_bit():
+    """What a volunteer samples with (model.sampling) is what the protocol says, on every
+    token of a 70k vocabulary (both halves of the tabulation) at random keys and positions."""
+    rng = random.Random(2)
+    keys = [rng.randbytes(32) for _ in range(6)]
+    positions = [0, 1, 31, rng.randrange(1 << 20), 2 ** 32 - 1, rng.randrange(512)]
+    vocab = 70_000
+    words = key_words(keys, torch.device("cpu"))
+    bits = torch_bits(words, torch.tensor(positions), vocab)
+    g = gumbel_noise(words, torch.tensor(positions), vocab)
+    for row, (key, p) in enumerate(zip(keys, positions)):
+        tokens = [0, 1, 65535, 65536, vocab - 1] + [rng.randrange(vocab) for _ in range(300)]
+        assert bits[row, tokens].tolist() == [noise_bits(key, p, t) for t in tokens]
+        assert g[row, tokens].tolist() == pytest.approx([gumbel(key, p, t) for t in tokens],
+                                                        rel=1e-14, abs=1e-14)
+    assert struct.unpack(">2I", keys[0][:8]) == tuple(words[0].tolist())
+
+
+def test_every_field_changes_the_noise():
+    def first(fields):
+        return [noise_bits(draw_key(*fields), p, t) for p in range(3) for t in range(3)]
+    base = first(FIELDS)
     changed = [("run-7f3b", 12, "laptop-ab12", 3, 4021, 5),
                ("run-7f3a", 13, "laptop-ab12", 3, 4021, 5),
                ("run-7f3a", 12, "laptop-ab13", 3, 4021, 5),
@@ -42,27 +81,28 @@ def test_every_field_changes_the_stream():
                ("run-7f3a", 12, "laptop-ab12", 3, 4022, 5),
                ("run-7f3a", 12, "laptop-ab12", 3, 4021, 6),
                ("run-7f3a1", 2, "laptop-ab12", 3, 4021, 5)]  # same characters, split differently
-    streams = [completion_uniforms(*f, 8) for f in changed]
-    assert all(s != base for s in streams)
-    assert len({tuple(s) for s in streams}) == len(streams)
+    noises = [first(f) for f in changed]
+    assert all(n != base for n in noises)
+    assert len({tuple(n) for n in noises}) == len(noises)
 
 
-def test_values_are_in_the_unit_interval_and_look_uniform():
-    values = uniforms(draw_key(*FIELDS), 20_000)
-    assert all(0.0 <= u < 1.0 for u in values)
-    assert abs(sum(values) / len(values) - 0.5) < 0.01  # 4.9 standard errors
-    assert sum(u < 0.25 for u in values) / len(values) == pytest.approx(0.25, abs=0.0125)
-
-
-def test_a_longer_stream_starts_with_the_shorter_one():
-    """The volunteer and the trainer may ask for different lengths: same values either way."""
-    key = draw_key(*FIELDS)
-    assert uniforms(key, 50)[:7] == uniforms(key, 7)
-    assert uniforms(key, 0) == []
+def test_the_noise_is_standard_gumbel_and_never_infinite():
+    words = key_words([draw_key(*FIELDS[:5], j) for j in range(8)], torch.device("cpu"))
+    g = gumbel_noise(words, torch.arange(8), 50_000)  # 400,000 values
+    assert g.isfinite().all()
+    assert g.mean().item() == pytest.approx(0.5772157, abs=0.006)      # Euler's constant; 3 s.e.
+    assert g.std().item() == pytest.approx(math.pi / math.sqrt(6), abs=0.006)
+    # P(g < 0) = exp(-1); the extremes of u = (h + 0.5) / 2**32 stay finite
+    assert (g < 0).double().mean().item() == pytest.approx(math.exp(-1), abs=0.003)
+    lo, hi = 0.5 * 2.0 ** -32, 1 - 0.5 * 2.0 ** -32
+    assert math.isfinite(-math.log(-math.log(lo))) and math.isfinite(-math.log(-math.log(hi)))
 
 
 def test_bad_arguments_are_refused():
+    key = draw_key(*FIELDS)
     with pytest.raises(ValueError):
-        uniforms(draw_key(*FIELDS), -1)
+        noise_bits(key, -1, 0)
+    with pytest.raises(ValueError):
+        noise_bits(key, 0, 2 ** 32)
     with pytest.raises(ValueError):  # NUL separates fields: "a\x00b" could mimic two fields
         draw_key("run\x00x", 1, "v", 0, 0, 0)

@@ -6,7 +6,7 @@ from safetensors import safe_open
 
 from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, sampling_threads, set_sampling_threads
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
-from volunteer_rl.model.sampling import draw, sample
+from volunteer_rl.model.sampling import draw, gumbel_noise, perturbed, sample
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.model.weights import load_weights, save_policy
@@ -157,7 +157,9 @@ def test_draw_follows_the_softmax_and_never_picks_an_impossible_token():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
     n = 40_000
-    picked = draw(probs.log().expand(n, 5))
+    words = torch.randint(0, 1 << 32, (n, 2))  # n completions' key words, position 0
+    noise = gumbel_noise(words, torch.zeros(n, dtype=torch.long), 5)
+    picked = draw(perturbed(probs.log().expand(n, 5), 1.0, noise))
     freq = torch.bincount(picked, minlength=5).double() / n
     assert freq[1] == 0 and freq[4] == 0  # 0-probability tokens, the last one included
     assert torch.allclose(freq, probs.double(), atol=0.01)  # 4 standard errors

@@ -12,7 +12,7 @@ from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fet
 from volunteer_rl.model.policy import encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.task.reward import completion_reward
@@ -96,10 +96,9 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     cfg = trainer.cfg
     volunteer = load_policy(fetch_checkpoint(trainer.storage, trainer.manifest, tmp_path / "v"))
     problems = trainer.problems[:64]
-    streams = [[completion_uniforms(trainer.run_id, 0, "honest", i, p.id, j, cfg.max_new_tokens)
-                for j in range(cfg.k)] for i, p in enumerate(problems)]
+    keys = [group_keys(trainer.run_id, 0, "honest", i, p.id, cfg.k) for i, p in enumerate(problems)]
     out = sample(volunteer, encode_prompts(volunteer, [p.prompt for p in problems]),
-                 cfg.k, cfg.temperature, cfg.max_new_tokens, uniforms=streams)
+                 cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
     groups = [Group(p.id, 0, "honest", i, [
         Completion(x.token_ids, x.logprobs, x.text,
                    completion_reward(x.token_ids, p.expression, volunteer.decode_all,

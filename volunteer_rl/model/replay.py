@@ -1,20 +1,23 @@
-"""The trainer's replay of a volunteer's draws: were these tokens the ones its committed uniforms
-select under the policy?
+"""The trainer's replay of a volunteer's draws: were these tokens the ones their committed
+noise selects under the policy?
 
-A volunteer samples each completion with the committed stream of protocol.draws: the token at
-position p is the one whose interval [cdf[t-1], cdf[t]) of the running sum of probabilities
-holds target = u[p] * cdf[-1] (model.sampling.cdf_of, the one place that rule lives). The
-replay recomputes the distribution at every position with the trainer's own forward
-(model.scoring.completion_logits: all positions at once, not token by token as sampled) and
-measures how far inside its interval the target fell:
+A volunteer samples each completion with the committed noise of protocol.draws: the token at
+position p is the argmax over the vocabulary of the perturbed scores z + g, z = logits / T
+(model.sampling.perturbed, the one place that rule lives). The replay recomputes the scores
+at every position with the trainer's own forward (model.scoring.completion_logits: all
+positions at once, not token by token as sampled) and the same noise, and measures by how
+much the submitted token won (model.sampling.margins), in nats:
 
-    margin = min(target - cdf[t-1], cdf[t] - target)          (cdf[-1] = 0 for t = 0)
+    the replay's own argmax:  top score - second score  (>= 0)
+    the runner-up:            -(that gap)               (< 0: it lost, by the gap)
+    any other token:          -inf
 
-in probability mass. margin >= 0: the committed draw selects t. An honest sample can still
-come out slightly negative, when its target lies within float noise of an interval's edge
-(the sampler ran another batch, thread count or device than the replay); the caller accepts
-margin >= -tolerance, the band bench/replay_noise.py measures. A chosen token lies anywhere
-else: its margin is typically a sizeable negative probability mass.
+An honest token can come out as the runner-up only where the top two scores nearly tie and
+float noise between the two forwards (another batch, thread count, device) swapped them; the
+caller accepts margin >= -tolerance, the band bench/replay_noise.py measures. So at most two
+tokens pass at a position, and two only at a near-tie (a share of positions about the
+tolerance itself); a chosen token almost always sits below the top score by a sizeable gap,
+or outside the top two.
 """
 
 from __future__ import annotations
@@ -25,44 +28,61 @@ from dataclasses import dataclass
 import torch
 
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.sampling import cdf_dtype, cdf_of, logprobs_of
+from volunteer_rl.model.sampling import gumbel_noise, key_words, logprobs_of, margins, perturbed
 from volunteer_rl.model.scoring import completion_logits
 
 CHUNK_BYTES = 64 << 20
-"""Bound on a [rows, T, V] float64 tensor (and the float64 CDF of any slice of positions):
-rows are replayed a chunk at a time, so a vocabulary of 150k stays within memory."""
+"""Bound on a [rows, T, V] float64 tensor (and on the noise of any slice of positions, a few
+int64 and float64 tensors of this size): rows are replayed a chunk at a time, so a
+vocabulary of 150k stays within memory."""
 
 
 @dataclass
 class ReplayRow:
-    margin: float
-    """The smallest margin over the completion's positions (math.inf for an empty completion;
-    NaN logits count as -inf, so they are never accepted)."""
-    position: int
-    """The position of that smallest margin (the first one if tied; -1 if empty)."""
+    margins: list[float]
+    """The margin of each submitted token, in nats (model.sampling.margins; NaN logits give
+    -inf, never accepted)."""
     logprobs: list[float]
     """The recomputed logprob of each submitted token under log_softmax(logits / T), float32
     as sampling computes it, to compare with the logprobs the volunteer claimed."""
+    drawn: list[int]
+    """The replay's own token (its argmax) at each position."""
+    runner_up: list[int]
+    """The token with the second score at each position."""
+
+    @property
+    def margin(self) -> float:
+        """The smallest margin, math.inf for an empty completion."""
+        return min(self.margins, default=math.inf)
+
+    @property
+    def position(self) -> int:
+        """The position of the smallest margin (the first one if tied; -1 if empty)."""
+        return min(range(len(self.margins)), key=self.margins.__getitem__, default=-1)
+
+    def first_failure(self, tolerance: float) -> int:
+        """The first position whose margin is below -tolerance, -1 if none."""
+        return next((p for p, m in enumerate(self.margins) if not m >= -tolerance), -1)
 
 
 @torch.inference_mode()
 def replay(policy: Policy, prompts: list[list[int]], completions: list[list[list[int]]],
-           uniforms: list[list[list[float]]], temperature: float) -> list[ReplayRow]:
+           draw_keys: list[list[bytes]], temperature: float) -> list[ReplayRow]:
     """Replay each completion's draw: one ReplayRow per completion, rows in group order.
 
-    prompts: G prompts; completions: for each prompt its completions; uniforms: for each of
-    those its committed stream (at least as many values as it has tokens)."""
+    prompts: G prompts; completions: for each prompt its completions; draw_keys: for each of
+    those its committed key (protocol.draws.draw_key)."""
     if temperature <= 0:
         raise ValueError("a greedy completion has no draw to replay (temperature <= 0)")
-    if len(completions) != len(prompts) or len(uniforms) != len(prompts):
-        raise ValueError("need completions and uniforms for every prompt")
-    rows = []  # (group, tokens, stream) of each completion, in group order
-    for g, (cs, us) in enumerate(zip(completions, uniforms)):
-        if len(cs) != len(us) or any(len(u) < len(c) for c, u in zip(cs, us)):
-            raise ValueError(f"group {g}: every completion needs a stream as long as it is")
-        rows += [(g, c, u) for c, u in zip(cs, us)]
+    if len(completions) != len(prompts) or len(draw_keys) != len(prompts):
+        raise ValueError("need completions and draw keys for every prompt")
+    rows = []  # (group, tokens, key) of each completion, in group order
+    for g, (cs, ks) in enumerate(zip(completions, draw_keys)):
+        if len(cs) != len(ks) or any(not isinstance(k, bytes) or len(k) < 8 for k in ks):
+            raise ValueError(f"group {g}: every completion needs its draw key")
+        rows += [(g, c, k) for c, k in zip(cs, ks)]
     vocab = policy.model.get_output_embeddings().weight.shape[0]
-    result = [ReplayRow(math.inf, -1, []) for _ in rows]
+    result = [ReplayRow([], [], [], []) for _ in rows]
     todo = [i for i, (_, c, _) in enumerate(rows) if c]
     while todo:
         chunk, width = [], 0
@@ -79,10 +99,10 @@ def replay(policy: Policy, prompts: list[list[int]], completions: list[list[list
 
 
 def _replay_rows(policy: Policy, prompts: list[list[int]],
-                 rows: list[tuple[int, list[int], list[float]]], temperature: float,
+                 rows: list[tuple[int, list[int], bytes]], temperature: float,
                  vocab: int) -> list[ReplayRow]:
     """Replay non-empty completions, in group order: one forward for all of them, then the
-    CDF of their positions in slices of at most CHUNK_BYTES."""
+    noise and scores of their positions in slices of at most CHUNK_BYTES."""
     used: list[list[int]] = []
     groups: list[list[list[int]]] = []
     last = None
@@ -95,25 +115,29 @@ def _replay_rows(policy: Policy, prompts: list[list[int]],
     logits, ids, mask = completion_logits(policy, used, groups)
     keep = mask.bool()
     flat_logits, flat_tokens = logits[keep], ids[keep]  # positions in (row, position) order
-    flat_u = torch.tensor([x for _, tokens, u in rows for x in u[:len(tokens)]],
-                          dtype=torch.float64).to(cdf_dtype(policy.device)).to(policy.device)
+    words = key_words([key for _, _, key in rows], policy.device)
+    lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], device=words.device)
+    flat_words = words.repeat_interleave(lengths, 0)
+    flat_pos = torch.cat([torch.arange(len(tokens), device=words.device) for _, tokens, _ in rows])
     step = max(1, CHUNK_BYTES // (vocab * 8))
-    margins, logps = [], []
+    margin, logps, drawn, second = [], [], [], []
     for a in range(0, len(flat_tokens), step):
-        logp = logprobs_of(flat_logits[a:a + step], temperature)
-        cdf, target = cdf_of(logp, flat_u[a:a + step])
-        t = flat_tokens[a:a + step, None]
-        hi = cdf.gather(1, t)[:, 0]
-        lo = torch.where(t[:, 0] > 0, cdf.gather(1, (t - 1).clamp(min=0))[:, 0], 0.0)
-        m = torch.minimum(target - lo, hi - target)
-        margins.append(torch.where(m.isnan(), -math.inf, m))
-        logps.append(logp.gather(1, t)[:, 0])
-    margin_list = torch.cat(margins).tolist()
+        z = flat_logits[a:a + step]
+        t = flat_tokens[a:a + step]
+        scores = perturbed(z, temperature, gumbel_noise(flat_words[a:a + step],
+                                                         flat_pos[a:a + step], vocab))
+        margin.append(margins(scores, t))
+        top = scores.topk(2, dim=-1).indices
+        drawn.append(top[:, 0])
+        second.append(top[:, 1])
+        logps.append(logprobs_of(z, temperature).gather(1, t[:, None])[:, 0])
+    margin_list = torch.cat(margin).tolist()
     logp_list = torch.cat(logps).tolist()
+    drawn_list, second_list = torch.cat(drawn).tolist(), torch.cat(second).tolist()
     out, start = [], 0
     for _, tokens, _ in rows:
-        m = margin_list[start:start + len(tokens)]
-        p = min(range(len(m)), key=m.__getitem__)
-        out.append(ReplayRow(m[p], p, logp_list[start:start + len(tokens)]))
-        start += len(tokens)
+        end = start + len(tokens)
+        out.append(ReplayRow(margin_list[start:end], logp_list[start:end],
+                             drawn_list[start:end], second_list[start:end]))
+        start = end
     return out

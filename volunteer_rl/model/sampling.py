@@ -1,14 +1,18 @@
 """Sampling from the policy: K completions of each prompt, batched, with the logprob of every
-token under the distribution it was drawn from; and the inverse-CDF draw (`cdf_of`), which the
-trainer's replay of committed uniforms (model.replay) shares."""
+token under the distribution it was drawn from; and the Gumbel-max draw over committed noise
+(protocol.draws: `gumbel_noise`, `perturbed`, `draw`, `margins`), which the trainer's replay
+(model.replay) shares."""
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from volunteer_rl.model.policy import Policy
+from volunteer_rl.protocol import draws
 
 
 @dataclass
@@ -47,60 +51,113 @@ def logprobs_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.float() / temperature, -1)
 
 
-def cdf_dtype(device: torch.device) -> torch.dtype:
-    """float64 for the running sum of probabilities; MPS has no float64: float32 there."""
-    return torch.float32 if device.type == "mps" else torch.float64
+def noise_device(device: torch.device) -> torch.device:
+    """Where the committed noise and the perturbed scores are computed: the device itself,
+    or the CPU for MPS, which has no float64."""
+    return torch.device("cpu") if device.type == "mps" else device
 
 
-def cdf_of(logp: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse-CDF rule, shared by `draw` and the trainer's replay (model.replay).
-
-    For logp [rows, V] and one uniform per row u [rows] in [0, 1): the running sum of each
-    row's probabilities cdf [rows, V] and the point target = u * cdf[:, -1] [rows]. The token
-    drawn is the t with cdf[t-1] <= target < cdf[t] (cdf[-1] = 0 for t = 0): each token's
-    interval is as wide as its probability (to ~1e-16 in float64), so a token of probability
-    0 is never drawn."""
-    cdf = logp.to(cdf_dtype(logp.device)).exp().cumsum(-1)
-    return cdf, u.to(cdf.dtype) * cdf[:, -1]
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """protocol.draws.mix32 of every element of an int64 tensor of 32-bit words. Products mod
+    2**32 are taken in 16-bit halves of the multiplier, so no int64 product exceeds 2**48
+    (an int64 overflow is undefined in torch's kernels)."""
+    for c, shift in zip(draws.MIX32, (16, 15)):
+        x = x ^ (x >> shift)
+        x = (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & draws.MASK32
+    return x ^ (x >> 16)
 
 
-def draw(logp: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row of `logp` [rows, V], drawn from softmax, i.e. from exp(logp).
-
-    `u` [rows]: the row's committed uniform (protocol.draws), so that the trainer can replay
-    the draw; None draws fresh ones with torch.rand (evaluation). Inverse CDF (`cdf_of`):
-    one random number per row instead of one per vocabulary entry (the exponential race,
-    also how torch.multinomial draws one sample) made a 128 x 640 draw about 8x cheaper
-    here, and makes the token a function of one number the trainer can recompute."""
-    if u is None:
-        u = torch.rand(logp.shape[0], dtype=cdf_dtype(logp.device), device=logp.device)
-    cdf, target = cdf_of(logp, u)
-    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=logp.shape[-1] - 1)
+@functools.lru_cache(maxsize=8)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mix32(i) and mix32(0x10000 | i) for i < 2**16: the tabulation of protocol.draws."""
+    i = torch.arange(1 << 16, dtype=torch.int64, device=device)
+    return mix32(i), mix32(i | 0x10000)
 
 
-def committed_uniforms(uniforms: list[list[list[float]]], n_prompts: int, k: int,
-                       max_new_tokens: int, device: torch.device) -> torch.Tensor:
-    """The streams as one [n_prompts * K, max_new_tokens] tensor, rows in group order, in the
-    dtype the CDF is summed in; ValueError if their shape does not fit the call."""
-    if len(uniforms) != n_prompts or any(len(g) != k for g in uniforms):
-        raise ValueError(f"uniforms: need {k} streams for each of {n_prompts} prompts")
-    if any(len(s) < max_new_tokens for g in uniforms for s in g):
-        raise ValueError(f"uniforms: every stream needs at least {max_new_tokens} values")
-    rows = [s[:max_new_tokens] for g in uniforms for s in g]
-    return (torch.tensor(rows, dtype=torch.float64).reshape(len(rows), max_new_tokens)
-            .to(cdf_dtype(device)).to(device))
+@functools.lru_cache(maxsize=8)
+def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
+    """mix32(t) for every token id t < vocab."""
+    return mix32(torch.arange(vocab, dtype=torch.int64, device=device))
+
+
+def key_words(keys: list[bytes], device: torch.device) -> torch.Tensor:
+    """[rows, 2] int64: (k0, k1) of each completion's draw key (protocol.draws.key_words)."""
+    return torch.tensor([draws.key_words(k) for k in keys], dtype=torch.int64,
+                        device=noise_device(device)).reshape(len(keys), 2)
+
+
+def noise_bits(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] int64: protocol.draws.noise_bits of every token at `positions` [rows]
+    (int64) of the completions whose key words are `words` [rows, 2] (`key_words`)."""
+    dev = words.device
+    b = mix32(words[:, 0] ^ mix32(words[:, 1] ^ positions.to(dev)))
+    x = b[:, None] ^ _token_words(vocab, dev)[None, :]
+    low, high = _tables(dev)
+    h = low[x & 0xFFFF]
+    h ^= high[x >> 16]
+    return h
+
+
+def gumbel_noise(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float64: the committed noise g = -log(-log(u)) of `noise_bits` (equal to
+    protocol.draws.gumbel up to the last bit of the device's log)."""
+    u = noise_bits(words, positions, vocab).double().add_(0.5).mul_(2.0 ** -32)
+    return u.log_().neg_().log_().neg_()
+
+
+def perturbed(logits: torch.Tensor, temperature: float, noise: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max scores z + g in float64, z = logits / T computed in float32 (the draw's
+    one formula, shared by `draw` and the trainer's replay, model.replay)."""
+    return (logits.to(noise.device).float() / temperature).double() + noise
+
+
+def draw(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row of the perturbed scores [rows, V]: the argmax, an exact sample of
+    softmax(logits / T) when the noise is standard Gumbel."""
+    return scores.argmax(-1)
+
+
+def margins(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The replay's acceptance rule: for perturbed scores [rows, V] and one submitted token
+    per row, the margin by which that token won, in nats (float64 [rows]):
+
+        the argmax:       top score - second score       (>= 0)
+        the runner-up:    second score - top score       (<= 0: it lost, by that much)
+        any other token:  -inf                           (never accepted)
+        NaN scores:       -inf
+
+    The caller accepts margin >= -tolerance: the replay's own token, or the runner-up when the
+    top two nearly tie (float noise between sampler and replay can swap a near-tie, nothing
+    else). So at most two tokens ever pass at a position, and two only at a near-tie."""
+    top, idx = scores.topk(2, dim=-1)
+    gap = top[:, 0] - top[:, 1]
+    t = tokens.to(scores.device)
+    m = torch.where(t == idx[:, 0], gap, torch.where(t == idx[:, 1], -gap, -math.inf))
+    return torch.where(m.isnan(), -math.inf, m)
+
+
+def committed_words(draw_keys: list[list[bytes]], n_prompts: int, k: int,
+                    device: torch.device) -> torch.Tensor:
+    """The draw keys' words (`key_words`) as one [n_prompts * K, 2] tensor, rows in group
+    order; ValueError if their shape does not fit the call."""
+    if len(draw_keys) != n_prompts or any(len(g) != k for g in draw_keys):
+        raise ValueError(f"draw_keys: need {k} keys for each of {n_prompts} prompts")
+    if any(not isinstance(key, bytes) or len(key) < 8 for g in draw_keys for key in g):
+        raise ValueError("draw_keys: every key is the bytes of protocol.draws.draw_key")
+    return key_words([key for g in draw_keys for key in g], device)
 
 
 @torch.inference_mode()
 def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
                     max_new_tokens: int,
-                    uniforms: list[list[list[float]]] | None = None) -> list[Sample]:
+                    draw_keys: list[list[bytes]] | None = None) -> list[Sample]:
     """K completions for each prompt, rows in group order; temperature <= 0 means greedy.
 
-    `uniforms`: for each prompt, for each completion, its committed stream (at least
-    max_new_tokens values); the token at step s of a row is drawn with its stream's value s.
-    Each row's draw then depends only on its own distribution, not on the other rows of the
-    batch (up to float noise). None: torch.rand. Greedy ignores them.
+    `draw_keys`: for each prompt, for each completion, its committed key
+    (protocol.draws.draw_key); the token at step s of a row is the argmax of its perturbed
+    scores with that key's noise at position s. Each row's draw then depends only on its own
+    distribution, not on the other rows of the batch (up to float noise at a near-tie). None:
+    keys drawn from torch's generator (evaluation). Greedy ignores them.
 
     A plain sampling loop over the KV cache rather than `generate`: it shares the prompt
     pass across the K rows, drops rows from the batch as soon as they emit EOS, and samples
@@ -108,9 +165,12 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
     Tokens and logprobs stay in tensors until the end: no per-token Python work.
     """
     rows, dev, eos = len(prompts) * k, policy.device, policy.eos_id
-    committed = (committed_uniforms(uniforms, len(prompts), k, max_new_tokens, dev)
-                 if uniforms is not None and temperature > 0 else None)
+    if temperature > 0:
+        words = (committed_words(draw_keys, len(prompts), k, dev) if draw_keys is not None
+                 else torch.randint(0, 1 << 32, (rows, 2), dtype=torch.int64)
+                 .to(noise_device(dev)))
     logits, cache, mask, pos = _prefill(policy, prompts, k)
+    vocab = logits.shape[-1]
     tokens = torch.full((rows, max_new_tokens), eos, dtype=torch.long, device=dev)
     logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)
     live = torch.arange(rows, device=dev)  # original row of each batch row
@@ -120,7 +180,9 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
         if temperature <= 0:
             nxt = logp.argmax(-1)
         else:
-            nxt = draw(logp, None if committed is None else committed[live, step])
+            at = live.to(words.device)
+            noise = gumbel_noise(words[at], torch.full_like(at, step), vocab)
+            nxt = draw(perturbed(logits, temperature, noise)).to(dev)
         tokens[live, step] = nxt
         logps[live, step] = logp.gather(-1, nxt[:, None])[:, 0]
         steps = step + 1
@@ -148,15 +210,17 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
 
 def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
            max_new_tokens: int, batch_size: int = 256,
-           uniforms: list[list[list[float]]] | None = None) -> list[list[Sample]]:
+           draw_keys: list[list[bytes]] | None = None) -> list[list[Sample]]:
     """K samples for each prompt, many prompts per batched call.
 
     Prompts are sorted by length before batching so rows in one call pad little; results come
-    back in the caller's order as one list of K samples per prompt. `uniforms`, in the
-    caller's prompt order: each completion's committed stream (see `_generate_batch`).
+    back in the caller's order as one list of K samples per prompt. `draw_keys`, in the
+    caller's prompt order: each completion's committed key (see `_generate_batch`); a group
+    sampled honestly is `sample(policy, [prompt], K, T, n,
+    draw_keys=[protocol.draws.group_keys(run_id, version, volunteer_id, seq, prompt_id, K)])`.
     """
-    if uniforms is not None and len(uniforms) != len(prompts):
-        raise ValueError(f"uniforms: need streams for {len(prompts)} prompts, got {len(uniforms)}")
+    if draw_keys is not None and len(draw_keys) != len(prompts):
+        raise ValueError(f"draw_keys: need keys for {len(prompts)} prompts, got {len(draw_keys)}")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     per_call = max(1, batch_size // k)
     result: list[list[Sample]] = [[] for _ in prompts]
@@ -164,7 +228,7 @@ def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
         chunk = order[start:start + per_call]
         samples = _generate_batch(policy, [prompts[i] for i in chunk], k, temperature,
                                   max_new_tokens,
-                                  None if uniforms is None else [uniforms[i] for i in chunk])
+                                  None if draw_keys is None else [draw_keys[i] for i in chunk])
         for j, i in enumerate(chunk):
             result[i] = samples[j * k:(j + 1) * k]
     return result

@@ -25,13 +25,15 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
 `weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
 4: the weights file is named by the root of its pieces (manifest.pieces_root), not by its
-sha256, and patches (format 2) name their base and target by root. Readers refuse any other
-value: a volunteer of schema 2 cannot fetch a version published as a patch, nor check the
-pieces; one of schema 3 would look for a sha256 the manifest no longer gives."""
+sha256, and patches (format 2) name their base and target by root. 5: tokens are drawn by
+Gumbel-max over committed per-token noise (protocol.draws, "vrl-draw-v2"), not by inverse CDF.
+Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
+patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
+gives; one of schema 4 would sample tokens the replay rejects."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

@@ -17,7 +17,7 @@ from volunteer_rl.faults import crash_point
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.scoring import token_logprobs
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.trainer.ingest import ScoredGroup
 from volunteer_rl.trainer.losses import (
     grpo_advantages,
@@ -124,21 +124,22 @@ def audit_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int
     """Replay every completion of `groups` under `policy`, which must hold the weights of their
     version as volunteers ran them: (reason code, detail) of the first failure, else None.
 
-    `replay_mismatch`: a token is not the one its committed draw (protocol.draws) selects from
-    the recomputed distribution, by more than `replay_tolerance` of probability mass: it was
-    not sampled. `logprob_mismatch`: a claimed behavior logprob is further than
-    `logprob_tolerance` (nats) from the recomputed one: other weights or another temperature."""
-    uniforms = [[completion_uniforms(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
-                                     j, len(c)) for j, c in enumerate(g.token_ids)]
-                for g in groups]
+    `replay_mismatch`: a token is not the one its committed noise (protocol.draws) selects from
+    the recomputed scores, the replay's own token, nor the runner-up of a near-tie within
+    `replay_tolerance` (nats): it was not sampled. `logprob_mismatch`: a claimed behavior
+    logprob is further than `logprob_tolerance` (nats) from the recomputed one: other weights
+    or another temperature."""
+    keys = [group_keys(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
+                       len(g.token_ids)) for g in groups]
     rows = replay(policy, [prompt_ids[g.prompt_id] for g in groups], [g.token_ids for g in groups],
-                  uniforms, temperature)
+                  keys, temperature)
     where = [(g, j, claimed) for g in groups for j, claimed in enumerate(g.behavior_logprobs)]
     for (g, j, claimed), row in zip(where, rows):
         at = f"group {g.line} (seq {g.seq}) completion {j}"
-        if row.margin < -replay_tolerance:
-            return ("replay_mismatch", f"{at}: token {row.position} is not the one its committed "
-                    f"draw selects (margin {row.margin:.2e}, tolerance {replay_tolerance:g})")
+        p = row.first_failure(replay_tolerance)
+        if p >= 0:
+            return ("replay_mismatch", f"{at}: token {p} is not the one its committed draw "
+                    f"selects (margin {row.margins[p]:.2e} nats, tolerance {replay_tolerance:g})")
         gap = max((abs(a - b) for a, b in zip(claimed, row.logprobs)), default=0.0)
         if gap > logprob_tolerance:
             return ("logprob_mismatch", f"{at}: behavior logprobs differ from the trainer's by "

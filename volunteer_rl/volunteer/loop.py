@@ -45,7 +45,7 @@ from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.weights import load_weights
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.draws import completion_uniforms
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
 from volunteer_rl.protocol.shards import Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
@@ -220,10 +220,9 @@ class Volunteer:
         prompts = encode_prompts(policy, [p.prompt for p in picked])
         s = m.sampling
         first = self.numbers.take(m.run_id, m.version, len(picked))
-        streams = [[completion_uniforms(m.run_id, m.version, self.id, first + i, p.id, j,
-                                        s.max_new_tokens) for j in range(s.k)]
-                   for i, p in enumerate(picked)]
-        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, uniforms=streams)
+        keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
+                for i, p in enumerate(picked)]
+        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
         groups = []
         for i, (p, samples) in enumerate(zip(picked, out)):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
