@@ -476,7 +476,11 @@ def test_one_id_cannot_take_a_poll_from_the_others(monkeypatch):
         put(s2, 3, "aaa-flood", honest_groups("aaa-flood", 1, i), name=f"s{i:02d}")
     calm = put(s2, 3, "calm", honest_groups("calm", 1, 500))
     clock = [0.0]
-    a = Auditor(lambda v, groups: None, Budget(0.1, lambda: clock[0]), 10, 0.005)
+
+    def replay(version, groups):  # an audit takes a second per group
+        clock[0] += len(groups)
+
+    a = Auditor(replay, Budget(0.1, lambda: clock[0]), 10, 0.005)
     a.per_group = 1.0  # an unparsed shard is reserved 256 s: one admitted per poll
     ing, taken = make(s2, audit=a), []
     for _ in range(2):
@@ -504,32 +508,37 @@ def test_a_copy_under_another_id_never_trains_and_never_costs_its_author():
             sampler[group_digest(x.prompt_id, 3, [c.token_ids for c in x.completions])] = "zed"
         return key, put(s, 3, "abe", copies, name=name)
 
-    def trainer(s, budget):
-        fleet = Fleet(deny_after=0, counts={"abe": Counts(accepted=10**4, clean=10**4, accepted_groups=10**4)})
-        return make(s, fleet=fleet, audit=Auditor(replay, budget, 10, 0.005, Uniforms([], rest=0.99)))
+    def trainer(s, budget, trusted=("abe", "zed"), ledger=None):
+        fleet = Fleet(deny_after=0, counts={v: Counts(accepted=10**4, clean=10**4, accepted_groups=10**4)
+                                            for v in trusted})
+        ing = make(s, fleet=fleet, audit=Auditor(replay, budget, 10, 0.005, Uniforms([], rest=0.99)))
+        ing.ledger = ledger or ing.ledger
+        return ing
 
     def charged(ing):
         return {v: c.rejected for v, c in ing.fleet.counts.items() if c.rejected}
 
-    # 1. the same poll, the copy listed first
+    # 1. the same poll, the copy listed first, both volunteers trusted (neither drawn)
     s = fresh_storage("copy-same-poll")
     orig, copy = original(s, "s1", 0)
     ing, stats = trainer(s, Budget(1.0)), IngestStats()
-    assert {x.key for x in ing.poll(win(3), stats)} == {orig}
+    out = ing.poll(win(3), stats)
+    assert {x.key for x in out} == {orig}
     assert stats.rejected == {"replay_mismatch": 1} and charged(ing) == {"abe": 1}
-    # 2. a copy, in a later poll, of content taken before
+    # 2. a copy, in a later poll, of content taken (and trained) before
+    ing.ledger.record(orig, "trained", [x.line for x in out], 2, [x.digest for x in out], step=1)
     late = layout.shard_key(3, "abe", "s9")
     s.write(late, s.read(copy))
-    stats = IngestStats()
+    ing, stats = trainer(s, Budget(1.0), ledger=ing.ledger), IngestStats()
     assert ing.poll(win(3), stats) == [] and ing.ledger.rejected[late] == "replay_mismatch"
-    assert charged(ing) == {"abe": 2} and stats.duplicates == 0
+    assert charged(ing) == {"abe": 1} and stats.duplicates == 0
     # 3. the original waits for its audit (a new volunteer, no room) while the copy is taken
     s = fresh_storage("copy-first")
     orig, copy = original(s, "s1", 20)
     clock = [0.0]
     budget = Budget(0.1, lambda: clock[0])
     budget.spend(50.0)  # no room: zed's shard (new: due) waits unfetched
-    ing, stats = trainer(s, budget), IngestStats()
+    ing, stats = trainer(s, budget, trusted=("abe",)), IngestStats()
     waiting = ing.poll(win(3), stats)
     assert {x.key for x in waiting} == {copy}  # taken unaudited, not trained yet
     clock[0] += 1000.0

@@ -213,14 +213,14 @@ class Auditor:
         detail) of a failure. Its time is charged to the budget, net of what was reserved;
         an exception of the replay's own (a fault of the trainer) propagates."""
         d = self._draw(key)
-        started = time.perf_counter()
+        started = self.budget.clock()
         try:
             problem = self.replay(version, groups)
         except Unavailable:
             stats.deferred += 1
             return "deferred", None
         finally:
-            spent = time.perf_counter() - started
+            spent = self.budget.clock() - started
             self.budget.spend(spent - d.reserved)
             d.reserved = 0.0
             stats.seconds += spent
