@@ -288,7 +288,9 @@ class Ingest:
 
         Admitted shards are fetched FETCH_WORKERS at a time and parsed on this thread in key
         order; then the shards whose content also appears under another volunteer are marked
-        for an audit (_contest); then each is audited if due and taken, in key order."""
+        for an audit (_contest); then each is audited if due and taken, in key order. So a
+        poll holds the parsed groups of at most MAX_SHARDS_PER_VOLUNTEER_POLL shards per
+        volunteer at once."""
         self._refresh_denylist()
         self._forget_below(win.low)
         self._drop_trained()
