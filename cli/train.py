@@ -59,7 +59,7 @@ def trainer(
     audit_tolerance: float = T("audit_tolerance"),
     replay_tolerance: float = T("replay_tolerance"),
     audit_share: float = T("audit_share"),
-    audit_full_shards: int = T("audit_full_shards"),
+    audit_full_groups: int = T("audit_full_groups"),
     audit_floor: float = T("audit_floor"),
     deny_after: int = T("deny_after"),
     deny_rate: float = T("deny_rate"),

@@ -166,11 +166,15 @@ class TrainerConfig(_Checked):
     audit_share: float = setting(0.1, above=0, at_most=1)
     """Share of the trainer's wall time the audit may take; a shard drawn for an audit when it
     is spent waits for a later poll."""
-    audit_full_shards: int = setting(10, at_least=1)
-    """A volunteer has every shard audited until this many of its shards in a row were
-    accepted; after n of them, a share full_shards / n (never below --audit-floor)."""
-    audit_floor: float = setting(0.05, above=0, at_most=1)
-    """The lowest share of a trusted volunteer's shards that is audited."""
+    audit_full_groups: int = setting(10, at_least=1)
+    """A volunteer has every shard audited until its shards accepted since its last rejected
+    one hold this many groups; after n such groups each group is drawn at a rate
+    full_groups / n (never below --audit-floor), and a shard is audited if any of its groups
+    is drawn."""
+    audit_floor: float = setting(0.005, above=0, at_most=1)
+    """The lowest rate at which a trusted volunteer's groups are drawn for an audit: a shard
+    of g groups is audited with a chance of at least 1 - (1 - floor)^g (16 groups: 7.7 %,
+    256 groups: 72 %)."""
     deny_after: int = 5
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = 0.5

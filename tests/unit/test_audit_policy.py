@@ -1,5 +1,5 @@
-"""The audit's policy, without a model: rates per volunteer, the time budget, the decision
-drawn once per shard, window weights, group numbers on both sides, fleet counts."""
+"""The audit's policy, without a model: rates per volunteer in groups, the time budget, the
+draw made once per shard, window weights, group numbers on both sides, fleet counts."""
 from __future__ import annotations
 
 import random
@@ -15,33 +15,58 @@ from volunteer_rl.trainer.audit import (
     Unavailable,
     WindowWeights,
     audit_rate,
+    shard_chance,
 )
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.withheld import GroupNumbers
 from volunteer_rl.volunteer.numbering import GroupNumbers as VolunteerNumbers
 
 
-def test_a_new_or_caught_volunteer_is_audited_on_every_shard_then_about_one_in_n():
-    assert [audit_rate(n, 10, 0.05) for n in (0, 1, 9)] == [1.0, 1.0, 1.0]
-    assert audit_rate(10, 10, 0.05) == 1.0
-    assert audit_rate(20, 10, 0.05) == 0.5
-    assert audit_rate(100, 10, 0.05) == pytest.approx(0.1)
-    assert audit_rate(10_000, 10, 0.05) == 0.05  # the floor
+def test_a_new_or_caught_volunteer_is_audited_on_every_group_then_about_one_in_n():
+    assert [audit_rate(n, 10, 0.005) for n in (0, 1, 9)] == [1.0, 1.0, 1.0]
+    assert audit_rate(10, 10, 0.005) == 1.0
+    assert audit_rate(20, 10, 0.005) == 0.5
+    assert audit_rate(100, 10, 0.005) == pytest.approx(0.1)
+    assert audit_rate(10_000, 10, 0.005) == 0.005  # the floor
+
+
+def test_a_big_shard_is_as_likely_to_be_audited_as_its_groups_in_small_shards():
+    """Trust counted in groups: one shard of 256 groups is audited with the chance that any of
+    256 one-group shards is, not with the chance of one of them."""
+    assert shard_chance(0.005, 1) == pytest.approx(0.005)
+    assert shard_chance(0.005, 256) == pytest.approx(1 - 0.995 ** 256)  # 72 %
+    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3))
+    trusted = 100_000  # clean groups: at the floor
+    big = sum(a.due(f"big{i}", trusted, 256) for i in range(2000)) / 2000
+    small = sum(any(a.due(f"s{i}-{j}", trusted, 1) for j in range(256)) for i in range(300)) / 300
+    assert abs(big - 0.72) < 0.04 and abs(small - 0.72) < 0.08
 
 
 def test_a_rejected_shard_sets_the_clean_count_back_to_zero():
     fleet = Fleet(deny_after=0)
     for _ in range(30):
-        fleet.note("a", True)
-    assert fleet.clean("a") == 30
-    fleet.note("a", False)
+        fleet.note("a", True, 16)
+    assert fleet.clean("a") == 30 * 16  # counted in groups
+    fleet.note("a", False, 4)
     assert fleet.clean("a") == 0 and fleet.counts["a"].accepted == 30
     assert fleet.clean("never-seen") == 0
 
 
+def test_a_volunteer_whose_rejected_groups_outweigh_its_accepted_ones_is_denied():
+    """Many one-group honest shards do not dilute a few big rejected ones: the rejected share
+    is also counted in groups."""
+    fleet = Fleet(deny_after=5, deny_rate=0.5)
+    for _ in range(1000):
+        fleet.note("farmer", True, 1)
+    crossed = [fleet.note("farmer", False, 256) for _ in range(5)]
+    assert crossed == [False] * 4 + [True]
+    c = fleet.counts["farmer"]
+    assert (c.accepted, c.rejected, c.accepted_groups, c.rejected_groups) == (1000, 5, 1000, 1280)  # 0.5 % of its shards
+
+
 def test_fleet_counts_survive_a_save_and_old_states_still_load():
     fleet = Fleet()
-    fleet.note("a", True)
+    fleet.note("a", True, 7)
     fleet.count_audit("a")
     fleet.count_numbers("a", 10, 3)
     again = Fleet()
@@ -51,6 +76,7 @@ def test_fleet_counts_survive_a_save_and_old_states_still_load():
     old.load_counts({"b": [4, 1]})  # a state saved before audits: accepted, rejected only
     c = old.counts["b"]
     assert (c.accepted, c.rejected, c.clean, c.audited, c.numbered, c.missing) == (4, 1, 0, 0, 0, 0)
+    assert (c.accepted_groups, c.rejected_groups) == (0, 0)
 
 
 class Clock:
@@ -76,7 +102,7 @@ def test_the_budget_refills_at_its_share_of_wall_time_up_to_a_burst():
     assert b.tokens == BURST_SECONDS
 
 
-def auditor(replay, share=1.0, full=10, floor=0.05, seed=1):
+def auditor(replay, share=1.0, full=10, floor=0.005, seed=1):
     return Auditor(replay, Budget(share), full, floor, random.Random(seed))
 
 
@@ -88,32 +114,40 @@ def test_every_shard_of_a_new_volunteer_is_replayed_and_failures_are_reported():
         return ("replay_mismatch", "group 0") if groups == ["bad"] else None
 
     a, stats = auditor(replay), AuditStats()
-    assert a.run("k1", "vol", 0, 7, ["ok"], stats) == ("passed", None)
-    assert a.run("k2", "vol", 3, 7, ["bad"], stats) == ("failed", ("replay_mismatch", "group 0"))
+    assert a.surely_due("k1", 0) and a.due("k2", 9, 1)
+    assert a.run("k1", "vol", 7, ["ok"], stats) == ("passed", None)
+    assert a.run("k2", "vol", 7, ["bad"], stats) == ("failed", ("replay_mismatch", "group 0"))
     assert calls == [(7, ["ok"]), (7, ["bad"])]
-    assert (stats.audited, stats.skipped, stats.by_volunteer) == (2, 0, {"vol": 2})
+    assert (stats.audited, stats.by_volunteer) == (2, {"vol": 2})
 
 
-def test_a_trusted_volunteer_is_audited_at_its_rate_and_the_draw_is_made_once_per_shard():
-    a, stats = auditor(lambda v, g: None, floor=0.05), AuditStats()
-    outcomes = [a.run(f"k{i}", "vol", 1000, 1, ["g"], stats)[0] for i in range(4000)]
-    share = outcomes.count("passed") / len(outcomes)
-    assert 0.03 < share < 0.07  # rate max(0.05, 10/1000) = 0.05
-    skipped = next(f"k{i}" for i, o in enumerate(outcomes) if o == "skipped")
-    # asking again about the same key cannot turn a skip into an audit or back
-    assert all(a.due(skipped, 1000) is False for _ in range(50))
+def test_a_trusted_volunteer_is_audited_at_its_rate_and_a_draw_found_due_stays_due():
+    a = auditor(lambda v, g: None)
+    due = [a.due(f"k{i}", 1000, 1) for i in range(4000)]
+    assert 0.006 < sum(due) / len(due) < 0.014  # rate max(0.005, 10/1000) = 0.01
+    skipped = next(f"k{i}" for i, d in enumerate(due) if not d)
+    # asking again at the same rate cannot turn a skip into an audit
+    assert all(a.due(skipped, 1000, 1) is False for _ in range(50))
+    drawn = next(f"k{i}" for i, d in enumerate(due) if d)
+    assert a.due(drawn, 10**9, 1)  # more trust since cannot undo a draw
+    a.force(skipped)
+    assert a.surely_due(skipped, 10**9)
 
 
-def test_a_shard_drawn_while_the_budget_is_spent_is_deferred_and_keeps_its_draw():
+def test_the_budget_is_reserved_at_admission_and_settled_after_the_audit():
     clock = Clock()
-    a = Auditor(lambda v, g: None, Budget(0.1, clock), 10, 0.05, random.Random(0))
-    a.budget.spend(100.0)
-    stats = AuditStats()
-    assert a.run("k", "vol", 0, 1, ["g"], stats) == ("deferred", None)
-    assert a.due("k", 10_000) is True  # still drawn for an audit, whatever its rate is now
-    clock.now += 2000
-    assert a.run("k", "vol", 10_000, 1, ["g"], stats) == ("passed", None)
-    assert (stats.deferred, stats.audited) == (1, 1)
+    a = Auditor(lambda v, g: None, Budget(0.1, clock), 10, 0.005, random.Random(0))
+    assert a.budget.tokens == 1.0
+    assert a.admit("k1", 256)  # no audit timed yet: one at a time, costed a whole burst
+    assert a.budget.tokens == 1.0 - BURST_SECONDS and not a.admit("k2", 256)
+    a.run("k1", "vol", 1, ["g"] * 4, AuditStats())  # gives back what it did not use
+    assert a.budget.tokens > 0.9 and a.per_group is not None
+    a.per_group = 0.01
+    before = a.budget.tokens
+    assert a.admit("k2", 256) and a.budget.tokens == pytest.approx(before - 2.56)  # by its size
+    before = a.budget.tokens
+    a.settle()  # k2 was never audited: its reservation comes back
+    assert a.budget.tokens == pytest.approx(before + 2.56)
 
 
 def test_a_version_whose_weights_are_not_held_defers_the_shard():
@@ -121,7 +155,7 @@ def test_a_version_whose_weights_are_not_held_defers_the_shard():
         raise Unavailable(version)
 
     stats = AuditStats()
-    assert auditor(replay).run("k", "vol", 0, 3, ["g"], stats) == ("deferred", None)
+    assert auditor(replay).run("k", "vol", 3, ["g"], stats) == ("deferred", None)
     assert stats.deferred == 1 and stats.audited == 0
 
 

@@ -42,7 +42,7 @@ RULES = [
     (T, "replay_tolerance", -1e-9, "--replay-tolerance: must be at least 0, not -1e-09", 0.0),
     (T, "audit_share", 0.0, "--audit-share: must be more than 0, not 0.0", 1e-6),
     (T, "audit_share", 1.5, "--audit-share: must be at most 1, not 1.5", 1.0),
-    (T, "audit_full_shards", 0, "--audit-full-shards: must be at least 1, not 0", 1),
+    (T, "audit_full_groups", 0, "--audit-full-groups: must be at least 1, not 0", 1),
     (T, "audit_floor", 0.0, "--audit-floor: must be more than 0, not 0.0", 1e-6),
     (T, "audit_floor", 2.0, "--audit-floor: must be at most 1, not 2.0", 1.0),
     (V, "prompts_per_batch", 0, "--prompts-per-batch: must be at least 1, not 0", 1),

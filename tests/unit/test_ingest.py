@@ -8,13 +8,13 @@ from helpers.recording_storage import RecordingStorage
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import read_denylist
 from volunteer_rl.protocol.layout import window
-from volunteer_rl.protocol.ledger import Ledger, rebuild
+from volunteer_rl.protocol.ledger import Ledger, group_digest, rebuild
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
 from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable
 from volunteer_rl.trainer.fleet import Counts, Fleet
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
+from volunteer_rl.trainer.ingest import MAX_TRAINER_FAULTS, Ingest, IngestStats, Rules, Window
 
 # token id t < 100 decodes to str(t): "12" is a completion whose text is 12; 100 is EOS
 PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
@@ -310,21 +310,25 @@ def test_a_polls_storage_calls_and_memory_do_not_grow_with_history(history):
     assert {layout.parse_shard_key(k)[0] for k in ing.taken} == {top - 1, top, top + 1}
 
 
-def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
+def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on(monkeypatch):
     """Reading one object ends in "accepted" or a reason code: an exception nobody planned for
-    (here from the audit) is logged with its traceback, quarantined and put in the ledger, so
-    a restarted trainer does not read the shard again, and later shards are still taken."""
+    while checking a volunteer's bytes (here from hashing its groups) is logged with its
+    traceback, quarantined and put in the ledger, so a restarted trainer does not read the
+    shard again, and later shards are still taken."""
+    import volunteer_rl.trainer.ingest as ingest_mod
+
     s = fresh_storage("unforeseen")
-    bad = put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
+    bad = put(s, 3, "a", [g(1, 3, "a", [[8], [77]])], name="s1")
     good = put(s, 3, "b", [g(0, 3, "b", [[12], [1]])], name="s2")
 
-    def replay(version, groups):
-        if groups[0].volunteer_id == "a":
+    def digest(prompt_id, version, token_ids):
+        if [77, EOS] in token_ids:
             raise OverflowError("int too large to convert to float")
-        return None
+        return group_digest(prompt_id, version, token_ids)
 
+    monkeypatch.setattr(ingest_mod, "group_digest", digest)
     logs = []
-    ing = make(s, log=logs.append, audit=auditor(replay))
+    ing = make(s, log=logs.append, audit=auditor(lambda v, groups: None))
     stats = IngestStats()
     out = ing.poll(win(3), stats)
     assert [x.key for x in out] == [good]
@@ -333,6 +337,214 @@ def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on():
     assert s.exists(layout.quarantine_key(bad))
     ing.ledger.flush(s, 4)
     assert rebuild(s, [4]).finished(bad)
+
+
+def test_the_trainers_own_fault_in_the_replay_is_never_charged_to_the_volunteer():
+    """A replay that runs out of memory is the trainer's fault: the shard is retried at later
+    polls, then left (`trainer_error`) without a rejection, a quarantine record or a ledger
+    record, and its volunteer is never denied for it, however often it happens."""
+    s = fresh_storage("trainer-fault")
+    keys = [put(s, 3, "honest", [g(1, 3, "honest", [[8], [i]])], name=f"s{i}") for i in range(6)]
+    calls = []
+
+    def replay(version, groups):
+        calls.append(groups[0].key)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    logs, fleet = [], Fleet(deny_after=5, deny_rate=0.5)
+    ing = make(s, log=logs.append, audit=auditor(replay), fleet=fleet)
+    stats = IngestStats()
+    for _ in range(40):  # an audit at a time: none was timed yet
+        assert ing.poll(win(3), stats) == []
+        assert not stats.rejected and not fleet.is_denied("honest")
+    assert fleet.counts.get("honest") is None or fleet.counts["honest"].rejected == 0
+    assert stats.trainer_errors == 6 and sorted(set(calls)) == keys
+    assert all(calls.count(k) == MAX_TRAINER_FAULTS for k in keys)  # retried, then left
+    assert not any(s.exists(layout.quarantine_key(k)) for k in keys) and not ing.ledger.pending
+    assert any("Traceback" in m and "out of memory" in m for m in logs)
+
+
+def test_a_shard_whose_replay_faulted_once_is_taken_at_a_later_poll():
+    s = fresh_storage("trainer-fault-once")
+    key = put(s, 3, "honest", [g(1, 3, "honest", [[8], [1]])])
+    faults = [RuntimeError("out of memory")]
+
+    def replay(version, groups):
+        if faults:
+            raise faults.pop()
+        return None
+
+    ing, stats = make(s, audit=auditor(replay)), IngestStats()
+    assert ing.poll(win(3), stats) == []
+    assert [x.key for x in ing.poll(win(3), stats)] == [key]
+    assert not stats.rejected and stats.audit.audited == 1
+
+
+class Uniforms:
+    """Stands in for the auditor's random generator: the given uniforms, then `rest`."""
+
+    def __init__(self, values, rest=0.99):
+        self.values, self.rest = list(values), rest
+
+    def random(self):
+        return self.values.pop(0) if self.values else self.rest
+
+
+def lying_replay(lies):
+    """A replay that fails the groups whose number is in `lies` (they were not sampled)."""
+    def replay(version, groups):
+        bad = [x for x in groups if x.seq in lies]
+        return ("replay_mismatch", f"seq {bad[0].seq} was not sampled") if bad else None
+    return replay
+
+
+def honest_groups(vol, n, start):
+    return [g(1, 3, vol, [[8], [(start + i) // 90 + 1, (start + i) % 90]]) for i in range(n)]
+
+
+def test_a_trusted_volunteer_caught_lying_has_every_untrained_shard_audited():
+    """Trust farmed with one-group shards, then lying shards of four groups: the first lying
+    shards are drawn unaudited (one in an earlier poll, still waiting for a step, one in the
+    same poll), the next is audited and fails. Every shard of that volunteer not yet trained
+    is then audited: the lying ones are all rejected and their waiting groups withdrawn, the
+    honest one stays; the lying shards after it are audited too (its rate is back to 1)."""
+    s = fresh_storage("farmer")
+    fleet = Fleet(deny_after=0, counts={"farmer": Counts(accepted=500, clean=500, accepted_groups=500)})
+    lies: set[int] = set()
+
+    def lying(name, n=4):
+        groups = honest_groups("farmer", n, 1000 + 10 * len(lies))
+        lies.update(x.seq for x in groups)
+        return put(s, 3, "farmer", groups, name=name)
+
+    ing = make(s, fleet=fleet, audit=Auditor(lying_replay(lies), Budget(1.0), 10, 0.005,
+                                             Uniforms([0.99, 0.99, 0.99, 0.0])))
+    early = lying("s0-lie")
+    waiting = ing.poll(win(3), IngestStats())  # drawn unaudited: taken, waiting for a step
+    assert {x.key for x in waiting} == {early}
+    honest = put(s, 3, "farmer", honest_groups("farmer", 1, 0), name="s1-honest")
+    later = [lying(f"s{i}-lie") for i in range(2, 6)]  # s2 unaudited, s3 audited, s4, s5 after
+    stats = IngestStats()
+    out = ing.poll(win(3), stats, waiting)
+    assert [x.key for x in out] == [honest]
+    assert stats.rejected == {"replay_mismatch": 5}
+    rejected = {k for k, why in ing.ledger.rejected.items() if why == "replay_mismatch"}
+    assert rejected == {early, *later}
+    c = fleet.counts["farmer"]
+    assert (c.accepted, c.rejected, c.clean) == (501, 5, 0)  # the two re-audited count once
+    assert not any(ing.ledger.seen(x.digest) for x in waiting)  # their claims given back
+
+
+def test_shards_due_for_an_audit_wait_unfetched_and_are_fetched_once():
+    """A new id parks 40 shards, all due for an audit: each poll fetches only those the budget
+    has room for, reserved at admission, so no shard is fetched and parsed and then turned
+    away: over all polls, one GET per shard audited."""
+    s = RecordingStorage(fresh_storage("parked"))
+    for i in range(40):
+        put(s, 3, "parker", honest_groups("parker", 2, 2 * i), name=f"s{i:02d}")
+    clock = [0.0]
+    a = Auditor(lambda v, groups: None, Budget(0.1, lambda: clock[0]), 10, 0.005)
+    a.per_group = 0.1  # as measured: a 256-group shard is reserved 25.6 s, a 2-group one 0.2 s
+    ing, stats = make(s, audit=a), IngestStats()
+    taken, polls = [], 0
+    while stats.audit.audited < 40:
+        polls += 1
+        assert polls < 200
+        taken += ing.poll(win(3), stats)
+        assert s.calls["read"] == stats.audit.audited  # nothing fetched that was not audited
+        clock[0] += 60.0
+    assert len(taken) == 80 and polls > 1 and stats.audit.deferred > 0 and not stats.rejected
+
+
+def test_one_id_cannot_take_a_poll_from_the_others(monkeypatch):
+    """A flood of shards from one id costs a poll at most MAX_SHARDS_PER_VOLUNTEER_POLL parses;
+    the other volunteers' shards are read in the same poll. With the audit budget short, the
+    volunteers take turns at its room, so the flooder does not get it every poll."""
+    import volunteer_rl.trainer.ingest as ingest_mod
+
+    monkeypatch.setattr(ingest_mod, "MAX_SHARDS_PER_VOLUNTEER_POLL", 4)
+    s = RecordingStorage(fresh_storage("share"))
+    for i in range(30):
+        put(s, 3, "aaa-flood", honest_groups("aaa-flood", 1, i), name=f"s{i:02d}")
+    calm = put(s, 3, "calm", honest_groups("calm", 1, 500))
+    ing = make(s)
+    out = ing.poll(win(3), IngestStats())
+    assert calm in {x.key for x in out} and s.calls["read"] == 5
+    # audits on, room for about one audit per poll: the calm volunteer is not starved
+    s2 = fresh_storage("share-audit")
+    for i in range(30):
+        put(s2, 3, "aaa-flood", honest_groups("aaa-flood", 1, i), name=f"s{i:02d}")
+    calm = put(s2, 3, "calm", honest_groups("calm", 1, 500))
+    clock = [0.0]
+
+    def replay(version, groups):  # an audit takes a second per group
+        clock[0] += len(groups)
+
+    a = Auditor(replay, Budget(0.1, lambda: clock[0]), 10, 0.005)
+    a.per_group = 1.0  # an unparsed shard is reserved 256 s: one admitted per poll
+    ing, taken = make(s2, audit=a), []
+    for _ in range(2):
+        taken += [x.key for x in ing.poll(win(3), IngestStats())]
+        clock[0] += 3000.0
+    assert calm in taken
+
+
+def test_a_copy_under_another_id_never_trains_and_never_costs_its_author():
+    """Volunteer `abe` (trusted, so rarely audited, and sorting first) uploads the groups of
+    `zed` under its own id. Committed noise is keyed by the volunteer, so the copies fail
+    their replay; the replay here fails every group not sampled by the id it is under. In
+    every order the copy is rejected and charged to `abe`, and `zed`'s groups are taken."""
+    sampler: dict[str, str] = {}  # digest -> the volunteer that sampled it
+
+    def replay(version, groups):
+        bad = [x for x in groups if sampler.get(x.digest, x.volunteer_id) != x.volunteer_id]
+        return ("replay_mismatch", "not sampled by its volunteer") if bad else None
+
+    def original(s, name, start):
+        groups = honest_groups("zed", 2, start)
+        copies = [Group(x.prompt_id, x.policy_version, "abe", x.seq, x.completions) for x in groups]
+        key = put(s, 3, "zed", groups, name=name)
+        for x in groups:
+            sampler[group_digest(x.prompt_id, 3, [c.token_ids for c in x.completions])] = "zed"
+        return key, put(s, 3, "abe", copies, name=name)
+
+    def trainer(s, budget, trusted=("abe", "zed"), ledger=None):
+        fleet = Fleet(deny_after=0, counts={v: Counts(accepted=10**4, clean=10**4, accepted_groups=10**4)
+                                            for v in trusted})
+        ing = make(s, fleet=fleet, audit=Auditor(replay, budget, 10, 0.005, Uniforms([], rest=0.99)))
+        ing.ledger = ledger or ing.ledger
+        return ing
+
+    def charged(ing):
+        return {v: c.rejected for v, c in ing.fleet.counts.items() if c.rejected}
+
+    # 1. the same poll, the copy listed first, both volunteers trusted (neither drawn)
+    s = fresh_storage("copy-same-poll")
+    orig, copy = original(s, "s1", 0)
+    ing, stats = trainer(s, Budget(1.0)), IngestStats()
+    out = ing.poll(win(3), stats)
+    assert {x.key for x in out} == {orig}
+    assert stats.rejected == {"replay_mismatch": 1} and charged(ing) == {"abe": 1}
+    # 2. a copy, in a later poll, of content taken (and trained) before
+    ing.ledger.record(orig, "trained", [x.line for x in out], 2, [x.digest for x in out], step=1)
+    late = layout.shard_key(3, "abe", "s9")
+    s.write(late, s.read(copy))
+    ing, stats = trainer(s, Budget(1.0), ledger=ing.ledger), IngestStats()
+    assert ing.poll(win(3), stats) == [] and ing.ledger.rejected[late] == "replay_mismatch"
+    assert charged(ing) == {"abe": 1} and stats.duplicates == 0
+    # 3. the original waits for its audit (a new volunteer, no room) while the copy is taken
+    s = fresh_storage("copy-first")
+    orig, copy = original(s, "s1", 20)
+    clock = [0.0]
+    budget = Budget(0.1, lambda: clock[0])
+    budget.spend(50.0)  # no room: zed's shard (new: due) waits unfetched
+    ing, stats = trainer(s, budget, trusted=("abe",)), IngestStats()
+    waiting = ing.poll(win(3), stats)
+    assert {x.key for x in waiting} == {copy}  # taken unaudited, not trained yet
+    clock[0] += 1000.0
+    out = ing.poll(win(3), stats, waiting)
+    assert {x.key for x in out} == {orig} and stats.duplicates == 0
+    assert stats.rejected == {"replay_mismatch": 1} and charged(ing) == {"abe": 1}
 
 
 def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded_small():

@@ -55,8 +55,9 @@ class Ledger:
     """shard key -> indices of its groups that have an outcome."""
     rejected: dict[str, str] = field(default_factory=dict)
     """shard key -> reason code."""
-    digests: dict[str, int] = field(default_factory=dict)
-    """digest of every group taken -> its policy version (for pruning)."""
+    digests: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """digest of every group taken -> its policy version (for pruning) and the volunteer whose
+    shard it was taken from (a copy under another id is told apart by that)."""
     pending: list[dict] = field(default_factory=list)
     """Records not yet written to the bucket."""
 
@@ -78,12 +79,23 @@ class Ledger:
         """True if a group with this content was taken before."""
         return digest in self.digests
 
-    def claim(self, digest: str, version: int) -> bool:
+    def owner(self, digest: str) -> str | None:
+        """The volunteer a group with this content was taken from, or None."""
+        taken = self.digests.get(digest)
+        return taken[1] if taken else None
+
+    def claim(self, digest: str, version: int, volunteer: str = "") -> bool:
         """Take a group's content; False if the same content was taken before."""
         if digest in self.digests:
             return False
-        self.digests[digest] = version
+        self.digests[digest] = (version, volunteer)
         return True
+
+    def release(self, digests: list[str]) -> None:
+        """Give back claims of groups that were never trained (their shard was rejected after
+        intake), so an honest shard with the same content can still be taken."""
+        for d in digests:
+            self.digests.pop(d, None)
 
     def record(self, key: str, outcome: str, lines: list[int], groups: int,
                digests: list[str] = (), reason: str = "", step: int | None = None) -> None:
@@ -108,16 +120,17 @@ class Ledger:
             return
         self.groups[key] = int(rec["groups"])
         self.done.setdefault(key, set()).update(rec["lines"])
-        version = _key_version(key)
+        author = layout.rollout_author(key)
+        version, volunteer = (author[0], author[1]) if author else (-1, "")
         for d in rec.get("digests", ()):
-            self.digests.setdefault(d, version)
+            self.digests.setdefault(d, (version, volunteer))
 
     def prune(self, low: int) -> None:
         """Forget shards and digests of versions below the window: they can never be taken."""
         for table in (self.groups, self.done, self.rejected):
             for key in [k for k in table if _key_version(k) < low]:
                 del table[key]
-        self.digests = {d: v for d, v in self.digests.items() if v >= low}
+        self.digests = {d: t for d, t in self.digests.items() if t[0] >= low}
 
     def flush(self, storage: Storage, version: int) -> None:
         """Write the pending records as `ledger/v<version>.jsonl` (before the manifest)."""

@@ -2,22 +2,29 @@
 the trainer's time it may take. The replay itself (is each token the one its committed draw
 selects?) is model.replay; trainer.step.audit_groups applies it to scored groups.
 
-- **Rate per volunteer (BOINC's adaptive replication).** A volunteer with fewer than
-  `full_shards` accepted shards since its last rejected one, new or just caught, has every
-  shard audited; after n such shards the rate is full_shards / n, never below `floor`. Any
-  rejected shard sets n back to 0.
+- **Rate per volunteer, counted in groups (BOINC's adaptive replication).** A volunteer with
+  fewer than `full_groups` groups accepted since its last rejected shard, new or just caught,
+  has every shard audited; after n such groups each group is drawn at a rate full_groups / n,
+  never below `floor`, and a shard is audited if any of its groups is drawn: a shard of g
+  groups with probability 1 - (1 - rate)^g. So a big shard is as likely to be audited as the
+  same groups sent in small shards, and trust earned with small shards buys no cover for big
+  ones. Any rejected shard sets n back to 0.
 - **Every group of an audited shard is replayed.** A shard is accepted or rejected whole, so
   one injected group among many is caught whenever its shard is audited.
-- **Budget.** Audits may take `share` of the trainer's wall time (a token bucket holding at
-  most BURST_SECONDS of audit time). A shard drawn for an audit while the bucket is empty is
-  not taken yet, nor even fetched: it is listed again at a later poll and audited then, or
-  falls out of the window. Shards are never taken unaudited because the trainer was busy, so a flood of new
-  ids slows their own intake, not the audit.
+- **Budget, reserved before a byte is fetched.** Audits may take `share` of the trainer's wall
+  time (a token bucket holding at most BURST_SECONDS of audit time). A shard known to be due
+  for an audit when it is listed is fetched only if the bucket has room, and then the
+  estimated cost of its audit is taken from the bucket at once (`admit`), so a poll admits
+  no more audits than it can run; a shard found due only once parsed (its group count decides)
+  and finding no room is not taken, and is remembered as due with its size, so it is reserved
+  for before its next fetch. Shards are never taken unaudited because the trainer was busy,
+  so a flood of new ids slows their own intake, not the audit.
 - **Weights of the whole window.** The trainer keeps the published weights of every version
   inside the window (WindowWeights) and audits a stale group against its own version.
 
-Which shards are drawn comes from the operating system's random generator and is decided once
-per shard, so a liar can neither predict it nor get a second draw by being deferred.
+Which shards are drawn comes from the operating system's random generator: one uniform per
+shard, drawn the first time the shard is seen, so a liar can neither predict it nor get a
+second draw by being deferred; a shard once found due stays due.
 """
 
 from __future__ import annotations
@@ -32,15 +39,20 @@ import torch
 BURST_SECONDS = 10.0
 """Audit time that may be spent at once after an idle spell (the token bucket's size)."""
 MAX_DECISIONS = 100_000
-"""Remembered audit decisions (keys of the window); cleared when full, as a bound."""
+"""Remembered audit draws (keys of the window); cleared when full, as a bound."""
 
 
-def audit_rate(clean_shards: int, full_shards: int, floor: float) -> float:
-    """The share of a volunteer's shards to audit, given its accepted shards since its last
-    rejected one: 1 below `full_shards`, then full_shards / n, never below `floor`."""
-    if clean_shards < full_shards:
+def audit_rate(clean_groups: int, full_groups: int, floor: float) -> float:
+    """The rate at which a volunteer's groups are drawn, given its groups accepted since its
+    last rejected shard: 1 below `full_groups`, then full_groups / n, never below `floor`."""
+    if clean_groups < full_groups:
         return 1.0
-    return max(floor, full_shards / clean_shards)
+    return max(floor, full_groups / clean_groups)
+
+
+def shard_chance(rate: float, groups: int) -> float:
+    """The chance that a shard of `groups` groups is audited: that any of its groups is drawn."""
+    return 1.0 - (1.0 - rate) ** max(1, groups)
 
 
 class Budget:
@@ -103,7 +115,8 @@ class Unavailable(Exception):
 
 Replay = Callable[[int, list], "tuple[str, str] | None"]
 """(version, groups) -> (reason code, detail) of the first group that fails the replay, or
-None; raises Unavailable when that version's weights are not held."""
+None; raises Unavailable when that version's weights are not held. Any other exception it
+raises is a fault of the trainer's own (out of memory, a torch error), never the volunteer's."""
 
 
 @dataclass
@@ -112,58 +125,111 @@ class AuditStats:
     skipped: int = 0
     """Shards taken without an audit (their volunteer's rate said so)."""
     deferred: int = 0
-    """Shards left for a later poll: drawn for an audit while the budget was spent, or their
+    """Shards left for a later poll: due for an audit while the budget was spent, or their
     version's weights were not held."""
     seconds: float = 0.0
     by_volunteer: dict[str, int] = field(default_factory=dict)
     """Shards audited per volunteer."""
 
 
-class Auditor:
-    """Decides, per shard, whether to audit; runs the replay within the budget."""
+@dataclass
+class Draw:
+    """What the auditor knows of one shard."""
 
-    def __init__(self, replay: Replay, budget: Budget, full_shards: int, floor: float,
+    u: float
+    """Its uniform, drawn once: the shard is due when u < shard_chance(rate, groups)."""
+    due: bool = False
+    """Found due once: stays due, whatever its volunteer's rate becomes."""
+    groups: int = 0
+    """Its group count, once parsed (0: not yet)."""
+    reserved: float = 0.0
+    """Audit seconds taken from the budget when it was admitted, not yet settled."""
+
+
+class Auditor:
+    """Decides, per shard, whether to audit; reserves the budget; runs the replay."""
+
+    def __init__(self, replay: Replay, budget: Budget, full_groups: int, floor: float,
                  rng: random.Random | None = None):
         self.replay, self.budget = replay, budget
-        self.full_shards, self.floor = full_shards, floor
+        self.full_groups, self.floor = full_groups, floor
         # Not seeded: a liar must not be able to compute which of its shards are audited.
         self.rng = rng or random.SystemRandom()
-        self.decisions: dict[str, bool] = {}
+        self.draws: dict[str, Draw] = {}
+        self.per_group: float | None = None
+        """Seconds an audit takes per group replayed, as last measured (None: not yet)."""
 
-    def due(self, key: str, clean_shards: int) -> bool:
-        """Is shard `key` to be audited? Drawn once per key."""
-        if key not in self.decisions:
-            if len(self.decisions) >= MAX_DECISIONS:
-                self.decisions.clear()
-            rate = audit_rate(clean_shards, self.full_shards, self.floor)
-            self.decisions[key] = rate >= 1.0 or self.rng.random() < rate
-        return self.decisions[key]
+    def _draw(self, key: str) -> Draw:
+        d = self.draws.get(key)
+        if d is None:
+            if len(self.draws) >= MAX_DECISIONS:
+                self.draws = {k: x for k, x in self.draws.items() if x.reserved}
+            d = self.draws[key] = Draw(self.rng.random())
+        return d
 
-    def run(self, key: str, volunteer: str, clean_shards: int, version: int, groups: list,
-            stats: AuditStats) -> tuple[str, tuple[str, str] | None]:
-        """(outcome, problem): outcome is 'skipped', 'deferred', 'passed' or 'failed', and
-        problem the replay's (reason code, detail) of a failure."""
-        if not self.due(key, clean_shards):
-            stats.skipped += 1
-            return "skipped", None
+    def surely_due(self, key: str, clean_groups: int) -> bool:
+        """Is shard `key` due for an audit, as far as is known before it is read? A shard not
+        yet parsed counts as one group: the least its chance can be."""
+        d = self._draw(key)
+        rate = audit_rate(clean_groups, self.full_groups, self.floor)
+        d.due = d.due or d.u < shard_chance(rate, d.groups)
+        return d.due
+
+    def due(self, key: str, clean_groups: int, groups: int) -> bool:
+        """Is shard `key`, parsed and holding `groups` groups, due for an audit?"""
+        self._draw(key).groups = groups
+        return self.surely_due(key, clean_groups)
+
+    def force(self, key: str) -> None:
+        """Make `key` due, whatever its rate (its volunteer was caught, or its content is
+        claimed by another volunteer)."""
+        self._draw(key).due = True
+
+    def admit(self, key: str, max_groups: int) -> bool:
+        """Take the estimated cost of `key`'s audit from the budget, if the budget has room;
+        False if not (the shard is not to be fetched, or not taken, this poll). Unparsed shards
+        are costed at `max_groups`; before any audit was timed, one audit at a time."""
+        d = self._draw(key)
+        if d.reserved:
+            return True
         if not self.budget.allows():
-            stats.deferred += 1
-            return "deferred", None
-        started = time.perf_counter()
+            return False
+        groups = d.groups or max_groups
+        d.reserved = BURST_SECONDS if self.per_group is None else self.per_group * groups
+        self.budget.spend(d.reserved)
+        return True
+
+    def settle(self) -> None:
+        """Give back what was reserved for shards not audited (end of a poll)."""
+        for d in self.draws.values():
+            if d.reserved:
+                self.budget.spend(-d.reserved)
+                d.reserved = 0.0
+
+    def run(self, key: str, volunteer: str, version: int, groups: list,
+            stats: AuditStats) -> tuple[str, tuple[str, str] | None]:
+        """Replay `groups` of `key` now: (outcome, problem), outcome 'passed', 'failed' or
+        'deferred' (its version's weights are not held), problem the replay's (reason code,
+        detail) of a failure. Its time is charged to the budget, net of what was reserved;
+        an exception of the replay's own (a fault of the trainer) propagates."""
+        d = self._draw(key)
+        started = self.budget.clock()
         try:
             problem = self.replay(version, groups)
         except Unavailable:
             stats.deferred += 1
             return "deferred", None
         finally:
-            spent = time.perf_counter() - started
-            self.budget.spend(spent)
+            spent = self.budget.clock() - started
+            self.budget.spend(spent - d.reserved)
+            d.reserved = 0.0
             stats.seconds += spent
+        if groups:
+            self.per_group = spent / len(groups)
         stats.audited += 1
         stats.by_volunteer[volunteer] = stats.by_volunteer.get(volunteer, 0) + 1
-        self.decisions.pop(key, None)
         return ("failed", problem) if problem else ("passed", None)
 
     def forget(self, keep: Callable[[str], bool]) -> None:
-        """Drop the decisions of keys that left the window."""
-        self.decisions = {k: d for k, d in self.decisions.items() if keep(k)}
+        """Drop the draws of keys that left the window."""
+        self.draws = {k: d for k, d in self.draws.items() if keep(k)}

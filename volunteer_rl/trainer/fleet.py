@@ -1,5 +1,6 @@
-"""The fleet as the trainer sees it: shards accepted and rejected per volunteer, and when a
-volunteer that mostly sends garbage goes on the denylist (protocol.fleet owns that object)."""
+"""The fleet as the trainer sees it: shards and groups accepted and rejected per volunteer, and
+when a volunteer that mostly sends garbage goes on the denylist (protocol.fleet owns that
+object)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ class Counts:
     accepted: int = 0
     rejected: int = 0
     clean: int = 0
-    """Shards accepted since its last rejected one: what its audit rate is made from."""
+    """Groups in the shards accepted since its last rejected one: what its audit rate is made
+    from (trainer.audit)."""
     audited: int = 0
     """Shards whose every group was replayed (passed or not)."""
     numbered: int = 0
     """Group numbers it used in versions that left the window (highest seq + 1 each)..."""
     missing: int = 0
     """...and how many of them the trainer never received: withheld, or uploaded too late."""
+    accepted_groups: int = 0
+    rejected_groups: int = 0
+    """Groups in its accepted and rejected shards (a shard rejected before its groups were
+    counted, junk or unparseable, counts as one)."""
 
 
 @dataclass
@@ -53,18 +59,32 @@ class Fleet:
             self.counts.pop(lifted, None)
         self.denied, self.etag = entries, etag
 
-    def note(self, volunteer: str, accepted: bool) -> bool:
-        """Count one shard; True if this volunteer now crosses the denial threshold."""
+    def note(self, volunteer: str, accepted: bool, groups: int = 1) -> bool:
+        """Count one shard of `groups` groups; True if this volunteer now crosses the denial
+        threshold: `deny_after` rejected shards, and a share of `deny_rate` of its shards or of
+        its groups rejected (in groups, so many small honest shards do not hide a few big
+        lying ones)."""
         c = self.counts.setdefault(volunteer, Counts())
+        groups = max(1, groups)
         if accepted:
             c.accepted += 1
-            c.clean += 1
+            c.accepted_groups += groups
+            c.clean += groups
         else:
             c.rejected += 1
+            c.rejected_groups += groups
             c.clean = 0
-        total = c.accepted + c.rejected
+        shards = c.rejected / (c.accepted + c.rejected)
+        in_groups = c.rejected_groups / max(1, c.accepted_groups + c.rejected_groups)
         return (self.deny_after > 0 and not self.is_denied(volunteer)
-                and c.rejected >= self.deny_after and c.rejected / total >= self.deny_rate)
+                and c.rejected >= self.deny_after and max(shards, in_groups) >= self.deny_rate)
+
+    def revoke(self, volunteer: str, groups: int) -> None:
+        """Take back the acceptance of a shard of `groups` groups that is now rejected (its
+        re-audit failed): it is counted once, as rejected."""
+        c = self.counts.setdefault(volunteer, Counts())
+        c.accepted = max(0, c.accepted - 1)
+        c.accepted_groups = max(0, c.accepted_groups - max(1, groups))
 
     def deny(self, storage: Storage, volunteer: str, reason: str) -> None:
         """Put `volunteer` on the denylist in the bucket (and here)."""
@@ -94,9 +114,11 @@ class Fleet:
         return c.clean if c else 0
 
     def to_json(self) -> dict:
-        return {v: [c.accepted, c.rejected, c.clean, c.audited, c.numbered, c.missing]
-                for v, c in self.counts.items()}
+        return {v: [c.accepted, c.rejected, c.clean, c.audited, c.numbered, c.missing,
+                    c.accepted_groups, c.rejected_groups] for v, c in self.counts.items()}
 
     def load_counts(self, raw: dict) -> None:
-        """Counts saved by to_json (states saved before audits hold the first two only)."""
-        self.counts = {v: Counts(*(int(x) for x in row[:6])) for v, row in raw.items()}
+        """Counts saved by to_json (states saved before audits hold the first two only, before
+        group counts the first six; their `clean`, then counted in shards, is read as groups:
+        less trust, never more)."""
+        self.counts = {v: Counts(*(int(x) for x in row[:8])) for v, row in raw.items()}

@@ -52,6 +52,13 @@ the LIST pages, GETs, ledger records and quarantine writes any one id can cause 
 junk or not. A folder found over it is counted once in `ingest/over_cap`, and its first
 objects are remembered, so it is not listed again in that version. An honest volunteer that
 outruns it (a trainer stuck on one version for hours) loses only the excess."""
+MAX_SHARDS_PER_VOLUNTEER_POLL = 16
+"""Shards of one volunteer fetched and parsed per poll (its share of the poll): one id with a
+thousand big shards waiting costs a poll this many parses, and everyone else's shards are
+still read in that poll. The rest wait for the next poll."""
+MAX_TRAINER_FAULTS = 3
+"""Times the trainer's own fault (an exception of the replay: out of memory, a torch error)
+may stop a shard's intake before the shard is left for this process, charged to nobody."""
 
 
 @dataclass
@@ -85,6 +92,8 @@ class IngestStats:
     """Shards of denied volunteers skipped: a whole folder, never listed, counts one per poll."""
     over_cap: int = 0
     """Volunteer folders found over MAX_OBJECTS_PER_VOLUNTEER_VERSION (once per version)."""
+    trainer_errors: int = 0
+    """Shards left after MAX_TRAINER_FAULTS faults of the trainer's own (not charged)."""
     audit: AuditStats = field(default_factory=AuditStats)
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
@@ -248,34 +257,63 @@ class Ingest:
         self.log_shards = log_shards
         self.taken: set[str] = set()
         self.failures: Counter = Counter()
+        """Key -> failed reads (MAX_READ_ATTEMPTS)."""
+        self.faults: Counter = Counter()
+        """Key -> faults of the trainer's own while taking it (MAX_TRAINER_FAULTS)."""
+        self.unaudited: dict[str, dict[str, list[ScoredGroup]]] = {}
+        """Volunteer -> key -> usable groups of its shards taken without an audit: audited
+        after all if the volunteer is caught, or its content shows up under another id,
+        while some are not trained yet."""
+        self.withdrawn: set[str] = set()
+        """Keys rejected or left after their groups were handed out: poll drops those groups
+        from the ones waiting to be trained."""
         self.fetch_workers = max(1, fetch_workers)
         self._low = 0  # window's lowest version at the last poll (see _forget_below)
+        self._polls = 0  # turns the order in which volunteers are admitted (see _admit)
         self.capped: dict[str, list[str]] = {}
         """Folder -> its first MAX_OBJECTS_PER_VOLUNTEER_VERSION keys, for the folders found
         over the cap: those keys are all the trainer will ever take from them."""
 
-    def poll(self, win: Window, stats: IngestStats) -> list[ScoredGroup]:
-        """New usable groups from shards of the window. Only the window's prefixes are
+    def poll(self, win: Window, stats: IngestStats,
+             waiting: list[ScoredGroup] = ()) -> list[ScoredGroup]:
+        """New usable groups from shards of the window, after `waiting` (groups taken by
+        earlier polls and not trained yet) less those of shards rejected since they were
+        taken. Only the window's prefixes are
         listed and only keys not yet taken are read, so a poll costs one denylist GET, one
         LIST of each window version's folder names, a LIST of at most
         MAX_OBJECTS_PER_VOLUNTEER_VERSION + 1 keys per volunteer folder (none for a denied
-        one or one already found over the cap), and one GET per new shard: bounded by the
-        volunteers and the cap, however long the run's history and whatever a volunteer wrote.
+        one or one already found over the cap), and one GET per new shard admitted (_admit):
+        bounded by the volunteers and the caps, however long the run's history and whatever
+        a volunteer wrote.
 
-        New shards are fetched FETCH_WORKERS at a time, and checked on this thread in key
-        order, so the outcome is the same as reading them one by one."""
+        Admitted shards are fetched FETCH_WORKERS at a time and parsed on this thread in key
+        order; then the shards whose content also appears under another volunteer are marked
+        for an audit (_contest); then each is audited if due and taken, in key order. So a
+        poll holds the parsed groups of at most MAX_SHARDS_PER_VOLUNTEER_POLL shards per
+        volunteer at once."""
         self._refresh_denylist()
         self._forget_below(win.low)
-        keys: list[str] = []
+        self._drop_trained()
+        listed: list[str] = []
         for v in win.versions():
-            keys += [key for key in self._list_version(v, stats)
-                     if self._wanted(key) and not self._waits_for_audit(key, stats)]
+            listed += [key for key in self._list_version(v, stats) if self._wanted(key)]
+        parsed: list[tuple[str, list[ScoredGroup]]] = []
         out: list[ScoredGroup] = []
-        for key, fetched in self._prefetch(keys):
-            if self._denied(key, stats):  # denied by an earlier shard of this very poll
-                continue
-            out.extend(self._take(key, fetched, win, stats))
-        return out
+        try:
+            for key, fetched in self._prefetch(self._admit(listed, stats)):
+                if self._denied(key, stats):  # denied by an earlier shard of this very poll
+                    continue
+                groups = self._read(key, fetched, win, stats)
+                if groups is not None:
+                    parsed.append((key, groups))
+            self._contest(parsed)
+            for key, groups in parsed:
+                if not self._denied(key, stats):
+                    out.extend(self._take(key, groups, stats))
+        finally:
+            if self.auditor is not None:
+                self.auditor.settle()
+        return [g for g in [*waiting, *out] if g.key not in self.withdrawn]
 
     def _list_version(self, version: int, stats: IngestStats) -> list[str]:
         """The keys of one version folder the trainer considers, sorted: up to
@@ -311,16 +349,46 @@ class Ingest:
         """True if `key` still has something to take."""
         return key not in self.taken and not self.ledger.finished(key)
 
-    def _waits_for_audit(self, key: str, stats: IngestStats) -> bool:
-        """True if `key` is drawn for an audit while the audit budget is spent: it is not
-        even fetched this poll, so a shard waiting for its audit costs a listing, no GET."""
-        author = layout.rollout_author(key)
-        if self.auditor is None or author is None:
+    def _admit(self, keys: list[str], stats: IngestStats) -> list[str]:
+        """The keys to fetch this poll, in key order: of each volunteer, its first keys up to
+        MAX_SHARDS_PER_VOLUNTEER_POLL, skipping (unfetched) those due for an audit that the
+        budget has no room for. Volunteers take turns, one key each, from a first volunteer
+        that changes every poll, so the budget's room goes round the fleet instead of to the
+        id that sorts first."""
+        chosen = [k for k in keys if layout.rollout_author(k) is None]  # nobody's: bad_key
+        queues: dict[str, deque[str]] = {}
+        for key in keys:
+            author = layout.rollout_author(key)
+            if author is not None:
+                queues.setdefault(author[1], deque()).append(key)
+        order = sorted(queues)
+        self._polls += 1
+        if order:
+            turn = self._polls % len(order)
+            order = order[turn:] + order[:turn]
+        room = dict.fromkeys(order, MAX_SHARDS_PER_VOLUNTEER_POLL)
+        while order:
+            for volunteer in list(order):
+                key = queues[volunteer].popleft()
+                if not self._waits_for_audit(key, volunteer, stats):
+                    chosen.append(key)
+                    room[volunteer] -= 1
+                if not queues[volunteer] or not room[volunteer]:
+                    order.remove(volunteer)
+        return sorted(chosen)
+
+    def _waits_for_audit(self, key: str, volunteer: str, stats: IngestStats) -> bool:
+        """True if `key` is known to be due for an audit and the budget has no room for it: it
+        is not even fetched this poll, so a shard waiting for its audit costs a listing, no
+        GET and no parse. A shard admitted here has its audit's cost reserved."""
+        if self.auditor is None or layout.parse_shard_key(key) is None:
             return False
-        if self.auditor.due(key, self.fleet.clean(author[1])) and not self.auditor.budget.allows():
-            stats.audit.deferred += 1
-            return True
-        return False
+        if not self.auditor.surely_due(key, self.fleet.clean(volunteer)):
+            return False
+        if self.auditor.admit(key, self.rules.max_groups):
+            return False
+        stats.audit.deferred += 1
+        return True
 
     def _denied(self, key: str, stats: IngestStats) -> bool:
         parsed = layout.rollout_author(key)
@@ -360,6 +428,21 @@ class Ingest:
             self.auditor.forget(lambda k: _key_version(k) >= low)
         self.capped = {k: v for k, v in self.capped.items() if _key_version(k) >= low}
         self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
+        self.faults = Counter({k: n for k, n in self.faults.items() if _key_version(k) >= low})
+        self.withdrawn = {k for k in self.withdrawn if _key_version(k) >= low}
+        for shards in self.unaudited.values():
+            for key in [k for k in shards if _key_version(k) < low]:
+                del shards[key]
+
+    def _drop_trained(self) -> None:
+        """Forget the unaudited shards whose groups all have an outcome now (trained, stale):
+        an audit of them could no longer keep anything out of a step."""
+        for volunteer, shards in list(self.unaudited.items()):
+            for key in [k for k, gs in shards.items()
+                        if all(self.ledger.is_done(k, g.line) for g in gs)]:
+                del shards[key]
+            if not shards:
+                del self.unaudited[volunteer]
 
     def _refresh_denylist(self) -> None:
         try:
@@ -367,68 +450,175 @@ class Ingest:
         except Exception as exc:  # a broken denylist must not stop training
             self.log(f"warning: {layout.DENYLIST}: {exc}")
 
-    def _take(self, key: str, fetched: Future, win: Window, stats: IngestStats) -> list[ScoredGroup]:
+    def _read(self, key: str, fetched: Future, win: Window,
+              stats: IngestStats) -> list[ScoredGroup] | None:
+        """The checked and rescored groups of `key`, or None: rejected, or not to be read now."""
         try:
-            groups = check_shard(fetched.result(), key, self.rules, win)
-            if not self._audit(key, groups, stats):
-                return []  # drawn for an audit that cannot run now: read again later
+            return check_shard(fetched.result(), key, self.rules, win)
         except ShardError as exc:
             self._reject(key, exc.reason, str(exc), stats)
-            return []
         except NotFound:
             self.taken.add(key)  # deleted between list and read (retention): nothing to take
-            return []
         except StorageError as exc:
             self.failures[key] += 1
             if self.failures[key] >= MAX_READ_ATTEMPTS:
                 self._reject(key, "unreadable", f"{MAX_READ_ATTEMPTS} failed reads: {exc}", stats)
-            return []
+        except MemoryError as exc:  # the bytes are bounded by the manifest: our machine's limit
+            self._trainer_fault(key, exc, stats)
         except Exception as exc:
             # Reading one object ends in "accepted" or a reason code, never in a dead trainer:
-            # an error nobody foresaw is a bug of ours, so its traceback goes to the log, but
-            # the shard is recorded (and so never read again after a restart) like any reject.
-            trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
-            self.log(f"error: unexpected {type(exc).__name__} while checking {printable(key)}:\n"
-                     + "\n".join(printable(line, 1000) for line in trace))
+            # an error nobody foresaw while reading a volunteer's bytes is a bug of ours that
+            # those bytes found, so its traceback goes to the log, and the shard is recorded
+            # (and so never read again after a restart) like any reject.
+            self._log_trace(f"unexpected {type(exc).__name__} while checking {printable(key)}", exc)
             self._reject(key, "internal_error", type(exc).__name__, stats)
+        return None
+
+    def _contest(self, parsed: list[tuple[str, list[ScoredGroup]]]) -> None:
+        """Mark for an audit, whatever their volunteer's rate, the shards holding a group
+        whose content is also in another volunteer's shard of this poll or was taken from
+        another volunteer before. Committed noise is keyed by the volunteer, so the same
+        tokens under two ids mean one of them did not sample them: its audit fails, the
+        other's passes."""
+        if self.auditor is None:
+            return
+        ids: dict[str, set[str]] = {}
+        for key, groups in parsed:
+            for g in groups:
+                ids.setdefault(g.digest, set()).add(g.volunteer_id)
+        for key, groups in parsed:
+            if any(len(ids[g.digest]) > 1 or self.ledger.owner(g.digest) not in (None, g.volunteer_id)
+                   for g in groups):
+                self.auditor.force(key)
+
+    def _take(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
+        """Audit (if due) and take one parsed shard; its usable groups."""
+        volunteer = layout.rollout_author(key)[1]  # a shard key: check_shard parsed it
+        try:
+            audited = self._audit(key, volunteer, groups, stats)
+        except ShardError as exc:
+            self._reject(key, exc.reason, str(exc), stats, len(groups))
             return []
+        except Exception as exc:  # raised by the trainer's own model on checked input
+            self._trainer_fault(key, exc, stats)
+            return []
+        if audited is None:
+            return []  # due for an audit that cannot run now: read again later
         crash_point("ingest")
-        if self._only_repeats(key, groups):
+        if self._only_repeats(key, volunteer, groups):
             # Repeats cost nothing to make: counted as accepted they would dilute any number
             # of rejects below --deny-rate.
-            self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats)
+            self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats, len(groups))
             return []
         if not self._numbered(key, groups):
             self._reject(key, "seq_reused", "a group number this volunteer already used in this "
-                         "version", stats)
+                         "version", stats, len(groups))
             return []
+        if audited:
+            self._audit_claimants(volunteer, groups, stats)
         self.taken.add(key)
         stats.shards += 1
-        self._count(key, True, stats)
-        return self._sort(key, groups, stats)
+        self._count(key, True, stats, len(groups))
+        usable = self._sort(key, groups, stats)
+        if not audited and usable and self.auditor is not None:
+            self.unaudited.setdefault(volunteer, {})[key] = usable
+        return usable
 
-    def _only_repeats(self, key: str, groups: list[ScoredGroup]) -> bool:
-        """True if every group of `key` was taken before, from other shards. A shard half
-        taken before a restart (some of its lines already have outcomes) is not one."""
+    def _only_repeats(self, key: str, volunteer: str, groups: list[ScoredGroup]) -> bool:
+        """True if every group of `key` is content its own volunteer had taken before, from
+        other shards. A shard half taken before a restart (some of its lines already have
+        outcomes) is not one, nor is a repeat of another volunteer's content: that one is
+        audited (_contest), and a copy fails its audit; an original that passes is never
+        charged for a copy taken before it."""
         return (bool(groups) and not any(self.ledger.is_done(key, g.line) for g in groups)
-                and all(self.ledger.seen(g.digest) for g in groups))
+                and all(self.ledger.owner(g.digest) == volunteer for g in groups))
 
-    def _audit(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> bool:
-        """Replay the shard's groups if the auditor draws it; ShardError if one fails. False
-        if it was drawn but cannot be audited now (budget spent, weights not held)."""
-        author = layout.rollout_author(key)
-        if self.auditor is None or author is None or not groups:
-            return True
-        volunteer = author[1]
-        outcome, problem = self.auditor.run(key, volunteer, self.fleet.clean(volunteer),
-                                            groups[0].policy_version, groups, stats.audit)
-        if outcome == "deferred":
+    def _audit(self, key: str, volunteer: str, groups: list[ScoredGroup],
+               stats: IngestStats) -> bool | None:
+        """Replay the shard's groups if it is due: True if audited (ShardError if a group
+        fails), False if not due, None if due but not auditable now (no room in the budget,
+        weights not held). A fault of the replay's own propagates."""
+        if self.auditor is None or not groups:
             return False
-        if outcome != "skipped":
-            self.fleet.count_audit(volunteer)
+        if not self.auditor.due(key, self.fleet.clean(volunteer), len(groups)):
+            stats.audit.skipped += 1
+            return False
+        if not self.auditor.admit(key, len(groups)):
+            stats.audit.deferred += 1
+            return None
+        outcome, problem = self.auditor.run(key, volunteer, groups[0].policy_version, groups,
+                                            stats.audit)
+        if outcome == "deferred":
+            return None
+        self.fleet.count_audit(volunteer)
         if problem:
             raise ShardError(*problem)
         return True
+
+    def _audit_claimants(self, volunteer: str, groups: list[ScoredGroup], stats: IngestStats) -> None:
+        """A shard that passed its audit holds content taken before from another volunteer's
+        shard without an audit: audit that shard now, if some of it is not trained yet. A
+        copy fails, is rejected (charged to the copier) and gives its claims back, so the
+        original's groups are taken."""
+        mine = {g.digest for g in groups}
+        for other in {self.ledger.owner(d) for d in mine} - {None, volunteer}:
+            for key, gs in list(self.unaudited.get(other, {}).items()):
+                if any(g.digest in mine for g in gs):
+                    self._recheck(other, key, stats)
+
+    def _caught(self, volunteer: str, stats: IngestStats) -> None:
+        """After a rejection of `volunteer`: audit every shard of its that was taken without an
+        audit and is not all trained. (Its later shards are due anyway: its clean count is 0,
+        so its rate is 1, and a draw is made from the rate of the moment.)"""
+        for key in list(self.unaudited.get(volunteer, {})):
+            self._recheck(volunteer, key, stats)
+
+    def _recheck(self, volunteer: str, key: str, stats: IngestStats) -> None:
+        """Audit now, whatever the budget, the untrained groups of `key`, taken without an
+        audit. Failed: rejected and its groups withdrawn; not auditable (weights not held, a
+        fault of the trainer): withdrawn, charged to nobody."""
+        shards = self.unaudited.get(volunteer, {})
+        taken = shards.pop(key, [])
+        groups = [g for g in taken if not self.ledger.is_done(key, g.line)]
+        if not groups or self.auditor is None:
+            return
+        try:
+            outcome, problem = self.auditor.run(key, volunteer, groups[0].policy_version, groups,
+                                                stats.audit)
+        except Exception as exc:  # the trainer's own fault: nobody is charged
+            self._log_trace(f"{type(exc).__name__} of the trainer's own while re-auditing "
+                            f"{printable(key)}", exc)
+            outcome, problem = "deferred", None
+        if outcome != "deferred":
+            self.fleet.count_audit(volunteer)
+        if outcome == "passed":
+            return
+        self.withdrawn.add(key)
+        self.ledger.release([g.digest for g in groups])
+        if problem:
+            self.fleet.revoke(volunteer, groups[0].shard_size)
+            self._reject(key, problem[0], problem[1], stats, groups[0].shard_size)
+        else:
+            self.log(f"left {printable(key)}: its re-audit cannot run now; {len(groups)} groups "
+                     "withdrawn, charged to nobody")
+
+    def _trainer_fault(self, key: str, exc: BaseException, stats: IngestStats) -> None:
+        """A fault of the trainer's own while taking `key` (its replay raised, memory ran
+        out): never charged to the volunteer. The shard is read again at later polls, and
+        after MAX_TRAINER_FAULTS faults left for this process (`trainer_error`, no ledger
+        record: a restarted trainer tries again)."""
+        self.faults[key] += 1
+        n = self.faults[key]
+        self._log_trace(f"{type(exc).__name__} of the trainer's own while taking {printable(key)} "
+                        f"({n} of {MAX_TRAINER_FAULTS}; not charged to its volunteer)", exc)
+        if n >= MAX_TRAINER_FAULTS:
+            self.taken.add(key)
+            stats.trainer_errors += 1
+            self.log(f"left {printable(key)}: trainer_error after {n} faults of the trainer's own")
+
+    def _log_trace(self, what: str, exc: BaseException) -> None:
+        trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
+        self.log(f"error: {what}:\n" + "\n".join(printable(line, 1000) for line in trace))
 
     def _numbered(self, key: str, groups: list[ScoredGroup]) -> bool:
         """Record the shard's group numbers (withheld.GroupNumbers); False if one was used
@@ -445,7 +635,7 @@ class Ingest:
             g.shard_size = len(groups)
             if self.ledger.is_done(key, g.line):
                 continue
-            if not self.ledger.claim(g.digest, g.policy_version):
+            if not self.ledger.claim(g.digest, g.policy_version, g.volunteer_id):
                 dup.append(g)
             elif max(g.rewards) == min(g.rewards):
                 zero.append(g)
@@ -469,10 +659,12 @@ class Ingest:
         """Reject a shard after intake (the trainer found its groups poison a step)."""
         self._reject(key, reason, detail, stats)
 
-    def _reject(self, key: str, reason: str, detail: str, stats: IngestStats) -> None:
-        """Record the rejection (ledger, quarantine/, counts); deny a volunteer that keeps
-        sending bad shards."""
+    def _reject(self, key: str, reason: str, detail: str, stats: IngestStats, groups: int = 1) -> None:
+        """Record the rejection (ledger, quarantine/, counts) of a shard of `groups` groups
+        (1 when they were not counted); deny a volunteer that keeps sending bad shards, and
+        audit what was taken from it without an audit (_caught)."""
         self.taken.add(key)
+        self.withdrawn.add(key)
         stats.rejected[reason] += 1
         self.ledger.record(key, "rejected", [], 0, reason=reason)
         self.log(f"rejected {printable(key)}: {printable(detail)}")
@@ -483,17 +675,22 @@ class Ingest:
             pass  # rejected before a restart: the first record stands
         except StorageError as exc:
             self.log(f"warning: {exc}")
-        self._count(key, False, stats)
+        self._count(key, False, stats, groups)
+        author = layout.rollout_author(key)
+        if author is not None:
+            self.unaudited.get(author[1], {}).pop(key, None)
+            self._caught(author[1], stats)
 
-    def _count(self, key: str, accepted: bool, stats: IngestStats) -> None:
+    def _count(self, key: str, accepted: bool, stats: IngestStats, groups: int = 1) -> None:
         parsed = layout.rollout_author(key)
         if parsed is None:
             return
         volunteer = parsed[1]
         stats.by_volunteer.setdefault(volunteer, [0, 0])[0 if accepted else 1] += 1
-        if self.fleet.note(volunteer, accepted):
+        if self.fleet.note(volunteer, accepted, groups):
             c = self.fleet.counts[volunteer]
-            reason = f"{c.rejected} of {c.accepted + c.rejected} shards rejected"
+            reason = (f"{c.rejected} of {c.accepted + c.rejected} shards "
+                      f"({c.rejected_groups} of {c.accepted_groups + c.rejected_groups} groups) rejected")
             try:
                 self.fleet.deny(self.storage, volunteer, reason)
                 self.log(f"denied volunteer {volunteer}: {reason}; lift with "

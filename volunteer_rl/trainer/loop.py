@@ -143,7 +143,7 @@ class Trainer:
             self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
             auditor = None
             if cfg.audit_tolerance > 0:
-                auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_shards,
+                auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
                                   cfg.audit_floor)
                 self.audit_policy = Policy(copy.deepcopy(policy.model).eval(), policy.tokenizer,
                                            policy.prompt_format, policy.device)
@@ -327,7 +327,7 @@ class Trainer:
         stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
         while not self._done(steps, started):
             t0 = time.time()
-            buffer += self.ingest.poll(self.window(), stats)
+            buffer = self.ingest.poll(self.window(), stats, buffer)  # less shards rejected since
             fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
             self._record(stale, "stale")
             stale_dropped += len(stale)
@@ -451,7 +451,7 @@ class Trainer:
             "ingest/shards": stats.shards, metrics.INGEST_GROUPS: stats.groups,
             "ingest/rejected": dict(stats.rejected),
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
-            "ingest/over_cap": stats.over_cap,
+            "ingest/over_cap": stats.over_cap, "ingest/trainer_errors": stats.trainer_errors,
             "ingest/by_volunteer": stats.by_volunteer,
             "audit/shards": stats.audit.audited, "audit/skipped": stats.audit.skipped,
             "audit/deferred": stats.audit.deferred, "audit/seconds": stats.audit.seconds,
