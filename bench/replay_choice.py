@@ -32,7 +32,6 @@ Baseline: the same neighbour swap under schema 4's rule on the same distribution
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import sys
@@ -42,7 +41,7 @@ import torch
 
 from bench.common import Row, cli
 from volunteer_rl.config import TrainerConfig
-from volunteer_rl.model.policy import Policy
+from volunteer_rl.model.policy import Policy, bf16_rounded
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.scoring import completion_logits
@@ -97,13 +96,6 @@ def peaked_scale(vocab: int, tok, prompts: list[list[int]]) -> float:
             hi = mid
     return math.sqrt(lo * hi)
 
-
-def bf16_rounded(policy: Policy) -> Policy:
-    model = copy.deepcopy(policy.model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    return Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
 
 
 def replay_all(policy, prompts, completions, keys, threads):

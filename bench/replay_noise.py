@@ -51,7 +51,7 @@ import torch
 from bench.generation import make_model
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig, VolunteerConfig
 from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS
-from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
+from volunteer_rl.model.policy import Policy, bf16_rounded, encode_prompts, load_policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import Sample, sample
 from volunteer_rl.protocol.draws import group_keys
@@ -127,15 +127,6 @@ def replay_all(policy: Policy, groups: Groups, samples: list[list[Sample]], temp
             setting.logprob_gap = max([setting.logprob_gap] + [
                 abs(x - y) for x, y in zip(row.logprobs, s.logprobs)])
 
-
-def bf16_rounded(policy: Policy) -> Policy:
-    """The same model with every weight rounded to bf16 and upcast, as a volunteer holds a
-    `--weights-dtype bf16` checkpoint (weights.load_weights upcasts exactly)."""
-    model = copy.deepcopy(policy.model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    return Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
 
 
 def on_device(policy: Policy, device: torch.device) -> Policy:

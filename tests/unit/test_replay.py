@@ -1,6 +1,5 @@
 """Sampling with committed Gumbel noise (model.sampling) and the trainer's replay of it
 (model.replay)."""
-import copy
 import math
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.model import replay as replay_module
-from volunteer_rl.model.policy import Policy, encode_prompts
+from volunteer_rl.model.policy import Policy, bf16_rounded, encode_prompts
 from volunteer_rl.model.replay import ReplayRow, replay
 from volunteer_rl.model.sampling import margins, sample
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
@@ -129,14 +128,6 @@ def test_draw_keys_that_do_not_fit_are_refused(tiny):
     with pytest.raises(ValueError):
         replay(policy, prompts[:2], [[[5]] * K] * 2, u, 0.0)                   # greedy: no draw
 
-
-def bf16_rounded(policy: Policy) -> Policy:
-    """The weights a `--weights-dtype bf16` volunteer holds: rounded to bf16, upcast."""
-    model = copy.deepcopy(policy.model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    return Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])

@@ -8,6 +8,7 @@ Hugging Face checkpoint goes through exactly the same code as the tiny one.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -51,6 +52,17 @@ class Policy:
     def decode_all(self, ids: list[int]) -> str:
         """Token ids to text with special tokens spelled out: what the reward must see."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def bf16_rounded(policy: Policy) -> Policy:
+    """A copy of `policy` with every weight rounded to bf16 and upcast: what a volunteer holds
+    after loading a `--weights-dtype bf16` checkpoint (weights.load_weights upcasts exactly).
+    For measuring replays against the weights volunteers really run (tests, bench)."""
+    model = copy.deepcopy(policy.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
 
 
 def format_prompt(policy: Policy, question: str) -> str:
