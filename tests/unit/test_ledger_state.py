@@ -19,7 +19,7 @@ def test_digest_ignores_what_a_replay_could_edit_and_sees_what_it_cannot():
 def test_outcomes_finish_a_shard_and_prune_drops_old_versions():
     led = Ledger()
     k5, k9 = layout.shard_key(5, "a", "s"), layout.shard_key(9, "a", "s")
-    assert led.claim("d1", 5) and not led.claim("d1", 9)
+    assert led.claim("d1", 5, "a") and not led.claim("d1", 9, "a")
     led.record(k5, "trained", [0], 2, ["d1"], step=1)
     assert not led.finished(k5) and led.is_done(k5, 0)
     led.record(k5, "zero_variance", [1], 2, ["d2"])

@@ -75,16 +75,12 @@ class Ledger:
         """Note how many groups shard `key` holds (known once it is read)."""
         self.groups[key] = groups
 
-    def seen(self, digest: str) -> bool:
-        """True if a group with this content was taken before."""
-        return digest in self.digests
-
     def owner(self, digest: str) -> str | None:
         """The volunteer a group with this content was taken from, or None."""
         taken = self.digests.get(digest)
         return taken[1] if taken else None
 
-    def claim(self, digest: str, version: int, volunteer: str = "") -> bool:
+    def claim(self, digest: str, version: int, volunteer: str) -> bool:
         """Take a group's content; False if the same content was taken before."""
         if digest in self.digests:
             return False

@@ -140,6 +140,25 @@ def classify_errors(key: str, what: str, where: str,
         raise
 
 
+DELETE_BATCH = 1000
+"""Keys one `delete_many` request takes at most (S3's DeleteObjects limit); callers that want a
+failed request to cost only its own keys hand over batches of this size."""
+
+
+def delete_each(delete: Callable[[str], None], keys: Sequence[str]) -> list[tuple[str, str]]:
+    """`delete_many` for a backend without a batch request: `delete` each key, an object
+    already gone (NotFound) skipped; (key, one-line error) of each the bucket refused."""
+    failed = []
+    for key in keys:
+        try:
+            delete(key)
+        except NotFound:
+            continue
+        except StorageError as exc:
+            failed.append((key, one_line(exc)))
+    return failed
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (a server's answer can span several)."""
     return " ".join(str(exc).split()) or type(exc).__name__

@@ -22,8 +22,8 @@ from volunteer_rl.storage.base import (
     Transient,
     check_cap,
     classify_errors,
+    delete_each,
     is_transient_os_error,
-    one_line,
 )
 
 
@@ -216,13 +216,4 @@ class FsspecStorage:
             raise
         except (OSError, StorageError):
             pass
-        failed = []
-        for key in keys:
-            try:
-                with self._errors(key, "delete"):
-                    self.fs.rm_file(self._path(key))
-            except FileNotFoundError:
-                continue
-            except StorageError as exc:
-                failed.append((key, one_line(exc)))
-        return failed
+        return delete_each(self.delete, keys)

@@ -24,7 +24,7 @@ from volunteer_rl.storage.base import (
     TooLarge,
     check_cap,
     classify_errors,
-    one_line,
+    delete_each,
 )
 
 READ_CHUNK = 16 << 20
@@ -326,12 +326,4 @@ class LocalStorage:
 
     def delete_many(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         """`delete` each object (a folder has no batch delete); one already gone is fine."""
-        failed = []
-        for key in keys:
-            try:
-                self.delete(key)
-            except NotFound:
-                continue
-            except StorageError as exc:
-                failed.append((key, one_line(exc)))
-        return failed
+        return delete_each(self.delete, keys)

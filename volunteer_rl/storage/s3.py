@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable, Iterator, Sequence
 
 from volunteer_rl.storage.base import (
+    DELETE_BATCH,
     AlreadyExists,
     Forbidden,
     NotFound,
@@ -72,9 +73,6 @@ is the limit, a big object splits after PROBE_BYTES."""
 RETRY_EVERY = 10
 """Once both upload methods have been measured, every this many big uploads use the one that
 is not the current best, so the choice follows a link that changes."""
-
-DELETE_BATCH = 1000
-"""Keys per DeleteObjects request: S3's own limit."""
 
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 120

@@ -49,7 +49,7 @@ from volunteer_rl.protocol.manifest import (
 )
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.storage.base import NotFound, Storage, StorageError, one_line
+from volunteer_rl.storage.base import DELETE_BATCH, NotFound, Storage, StorageError, one_line
 
 DEFAULT_PREFIXES = (layout.CHECKPOINTS, layout.ROLLOUTS)
 """Top-level prefixes whose old versions retention removes."""
@@ -58,8 +58,6 @@ DEBRIS_PREFIXES = (layout.CHECKPOINTS,)
 PROTECTED = frozenset({layout.MANIFEST, layout.MANIFESTS})
 """Never deleted whatever the caller asks: the commit point and the version history."""
 
-DELETE_CHUNK = 1000
-"""Keys handed to one `delete_many` call (S3 takes 1,000 per DeleteObjects request)."""
 LIST_LIMIT = 1000
 """Keys one listing of the trainer's pass asks for (one S3 LIST page)."""
 MAX_LISTINGS_PER_PASS = 64
@@ -221,11 +219,11 @@ def _failure(key: str, exc: BaseException) -> tuple[str, str]:
 
 
 def delete_batch(storage: Storage, keys: Sequence[str]) -> list[tuple[str, str]]:
-    """Delete `keys` DELETE_CHUNK at a time; (key, one-line error) of each that stays. A
+    """Delete `keys` DELETE_BATCH at a time; (key, one-line error) of each that stays. A
     failed request fails its keys, not the batches after it."""
     failed: list[tuple[str, str]] = []
-    for start in range(0, len(keys), DELETE_CHUNK):
-        chunk = keys[start:start + DELETE_CHUNK]
+    for start in range(0, len(keys), DELETE_BATCH):
+        chunk = keys[start:start + DELETE_BATCH]
         try:
             failed += storage.delete_many(chunk)
         except (StorageError, OSError) as exc:
