@@ -126,10 +126,10 @@ def _replay_rows(policy: Policy, prompts: list[list[int]],
         t = flat_tokens[a:a + step]
         scores = perturbed(z, temperature, gumbel_noise(flat_words[a:a + step],
                                                          flat_pos[a:a + step], vocab))
-        margin.append(margins(scores, t))
-        top = scores.topk(2, dim=-1).indices
-        drawn.append(top[:, 0])
-        second.append(top[:, 1])
+        top = scores.topk(2, dim=-1)  # one pass over the vocabulary for the rule and the tokens
+        margin.append(margins(scores, t, top))
+        drawn.append(top.indices[:, 0])
+        second.append(top.indices[:, 1])
         logps.append(logprobs_of(z, temperature).gather(1, t[:, None])[:, 0])
     margin_list = torch.cat(margin).tolist()
     logp_list = torch.cat(logps).tolist()

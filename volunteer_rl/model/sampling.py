@@ -117,7 +117,8 @@ def draw(scores: torch.Tensor) -> torch.Tensor:
     return scores.argmax(-1)
 
 
-def margins(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def margins(scores: torch.Tensor, tokens: torch.Tensor,
+            top: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The replay's acceptance rule: for perturbed scores [rows, V] and one submitted token
     per row, the margin by which that token won, in nats (float64 [rows]):
 
@@ -128,9 +129,10 @@ def margins(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
     The caller accepts margin >= -tolerance: the replay's own token, or the runner-up when the
     top two nearly tie (float noise between sampler and replay can swap a near-tie, nothing
-    else). So at most two tokens ever pass at a position, and two only at a near-tie."""
-    top, idx = scores.topk(2, dim=-1)
-    gap = top[:, 0] - top[:, 1]
+    else). So at most two tokens ever pass at a position, and two only at a near-tie.
+    `top`: `scores.topk(2, dim=-1)` if the caller has it already (the replay keeps its indices)."""
+    values, idx = scores.topk(2, dim=-1) if top is None else top
+    gap = values[:, 0] - values[:, 1]
     t = tokens.to(scores.device)
     m = torch.where(t == idx[:, 0], gap, torch.where(t == idx[:, 1], -gap, -math.inf))
     return torch.where(m.isnan(), -math.inf, m)
