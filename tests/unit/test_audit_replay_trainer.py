@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.honest_groups import honest_group
-from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.task.reward import completion_reward
@@ -30,17 +30,10 @@ def trainer(tmp_path_factory):
     test here exhausts), and the policy of its v0: v1 is v0 with every weight perturbed, so
     a group replayed against the wrong version's weights does not pass."""
     root = tmp_path_factory.mktemp("audit-trainer")
-    eval_csv = root / "eval5.csv"
-    eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:6]))
-    cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=0, eval_every=0,
-                        eval_dataset=str(eval_csv), work_dir=str(root / "work"),
-                        signing_key=str(root / "key.pem"), k=K, max_new_tokens=MAX_NEW,
-                        max_staleness=2, audit_share=1.0, dashboard_every=0)
     # One thread: two wait for each other at every op on a busy 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    t = Trainer(cfg, log=lambda m: None)
-    t.start()
+    t = started_trainer(root, k=K, max_new_tokens=MAX_NEW, max_staleness=2, audit_share=1.0)
     v0 = copy.deepcopy(t.published_policy)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from helpers.trainers import started_trainer
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.ingest import ScoredGroup
@@ -21,16 +21,10 @@ from volunteer_rl.trainer.step import train_step
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("step-bounds")
-    eval_csv = root / "eval5.csv"
-    eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:6]))
-    cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=0, eval_every=0,
-                        eval_dataset=str(eval_csv), work_dir=str(root / "work"),
-                        signing_key=str(root / "key.pem"), k=4, dashboard_every=0)
     # One thread: two wait for each other at every op on a busy 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    t = Trainer(cfg, log=lambda m: None)
-    t.start()
+    t = started_trainer(root, k=4)
     yield t
     torch.set_num_threads(threads)
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup
 from volunteer_rl.trainer.loop import Trainer
@@ -21,14 +21,7 @@ from volunteer_rl.trainer.step import non_finite_groups, train_step
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("step-safety")
-    eval_csv = root / "eval5.csv"
-    eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:6]))
-    cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=0, eval_every=0,
-                        eval_dataset=str(eval_csv), work_dir=str(root / "work"),
-                        signing_key=str(root / "key.pem"), k=4, dashboard_every=0)
-    t = Trainer(cfg, log=lambda m: None)
-    t.start()
-    return t
+    return started_trainer(root, k=4)
 
 
 def group(t: Trainer, i: int, volunteer: str, logprob: float = -1.0) -> ScoredGroup:
