@@ -61,6 +61,8 @@ def trainer(
     audit_share: float = T("audit_share"),
     audit_full_groups: int = T("audit_full_groups"),
     audit_floor: float = T("audit_floor"),
+    curriculum: bool = T("curriculum"),
+    prompt_pool: int = T("prompt_pool"),
     deny_after: int = T("deny_after"),
     deny_rate: float = T("deny_rate"),
     log_shards: bool = T("log_shards"),

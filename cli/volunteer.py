@@ -39,7 +39,6 @@ def volunteer(
     heartbeat_seconds: float = V("heartbeat_seconds"),
     seed: Optional[int] = V("seed"),
     threads: int = V("threads"),
-    curriculum: bool = V("curriculum"),
     nice: int = V("nice"),
     device: str = DEVICE,
     work_dir: str = V("work_dir"),

@@ -130,7 +130,15 @@ class TrainerConfig(_Checked):
     warm_start_steps: int = 900
     """Supervised steps before v0 when the model is built from scratch (`tiny`)."""
     seed: int = 0
-    """Seeds model init, the warm start and batch order."""
+    """Seeds model init, the warm start, batch order and the curriculum's pools."""
+    curriculum: bool = True
+    """Fill each version's prompt pool where groups are likely to have reward variance, by
+    difficulty stratum, skipping most prompts whose last group was all right or all wrong
+    (task/curriculum.py); off: uniformly at random."""
+    prompt_pool: int = setting(256, at_least=1, at_most=4096)
+    """Prompts in each version's pool (manifest `prompt_pool`, at most protocol.manifest.
+    MAX_POOL): volunteers' groups are drawn from it by group number. Large enough that the
+    groups of one version rarely share a prompt."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit)."""
     max_seconds: float = 0.0
@@ -210,10 +218,6 @@ class VolunteerConfig(_Checked):
     """...or once its oldest group is this many seconds old."""
     poll_seconds: float = 1.0
     """Seconds between manifest polls while there is nothing to do."""
-    curriculum: bool = True
-    """Draw prompts where groups are likely to have reward variance, by difficulty stratum
-    (off: uniformly at random). Most prompts whose last group was all right or all wrong are
-    skipped (volunteer/curriculum.py)."""
     max_groups_per_version: int = 0
     """Generate at most this many groups with one version, then wait for the next (0: no cap).
     A trainer takes only so many groups per version; past that, donated compute only makes
@@ -239,8 +243,9 @@ class VolunteerConfig(_Checked):
     work_dir: str = ".vrl/volunteer"
     """Local cache for the dataset and checkpoints."""
     seed: int | None = None
-    """Seed for prompt choice (default: random). Sampling noise is not the volunteer's to
-    choose: it is committed (protocol.draws)."""
+    """Accepted and unused since schema 6, so older command lines still run: a volunteer
+    makes no random choice. Its prompts are drawn from the manifest's pool by group number
+    and its sampling noise is committed (protocol.draws)."""
     trust_key: str | None = None
     """The trainer's public key (`ed25519:...` or a file holding it); without it the key of the
     first manifest seen is trusted and pinned for this bucket, in <work_dir>/trusted-keys.json."""

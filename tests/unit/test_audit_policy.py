@@ -2,6 +2,7 @@
 draw made once per shard, window weights, group numbers on both sides, fleet counts."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from volunteer_rl.trainer.audit import (
 )
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.withheld import GroupNumbers
+from volunteer_rl.volunteer.numbering import RESUME_GAP
 from volunteer_rl.volunteer.numbering import GroupNumbers as VolunteerNumbers
 
 
@@ -179,24 +181,64 @@ def test_window_weights_hold_each_version_as_published_and_drop_old_ones():
 
 def test_group_numbers_count_gaps_when_their_version_leaves_the_window():
     seen = GroupNumbers()
-    assert seen.add("a", 5, [0, 1, 2])
-    assert seen.add("a", 5, [5, 6])  # 3 and 4 never arrive
-    assert not seen.add("a", 5, [6, 7])  # 6 again: refused, and 7 not recorded
-    assert not seen.add("a", 5, [8, 8])
-    assert seen.add("b", 5, [0]) and seen.add("a", 6, [0])
+    assert seen.add("a", "k1", 5, [0, 1, 2]) is None
+    assert seen.add("a", "k2", 5, [5, 6]) is None  # 3 and 4 never arrive
+    assert seen.add("a", "k3", 5, [6, 7]) == "seq_reused"  # 6 again: refused, 7 not recorded
+    assert seen.add("a", "k4", 5, [8, 8]) == "seq_reused"
+    assert seen.add("a", "k2", 5, [5, 6]) is None  # the same shard read again (a restart)
+    assert seen.add("b", "k5", 5, [0]) is None and seen.add("a", "k6", 6, [9]) is None
     assert seen.close_below(6) == {"a": (7, 2), "b": (1, 0)}
     assert seen.close_below(6) == {}  # closed once
-    assert seen.add("a", 6, [1])
+    assert seen.add("a", "k7", 6, [10]) is None
+
+
+def test_the_tail_a_volunteer_drops_shows_once_a_later_version_arrives():
+    seen = GroupNumbers()
+    assert seen.add("a", "k1", 5, list(range(0, 10))) is None  # 10..19 sampled, kept back
+    assert seen.add("a", "k2", 6, list(range(20, 30))) is None
+    assert seen.close_below(6) == {"a": (10, 0)}  # v5's own numbers: nothing missing yet
+    assert seen.close_below(7) == {"a": (20, 10)}  # v5's tail counted with v6
+    assert seen.next_number("a") == 30 and seen.next_number("nobody") == 0
+
+
+def test_numbers_out_of_order_with_their_versions_are_refused():
+    """An honest volunteer's numbers grow with its versions: a number kept back under v5 and
+    sampled again under v6 (a new prompt and new noise) after higher ones went out is not."""
+    seen = GroupNumbers()
+    assert seen.add("a", "k1", 5, [0, 1, 2, 3]) is None
+    assert seen.add("a", "k2", 6, [2]) == "seq_reused"
+    assert seen.add("a", "k3", 6, [4, 5]) is None
+    assert seen.add("a", "k4", 5, [6]) == "seq_order"  # v5 above a v6 number
+    assert seen.add("a", "k5", 7, [5]) == "seq_reused"
+    assert seen.add("a", "k6", 7, [3]) == "seq_reused"
+    assert seen.close_below(6) == {"a": (4, 0)}
+    assert seen.add("a", "k7", 7, [6]) is None
+    assert seen.add("a", "k8", 6, [1]) == "seq_order"  # below the closed frontier
+
+
+def test_group_numbers_survive_the_trainers_state_file():
+    seen = GroupNumbers()
+    assert seen.add("a", "k1", 5, [0, 1, 2, 7, 8]) is None
+    assert seen.add("b", "k2", 6, [3]) is None
+    seen.close_below(6)
+    again = GroupNumbers.from_json(json.loads(json.dumps(seen.to_json())))
+    assert again.add("b", "k3", 6, [3]) == "seq_reused"  # a restart forgets no number
+    assert again.add("b", "k2", 6, [3]) is None  # but the same shard may be read again
+    assert again.add("a", "k4", 6, [5]) == "seq_order"  # v5 closed at 9: 3..6 missing
+    assert again.next_number("a") == 9 and again.next_number("b") == 4
+    with pytest.raises(ValueError):
+        GroupNumbers.from_json({"a": {"frontier": "x", "shards": []}})
 
 
 def test_a_volunteer_goes_on_numbering_where_it_stopped_after_a_restart(tmp_path):
     path = tmp_path / "numbers.json"
     n = VolunteerNumbers(path)
-    assert n.take("run-a", 3, 16) == 0
-    assert n.take("run-a", 3, 16) == 16
-    again = VolunteerNumbers(path)  # restarted inside version 3
-    assert again.take("run-a", 3, 4) == 32
-    assert again.take("run-a", 4, 4) == 0  # a new version starts at 0
-    assert again.take("run-b", 4, 1) == 0  # so does a new run
+    assert n.take("run-a", 16) == 0
+    assert n.take("run-a", 16) == 16
+    again = VolunteerNumbers(path)  # restarted
+    assert again.take("run-a", 4, lambda: 999) == 32  # its own record wins over fleet.json
+    assert again.take("run-b", 1) == 0  # a new run starts at 0
     path.write_text("{not json")
-    assert VolunteerNumbers(path).take("run-b", 4, 1) == 0
+    assert VolunteerNumbers(path).take("run-b", 1) == 0
+    path.unlink()  # lost: go on past where the trainer saw it get to
+    assert VolunteerNumbers(path).take("run-b", 1, lambda: 40) == 40 + RESUME_GAP

@@ -79,7 +79,8 @@ def test_help_shows_the_defaults_and_docs_of_the_config():
                   "[env var: VRL_ENDPOINT_URL]", "Example: vrl trainer --bucket"):
         assert shown in out, shown
     out = vrl("volunteer", "--help").stdout
-    assert "[0<=x<=19]" in out and "[default: .vrl/volunteer]" in out and "--no-curriculum" in out
+    assert "[0<=x<=19]" in out and "[default: .vrl/volunteer]" in out and "--no-curriculum" not in out
+    assert "--no-curriculum" in vrl("trainer", "--help").stdout  # the trainer's, since schema 6
 
 
 def test_no_flags_give_the_dataclass_defaults(built, tmp_path):
@@ -94,13 +95,13 @@ def test_flags_and_environment_reach_the_config(built, tmp_path):
     r = vrl("trainer", "-b", "s3://x/run", "-k", "4", "--lr", "5e-4", "--log-shards",
             "--weights-dtype", "bf16", "--max-seconds", "2.5", VRL_ENDPOINT_URL="http://s3:9000")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["trainer stopped at v3"], r.output
-    r = vrl("volunteer", "--bucket", "b", "--id", "laptop", "--no-curriculum", "--seed", "3",
+    r = vrl("volunteer", "--bucket", "b", "--id", "laptop", "--seed", "3",
             VRL_TRUST_KEY="ed25519:abc")
     assert r.exit_code == 0 and "volunteer vol-1 stopped after uploading 7 groups" in r.stdout
     assert built == [
         TrainerConfig(bucket="s3://x/run", endpoint_url="http://s3:9000", k=4, lr=5e-4,
                       log_shards=True, weights_dtype="bf16", max_seconds=2.5),
-        VolunteerConfig(bucket="b", volunteer_id="laptop", curriculum=False, seed=3,
+        VolunteerConfig(bucket="b", volunteer_id="laptop", seed=3,
                         trust_key="ed25519:abc")]
 
 

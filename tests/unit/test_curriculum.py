@@ -2,7 +2,7 @@
 import random
 
 from volunteer_rl.task.dataset import Problem
-from volunteer_rl.volunteer.curriculum import FLOOR, PromptPicker, stratum
+from volunteer_rl.task.curriculum import FLOOR, PromptPicker, stratum
 
 
 def problems(per_stratum: int = 50) -> list[Problem]:

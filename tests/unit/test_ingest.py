@@ -120,6 +120,38 @@ def test_bad_groups_reject_the_whole_shard(groups, vol_in_key, reason):
     assert f'"reason": "{reason}"' in record.decode()
 
 
+def test_a_group_for_another_prompt_than_its_number_draws_rejects_the_shard():
+    """Schema 6: the pool of each version is published, and group number n of a volunteer
+    is for pool_prompt(pool, run, version, volunteer, n); any other prompt is a choice the
+    volunteer made (resampling a number with prompts until it likes one)."""
+    from volunteer_rl.protocol.draws import pool_prompt
+
+    s = fresh_storage("prompt-draw")
+    pools = {3: (0, 1)}
+    r = rules()
+    r.run_id = "run-p"
+    honest, chosen = [], []
+    for seq in range(40):  # about half the numbers draw each of the two prompts
+        drawn = pool_prompt(pools[3], "run-p", 3, "v1", seq)
+        grp = g(drawn, 3, "v1", [[12], [8]])
+        grp.seq = seq
+        (honest if seq < 20 else chosen).append(grp)
+    chosen = [x for x in chosen if x.prompt_id == 1]  # only prompt 1's numbers...
+    for x in chosen:
+        x.prompt_id = 0  # ...sent for prompt 0 instead
+        x.completions = [Completion(c.token_ids, c.logprobs, c.text, r.reward(0, c.token_ids))
+                         for c in x.completions]
+    assert chosen
+    put(s, 3, "v1", honest, name="a-honest")
+    put(s, 3, "v1", chosen, name="b-chosen")
+    stats = IngestStats()
+    ing = Ingest(s, r, Ledger(), Fleet(), None, lambda m: None)
+    out = ing.poll(Window(3, 2, {1, 2, 3}, pools), stats)
+    assert {x.seq for x in out} <= set(range(20)) and out
+    assert stats.rejected == {"prompt_mismatch": 1}
+    assert stats.by_volunteer == {"v1": [1, 1]}
+
+
 def test_unreadable_shard_is_reported_and_skipped():
     s = fresh_storage("garbage")
     s.write("rollouts/v000001/v1/x.jsonl.gz", b"\x1f\x8b garbage")

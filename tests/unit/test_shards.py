@@ -49,7 +49,7 @@ def test_shard_names_never_collide():
     (raw(group(seq="3")), "bad_schema"),
     (raw(group(seq=True)), "bad_schema"),
     (raw(group(seq=-1)), "bad_seq"),
-    (raw(group(seq=1 << 20)), "bad_seq"),
+    (raw(group(seq=1 << 40)), "bad_seq"),
     (raw({k: v for k, v in group().items() if k != "seq"}), "bad_schema"),  # a schema-1 line
     (raw(group(completions=[])), "bad_lengths"),
     (raw(group(completions=[{"token_ids": [1], "logprobs": [-0.1, -0.2], "text": "", "reward": 0}])), "bad_lengths"),

@@ -93,12 +93,13 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
 
     class M:
         run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
+        prompt_pool = (0,)
 
     monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
     monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))
     monkeypatch.setattr(vol, "fetched_text", lambda f, m: "keyframe")
     monkeypatch.setattr(vol, "load_policy", lambda folder, device: small)
-    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: [])
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: ["one row"])
     before = torch.get_num_threads()
     try:
         for threads, expected, how in ((0, 1, "auto"), (2, 2, "--threads")):

@@ -203,6 +203,12 @@ def _cell(x) -> str:
     return html.escape("-" if x is None else printable(x))
 
 
+def _missing(row: dict) -> str | None:
+    """Group numbers the trainer never received, of those closed: share and count."""
+    rate, n = row["groups_missing_rate"], row.get("groups_missing")
+    return None if rate is None else f"{rate:.0%} ({n:,})"
+
+
 def fleet_rows_html(status: dict) -> str:
     rows = []
     for r in status["volunteers"]:
@@ -214,7 +220,7 @@ def fleet_rows_html(status: dict) -> str:
                  None if r["version"] is None else f"v{r['version']}", r["version_lag"],
                  None if rate is None else f"{rate:,.0f}", r["completions_total"] and f"{r['completions_total']:,.0f}",
                  f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} ({acc})",
-                 r["groups_trained"], (r["host"] or {}).get("device")]
+                 _missing(r), r["groups_trained"], (r["host"] or {}).get("device")]
         rows.append(f'<tr class="{html.escape(r["state"])}">' +
                     "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(rows)
@@ -228,7 +234,7 @@ def index_html(status: dict, now: float) -> str:
                  f"greedy {evals[-1].get('accuracy_greedy') or 0:.1%}") if evals else "none yet"
     reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
     head = ("volunteer", "state", "seen", "version", "lag", "compl/min", "completions",
-            "accepted shards", "groups trained", "device")
+            "accepted shards", "groups missing", "groups trained", "device")
     plots = "\n".join(f'<img src="{plot_file(p)}" alt="{p}">' for p in PLOTS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     return f"""<!doctype html>

@@ -22,9 +22,10 @@ which is an exact sample of softmax(z), with one noise value per vocabulary entr
 with mix32 the 32-bit mixer below (lowbias32: xor-shifts and multiplications mod 2**32).
 run_id is the manifest's run id, version the policy version the group is sampled with,
 volunteer_id the volunteer's id, seq the group's number among this volunteer's groups of
-this version (0, 1, 2, ... without gaps, so a volunteer cannot try several keys for one
-prompt and keep the one it likes), prompt_id the dataset row and index the completion's
-index 0..K-1 in its group.
+this run (0, 1, 2, ... without gaps, across versions, so a volunteer cannot try several
+keys for one prompt and keep the one it likes), prompt_id the dataset row and index the
+completion's index 0..K-1 in its group. The prompt is committed too: group number seq of
+a version is sampled for the prompt `pool_prompt` draws from that version's pool.
 
 Why Gumbel-max and not one uniform per position by inverse CDF: in the tail of a real
 vocabulary hundreds of tiny CDF intervals lie within float noise of one uniform, so a replay
@@ -83,6 +84,37 @@ def group_keys(run_id: str, version: int, volunteer_id: str, seq: int, prompt_id
     """The keys of a group's K completions (index 0..k-1), what `model.sampling.sample`
     takes for one prompt to sample that group honestly."""
     return [draw_key(run_id, version, volunteer_id, seq, prompt_id, j) for j in range(k)]
+
+
+PROMPT_DOMAIN = b"vrl-prompt-v1"
+"""Domain tag of the prompt draw: a group's prompt is no choice of the volunteer's either."""
+
+
+def prompt_index(run_id: str, version: int, volunteer_id: str, seq: int, pool_size: int) -> int:
+    """Which entry of version `version`'s prompt pool (the manifest's `prompt_pool`, of
+    `pool_size` rows) group number `seq` of `volunteer_id` must be sampled for:
+
+        h = sha256(b"vrl-prompt-v1" + for each field of (run_id, version, volunteer_id, seq):
+                   b"\\x00" + str(field).encode("utf-8"))
+        index = (big-endian uint64 of h[0:8]) mod pool_size
+
+    A volunteer that samples a number sees the prompt it gets, and can only upload the group
+    or leave a gap (trainer.withheld counts those). The modulo's bias is below 2**-50 for
+    any pool a manifest may hold."""
+    if pool_size < 1:
+        raise ValueError("the prompt pool is empty")
+    h = hashlib.sha256(PROMPT_DOMAIN)
+    for field in (run_id, version, volunteer_id, seq):
+        text = str(field)
+        if "\x00" in text:
+            raise ValueError(f"a draw key field may not contain NUL: {text!r:.40}")
+        h.update(b"\x00" + text.encode("utf-8"))
+    return struct.unpack(">Q", h.digest()[:8])[0] % pool_size
+
+
+def pool_prompt(pool, run_id: str, version: int, volunteer_id: str, seq: int) -> int:
+    """The dataset row (prompt id) group number `seq` must be sampled for: pool[prompt_index]."""
+    return pool[prompt_index(run_id, version, volunteer_id, seq, len(pool))]
 
 
 def key_words(key: bytes) -> tuple[int, int]:

@@ -70,6 +70,9 @@ PATCH_FILE = "weights.vrlpatch"
 version N's checkpoint folder."""
 MAX_PATCHES = 256
 """Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
+MAX_POOL = 4096
+"""Most rows a manifest's `prompt_pool` may hold (a pool of 4,096 is about 30 KB of JSON)."""
+"""Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
 PIECE_BYTES = 64 << 20
 """Bytes per hashed piece of the weights file the trainer publishes (the last is shorter)."""
 _PIECE_RANGE = (1 << 20, 1 << 30)
@@ -172,6 +175,10 @@ class Manifest:
     max_shard_groups: int = MAX_GROUPS_PER_SHARD
     """Most groups one shard may hold (1..MAX_GROUPS_PER_SHARD). Absent in manifests of
     older trainers, which took up to MAX_GROUPS_PER_SHARD."""
+    prompt_pool: tuple[int, ...] = (0,)
+    """Dataset rows this version's groups are sampled for (schema 6): group number n of a
+    volunteer is sampled for pool_prompt(prompt_pool, run_id, version, volunteer, n). The
+    trainer fills it from its curriculum (task.curriculum); 1..MAX_POOL rows of the dataset."""
     weights: Weights | None = None
     """Pieces and chain of the weights file (schema 3 on). None only for a checkpoint without
     weights, which no reader loads (tests of the protocol's other parts)."""
@@ -213,6 +220,7 @@ class Manifest:
                 prompt_format=str(raw["prompt_format"]),
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
                 max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
+                prompt_pool=_pool(raw["prompt_pool"]),
                 weights=_weights(raw.get("weights")),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
@@ -226,12 +234,23 @@ class Manifest:
                                 f"an integer in 1..{MAX_GROUPS_PER_SHARD}")
         if not math.isfinite(m.created_at):  # "nan" as a string survives signing and float()
             raise ManifestError(f"{layout.MANIFEST}: malformed (created_at {m.created_at!r})")
+        if type(m.dataset.rows) is not int or not 1 <= len(m.prompt_pool) <= MAX_POOL or not all(
+                0 <= r < m.dataset.rows for r in m.prompt_pool):
+            raise ManifestError(f"{layout.MANIFEST}: prompt_pool must hold 1..{MAX_POOL} rows "
+                                f"of the dataset's {m.dataset.rows}")
         if (m.weights is None) != (KEYFRAME_FILE not in m.files):
             raise ManifestError(f"{layout.MANIFEST}: weights: files must list {KEYFRAME_FILE} "
                                 "exactly when the manifest has weights")
         if m.weights is not None:
             _check_weights(m)
         return m
+
+
+def _pool(raw) -> tuple[int, ...]:
+    """The `prompt_pool` list, each entry an integer (bounds: Manifest.from_raw)."""
+    if not isinstance(raw, list) or len(raw) > MAX_POOL or not all(type(r) is int for r in raw):
+        raise ValueError(f"prompt_pool must be a list of at most {MAX_POOL} integers")
+    return tuple(raw)
 
 
 def _link(raw) -> Link:

@@ -4,9 +4,9 @@ A line:
     {"prompt_id": 17, "policy_version": 42, "volunteer_id": "laptop-ab12", "seq": 5,
      "completions": [{"token_ids": [..], "logprobs": [..], "text": "..", "reward": 1.0}, ..]}
 
-`seq` numbers a volunteer's groups of one version 0, 1, 2, ... without gaps: it keys the
-group's committed sampling noise (protocol.draws) and lets the trainer count the numbers it
-never received.
+`seq` numbers a volunteer's groups of one run 0, 1, 2, ... without gaps, across versions: it
+draws the group's prompt from the version's pool and keys its committed sampling noise
+(protocol.draws), and lets the trainer count the numbers it never received (trainer.withheld).
 
 Volunteers are strangers, so decoding is defensive: decompression is streamed and stops at a
 byte cap (a gzip bomb costs us the cap, not its size), a line's size is capped by what the
@@ -46,9 +46,9 @@ MAX_COMPLETIONS_PER_GROUP = 64
 MAX_TOKENS_PER_COMPLETION = 2048
 MAX_INT_DIGITS = 18
 """Digits of a JSON integer (ids, versions): a longer literal is refused, not made a bignum."""
-MAX_GROUP_SEQ = 1 << 20
-"""Group numbers per volunteer and version are below this: more groups than 1,024 shards of
-256 can carry, and a bound on what the trainer remembers per volunteer and version."""
+MAX_GROUP_SEQ = 1 << 40
+"""Group numbers of one volunteer in one run are below this (numbering runs across versions):
+a thousand groups a second for thirty years."""
 MAX_NESTING = 4
 """A line is {completions: [{token_ids: [...]}]}: four levels. Deeper is refused before parsing."""
 LOGPROB_FLOOR = -40.0
@@ -84,7 +84,7 @@ class Group:
     policy_version: int
     volunteer_id: str
     seq: int
-    """This group's number among the volunteer's groups of `policy_version`."""
+    """This group's number among the volunteer's groups of the run (volunteer.numbering)."""
     completions: list[Completion]
 
 

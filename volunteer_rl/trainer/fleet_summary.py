@@ -26,7 +26,7 @@ from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 from volunteer_rl.trainer.fleet import Fleet
 
-SUMMARY_SCHEMA = 3
+SUMMARY_SCHEMA = 4
 SUMMARY_INTERVAL_SECONDS = 5.0
 TIMELINE_POINTS = 256
 TIMELINE_SECONDS = 900.0
@@ -63,8 +63,10 @@ def add_point(timeline: list[list[float]], now: float, version: int) -> None:
 
 def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                     volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
-                    evals: list[dict], timeline: list[list[float]], now: float) -> dict:
-    """The JSON object of fleet.json (schema in docs/PROTOCOL.md)."""
+                    evals: list[dict], timeline: list[list[float]], now: float,
+                    next_number: Callable[[str], int] = lambda vid: 0) -> dict:
+    """The JSON object of fleet.json (schema in docs/PROTOCOL.md). `next_number`: one past
+    the highest group number received from a volunteer (withheld.GroupNumbers.next_number)."""
     ids = set(volunteers) | set(fleet.counts) | set(fleet.denied)
     rows = {}
     for vid in sorted(ids):
@@ -76,6 +78,7 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                      "audited_shards": c.audited if c else 0,
                      "groups_numbered": c.numbered if c else 0,
                      "groups_missing": c.missing if c else 0,
+                     "next_group_number": next_number(vid),
                      "groups_trained": v.get("groups_trained", 0), "last_version": last,
                      "version_lag": None if last is None else version - last,
                      "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied}
@@ -119,7 +122,8 @@ class FleetSummary:
             self.log(f"warning: {layout.FLEET}: not carried over ({exc})")
 
     def after_publish(self, manifest: Manifest, step: int, records: list[Record], fleet: Fleet,
-                      final: bool = False) -> None:
+                      final: bool = False,
+                      next_number: Callable[[str], int] = lambda vid: 0) -> None:
         """Take in the metric records of the steps that led to `manifest`; write fleet.json if
         due."""
         if not self.loaded:
@@ -138,7 +142,8 @@ class FleetSummary:
             self.last_write = now
             self.write(summary_payload(manifest.run_id, manifest.version, step,
                                        manifest.max_staleness, self.volunteers, fleet,
-                                       self.last_step, self.evals, self.timeline, now))
+                                       self.last_step, self.evals, self.timeline, now,
+                                       next_number))
 
     def write(self, payload: dict) -> None:
         try:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from volunteer_rl.faults import crash_point
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import pool_prompt
 from volunteer_rl.protocol.ledger import Ledger, group_digest
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import (
@@ -59,6 +60,13 @@ still read in that poll. The rest wait for the next poll."""
 MAX_TRAINER_FAULTS = 3
 """Times the trainer's own fault (an exception of the replay: out of memory, a torch error)
 may stop a shard's intake before the shard is left for this process, charged to nobody."""
+
+
+NUMBERING_ERRORS = {
+    "seq_reused": "a group number this volunteer used before",
+    "seq_order": "group numbers out of order with the versions they were sampled under",
+}
+"""The messages of withheld.GroupNumbers' reason codes."""
 
 
 @dataclass
@@ -107,6 +115,10 @@ class Window:
     max_staleness: int
     published: set[int]
     """Committed versions inside the window (a crashed publish leaves gaps)."""
+    pools: dict[int, tuple[int, ...]] | None = None
+    """Each published version's prompt pool (its manifest's `prompt_pool`): a group's prompt
+    must be the one its number draws from it. The trainer always gives them; None only in
+    unit tests of the other rules."""
 
     def versions(self) -> range:
         return layout.window(self.version, self.max_staleness)
@@ -133,6 +145,8 @@ class Rules:
     same way again and again, so most rescoring is a lookup."""
     max_groups: int = SHARD_GROUPS_LIMIT
     """Groups per shard: the manifest's `max_shard_groups`."""
+    run_id: str = ""
+    """The run's id: with the version, volunteer and number, it draws each group's prompt."""
 
     def reward(self, prompt_id: int, token_ids: list[int]) -> float:
         key = (prompt_id, tuple(token_ids))
@@ -175,6 +189,14 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, wi
         raise ShardError("volunteer_mismatch", f"group says {g.volunteer_id!r}")
     if not 0 <= g.prompt_id < len(rules.problems):
         raise ShardError("unknown_prompt", f"prompt id {g.prompt_id}")
+    if win.pools is not None:
+        pool = win.pools.get(g.policy_version)
+        if not pool:  # a published version whose pool the trainer could not read back
+            raise ShardError("unpublished_version", f"v{g.policy_version}: its prompt pool is unknown")
+        drawn = pool_prompt(pool, rules.run_id, g.policy_version, g.volunteer_id, g.seq)
+        if g.prompt_id != drawn:
+            raise ShardError("prompt_mismatch", f"group {g.seq} is for prompt {g.prompt_id}, its "
+                             f"number draws prompt {drawn} from v{g.policy_version}'s pool")
     if len(g.completions) != rules.k:
         raise ShardError("bad_group_size", f"{len(g.completions)} completions, manifest says {rules.k}")
     for c in g.completions:
@@ -245,14 +267,20 @@ class Ingest:
 
     def __init__(self, storage: Storage, rules: Rules, ledger: Ledger, fleet: Fleet,
                  auditor: Auditor | None = None, log: Callable[[str], None] = print,
-                 log_shards: bool = False, fetch_workers: int = FETCH_WORKERS):
+                 log_shards: bool = False, fetch_workers: int = FETCH_WORKERS,
+                 numbers: GroupNumbers | None = None,
+                 observe: Callable[[int, list[float]], None] | None = None):
         self.storage = storage
         self.rules = rules
         self.ledger = ledger
         self.fleet = fleet
         self.auditor = auditor
         """None: no shard is audited (--audit-tolerance 0)."""
-        self.numbers = GroupNumbers()
+        self.numbers = numbers or GroupNumbers()
+        """Group numbers received (withheld.GroupNumbers): saved with the trainer's state."""
+        self.observe = observe
+        """Called with (prompt id, rewards) of every group taken, duplicates aside: the
+        curriculum's observations."""
         self.log = log
         self.log_shards = log_shards
         self.taken: set[str] = set()
@@ -510,9 +538,9 @@ class Ingest:
             # of rejects below --deny-rate.
             self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats, len(groups))
             return []
-        if not self._numbered(key, groups):
-            self._reject(key, "seq_reused", "a group number this volunteer already used in this "
-                         "version", stats, len(groups))
+        refused = self._numbered(key, groups)
+        if refused:
+            self._reject(key, refused, NUMBERING_ERRORS[refused], stats, len(groups))
             return []
         if audited:
             self._audit_claimants(volunteer, groups, stats)
@@ -620,13 +648,13 @@ class Ingest:
         trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
         self.log(f"error: {what}:\n" + "\n".join(printable(line, 1000) for line in trace))
 
-    def _numbered(self, key: str, groups: list[ScoredGroup]) -> bool:
-        """Record the shard's group numbers (withheld.GroupNumbers); False if one was used
-        before. A shard re-read after a restart, half taken, is recorded again."""
+    def _numbered(self, key: str, groups: list[ScoredGroup]) -> str | None:
+        """Record the shard's group numbers (withheld.GroupNumbers); the reason code if they
+        are refused. A shard re-read after a restart, half taken, is fine."""
         author = layout.rollout_author(key)
         if author is None or not groups:
-            return True
-        return self.numbers.add(author[1], groups[0].policy_version, [g.seq for g in groups])
+            return None
+        return self.numbers.add(author[1], key, groups[0].policy_version, [g.seq for g in groups])
 
     def _sort(self, key: str, groups: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
         """Give zero-variance and duplicate groups their outcome now; return the rest."""
@@ -637,7 +665,10 @@ class Ingest:
                 continue
             if not self.ledger.claim(g.digest, g.policy_version, g.volunteer_id):
                 dup.append(g)
-            elif max(g.rewards) == min(g.rewards):
+                continue
+            if self.observe is not None:
+                self.observe(g.prompt_id, g.rewards)
+            if max(g.rewards) == min(g.rewards):
                 zero.append(g)
             else:
                 usable.append(g)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import time
 import uuid
 from collections import Counter
@@ -31,10 +32,11 @@ from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.observe.dashboard import TrainerDashboard
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import Manifest, poll_manifest, read_manifest
+from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, poll_manifest, read_manifest
 from volunteer_rl.protocol.signing import Trust, public_key_text
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import AlreadyExists, StorageError
+from volunteer_rl.task.curriculum import PromptPicker
 from volunteer_rl.task.dataset import Problem, file_sha256, load_csv
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
@@ -54,6 +56,7 @@ from volunteer_rl.trainer.state import load_state, master_weights, prune_states,
 from volunteer_rl.trainer.step import StepResult, audit_groups, non_finite_groups, train_step
 from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
+from volunteer_rl.trainer.withheld import GroupNumbers
 
 
 RETENTION_STOP_WAIT = 5.0
@@ -110,6 +113,10 @@ class Trainer:
         self.window_weights = WindowWeights()  # published weights of the window, for audits
         self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction)
         self.last_publish_start = 0.0
+        # The curriculum: fed with every group taken, it fills each version's prompt pool.
+        self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum)
+        self.pools: dict[int, tuple[int, ...]] = {}  # the window's published prompt pools
+        self.numbers = GroupNumbers()  # group numbers received; restored by _resume
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -139,7 +146,7 @@ class Trainer:
             self.last_used = max([self.version] + published_or_started(self.storage))
             policy = self.policy
             rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
-                          policy.decode_all, policy.eos_id, policy.special_ids)
+                          policy.decode_all, policy.eos_id, policy.special_ids, run_id=self.run_id)
             self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
             auditor = None
             if cfg.audit_tolerance > 0:
@@ -149,7 +156,8 @@ class Trainer:
                                            policy.prompt_format, policy.device)
                 self._recover_window_weights(trust)
             self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
-                                 self.log, cfg.log_shards)
+                                 self.log, cfg.log_shards, numbers=self.numbers,
+                                 observe=lambda pid, rewards: self.picker.observe(self.problems[pid], rewards))
 
     def _start_fresh(self) -> None:
         cfg = self.cfg
@@ -162,9 +170,10 @@ class Trainer:
             self.ledger = Ledger()
             self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
                                                self.dataset, None, self.key, self.chain,
-                                               lambda: self._save(0))
+                                               lambda: self._save(0), self._next_pool())
             self._sync_published()
             self._keep_window_weights()
+            self.pools = {0: self.manifest.prompt_pool}
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
             self.published = {0}
             self._evaluate_unless_stopping(0, full=True)
@@ -196,12 +205,35 @@ class Trainer:
         else:
             self.steps = int(meta["steps"])
             self.fleet.load_counts(meta.get("volunteers", {}))
+            try:
+                self.numbers = GroupNumbers.from_json(meta.get("group_numbers", {}))
+            except ValueError as exc:
+                self.log(f"warning: {exc}: group numbers start afresh")
             master = master_weights(self.state_root, manifest.version)
             if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
                 load_weights(self.policy, master)
         self._sync_published()
         self._keep_window_weights()
+        self._recover_pools(manifest)
         self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
+
+    def _recover_pools(self, manifest: Manifest) -> None:
+        """After a resume: the prompt pools of the window's versions, from their manifest
+        copies (written by this trainer). A version whose copy cannot be read is dropped from
+        the window: its groups are refused as of an unpublished version."""
+        self.pools = {manifest.version: manifest.prompt_pool}
+        for version in sorted(self.published - {manifest.version}):
+            try:
+                m = Manifest.from_json(self.storage.read(layout.manifest_history_key(version),
+                                                         max_bytes=MAX_MANIFEST_BYTES))
+                self.pools[version] = m.prompt_pool
+            except (VrlError, StorageError) as exc:
+                self.log(f"warning: v{version}'s prompt pool: {exc}; its groups are refused")
+                self.published.discard(version)
+
+    def _next_pool(self) -> tuple[int, ...]:
+        """The prompt pool of the version about to be published (task.curriculum)."""
+        return self.picker.pool(self.cfg.prompt_pool)
 
     def _repair_history(self, manifest: Manifest) -> None:
         """A crash between manifest.json and its manifests/ copy leaves the copy missing."""
@@ -223,7 +255,8 @@ class Trainer:
         self.ledger.flush(self.storage, version)
         master = self.policy.model if self.cfg.weights_dtype != "fp32" else None
         save_state(self.state_root, version, self.opt,
-                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json()},
+                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json(),
+                    "group_numbers": self.numbers.to_json()},
                    master=master)
 
     def _sync_published(self) -> None:
@@ -287,7 +320,7 @@ class Trainer:
         return self.manifest.version
 
     def window(self) -> Window:
-        return Window(self.version, self.cfg.max_staleness, self.published)
+        return Window(self.version, self.cfg.max_staleness, self.published, self.pools)
 
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
@@ -414,11 +447,14 @@ class Trainer:
         self.last_publish_start = time.time()
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
-                                           self.chain, lambda: self._save(version))
+                                           self.chain, lambda: self._save(version),
+                                           self._next_pool())
         self._sync_published()
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)
         self.published = {v for v in self.published | {version} if v >= self.window().low}
+        self.pools = {v: p for v, p in {**self.pools, version: self.manifest.prompt_pool}.items()
+                      if v in self.published}
         self.ledger.prune(self.window().low)
         prune_states(self.state_root, {version})
         every = self.cfg.eval_every
@@ -431,7 +467,8 @@ class Trainer:
         """fleet.json and dashboard/, for people: each written when its cadence says so, and
         at the end. Neither can fail the trainer."""
         records = metrics.parse_lines(self.metrics_buffer)  # once, for both
-        self.fleet_summary.after_publish(self.manifest, self.steps, records, self.fleet, final)
+        self.fleet_summary.after_publish(self.manifest, self.steps, records, self.fleet, final,
+                                         self.numbers.next_number)
         self.dashboard.after_publish(records, final)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,

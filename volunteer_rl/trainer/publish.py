@@ -29,6 +29,7 @@ from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    MAX_POOL,
     PIECE_BYTES,
     Dataset,
     Keyframe,
@@ -145,7 +146,8 @@ class WeightsChain:
 
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
             dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
-            before_commit: Callable[[], None] = lambda: None) -> tuple[Manifest, str]:
+            before_commit: Callable[[], None] = lambda: None,
+            prompt_pool: tuple[int, ...] = ()) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
@@ -154,7 +156,8 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     keyframe (checkpoints/vN/model.safetensors), a patch against the last version
     (checkpoints/vN/weights.vrlpatch), or both, as `chain` decides.
 
-    `etag` is the manifest this trainer last saw, `key` signs the manifest; returns the new
+    `etag` is the manifest this trainer last saw, `key` signs the manifest, `prompt_pool`
+    is the version's prompt pool (empty: the dataset's first MAX_POOL rows); returns the new
     manifest and its etag."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
     buf = byte_buffer(weights_size(policy.model, dtype), chain.spare)
@@ -201,6 +204,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
         weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
+        prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),
         weights=weights)
     before_commit()
     crash_point("before_manifest")

@@ -1,12 +1,21 @@
-"""Withheld groups: the group numbers (`seq`) each volunteer used in a version, the ones the
-trainer received, and the gaps, counted when the version leaves the window.
+"""Withheld groups: the group numbers (`seq`) each volunteer used, the ones the trainer
+received, and the gaps, counted as versions leave the window; kept across restarts.
 
-A volunteer numbers its groups of a version 0, 1, 2, ... and the number keys the group's
-sampling noise, so it cannot sample a group again under the same number. One that samples
-many groups and uploads only those it likes leaves gaps: its share of missing numbers is
-high. Honest volunteers miss few: the groups still in flight when their version leaves the
-window, and those lost to a crash. The count cannot tell withheld from late; it is shown per
-volunteer (fleet.json, `vrl status`) for people to judge, and decides nothing by itself.
+A volunteer numbers its groups of a run 0, 1, 2, ... across versions, and the number draws
+the group's prompt from the version's pool and keys its sampling noise (protocol.draws), so
+it cannot sample a number again for a better outcome under the same version. An honest
+volunteer takes numbers in order and only ever moves to newer versions, so every number it
+used under version u is below every number it used under a later version w. The trainer
+holds volunteers to that (`seq_order`): a number cannot be sampled under one version, kept
+back, and sampled again under another once higher numbers went out.
+
+Missing numbers are counted when they are closed: once a version leaves the window, every
+number up to the highest one received under it can no longer arrive, and those that never
+did are missing, the tail of a version included as soon as a later version's numbers were
+received. What stays invisible is the end of a volunteer's last version before it goes
+silent. Honest volunteers miss few: groups in flight when their version left the window, and
+those lost to a crash. The count cannot tell withheld from late; it is shown per volunteer
+(fleet.json, `vrl status`, the dashboard) for people to judge, and decides nothing by itself.
 """
 
 from __future__ import annotations
@@ -15,29 +24,120 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class _Numbers:
+    """One volunteer's numbers in the window."""
+
+    frontier: int | None = None
+    """Numbers below this are closed (counted); None until a version of it leaves the window."""
+    got: dict[int, tuple[int, str]] = field(default_factory=dict)
+    """Number -> (version, shard key) of every number received at or above the frontier."""
+    span: dict[int, list[int]] = field(default_factory=dict)
+    """Version -> [lowest, highest] number received under it."""
+
+
+@dataclass
 class GroupNumbers:
-    """Numbers seen per (volunteer, version) of the window."""
+    """Numbers seen per volunteer, for the versions of the window."""
 
-    seen: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    by: dict[str, _Numbers] = field(default_factory=dict)
 
-    def add(self, volunteer: str, version: int, seqs: list[int]) -> bool:
-        """Record the numbers of one shard's groups; False (and nothing recorded) if any was
-        seen before or repeats inside the shard: an honest volunteer never reuses one."""
-        known = self.seen.setdefault((volunteer, version), set())
-        if len(set(seqs)) != len(seqs) or not known.isdisjoint(seqs):
-            return False
-        known.update(seqs)
-        return True
+    def add(self, volunteer: str, key: str, version: int, seqs: list[int]) -> str | None:
+        """Record the numbers of one shard's groups (all of `version`). None if taken; else the
+        reason it is refused, and nothing recorded: `seq_reused` (a number repeats in the
+        shard, or came before in another shard) or `seq_order` (out of order with the
+        numbers received under other versions, or below the closed frontier). The same shard
+        read again (a restart that left it half taken) records nothing new and is fine."""
+        n = self.by.setdefault(volunteer, _Numbers())
+        if len(set(seqs)) != len(seqs):
+            return "seq_reused"
+        for s in seqs:
+            had = n.got.get(s)
+            if had is not None and had[1] != key:
+                return "seq_reused"
+            if n.frontier is not None and s < n.frontier:
+                return "seq_order"
+            for u, (lo, hi) in n.span.items():
+                if (u < version and s <= hi) or (u > version and s >= lo):
+                    return "seq_order"
+        for s in seqs:
+            n.got[s] = (version, key)
+        if seqs:
+            lo, hi = n.span.get(version, (min(seqs), max(seqs)))
+            n.span[version] = [min(lo, *seqs), max(hi, *seqs)]
+        return None
 
     def close_below(self, low: int) -> dict[str, tuple[int, int]]:
-        """Forget the versions below `low`; per volunteer, (numbers used, numbers missing)
-        in them: the highest number seen + 1, and how many below it never arrived."""
+        """Close the numbers of the versions below `low`; per volunteer, (numbers closed,
+        numbers missing among them): from the last frontier (or its lowest number received,
+        the first time) up to its highest number received under those versions."""
         out: dict[str, tuple[int, int]] = {}
-        for (volunteer, version) in [k for k in self.seen if k[1] < low]:
-            seqs = self.seen.pop((volunteer, version))
-            if not seqs:
+        for volunteer, n in self.by.items():
+            old = [u for u in n.span if u < low]
+            if not old:
                 continue
-            used = max(seqs) + 1
-            n, missing = out.get(volunteer, (0, 0))
-            out[volunteer] = (n + used, missing + used - len(seqs))
+            top = max(n.span[u][1] for u in old) + 1
+            start = n.frontier if n.frontier is not None else min(n.span[u][0] for u in old)
+            for u in old:
+                del n.span[u]
+            if top <= start:
+                continue
+            closed = [s for s in n.got if start <= s < top]
+            for s in closed:
+                del n.got[s]
+            n.frontier = top
+            out[volunteer] = (top - start, top - start - len(closed))
         return out
+
+    def next_number(self, volunteer: str) -> int:
+        """One past the highest number received from `volunteer` (0 if none): where a
+        volunteer that lost its own record may go on (fleet.json)."""
+        n = self.by.get(volunteer)
+        if n is None:
+            return 0
+        return max([n.frontier or 0, *(hi + 1 for _, hi in n.span.values())])
+
+    # -- kept with the trainer's state (trainer.state), so a restart forgets nothing ----------
+
+    def to_json(self) -> dict:
+        """{volunteer: {"frontier": f, "shards": [[key, version, [[first, last], ...]], ...]}}:
+        received numbers as runs per shard, a few entries per shard of an honest volunteer."""
+        out = {}
+        for volunteer, n in self.by.items():
+            shards: dict[tuple[str, int], list[int]] = {}
+            for s, (version, key) in n.got.items():
+                shards.setdefault((key, version), []).append(s)
+            out[volunteer] = {"frontier": n.frontier,
+                              "shards": [[key, version, _runs(sorted(seqs))]
+                                         for (key, version), seqs in shards.items()]}
+        return out
+
+    @staticmethod
+    def from_json(raw) -> "GroupNumbers":
+        """What to_json wrote (the trainer's own file); ValueError if it is not that."""
+        numbers = GroupNumbers()
+        try:
+            for volunteer, entry in raw.items():
+                n = numbers.by.setdefault(str(volunteer), _Numbers())
+                f = entry["frontier"]
+                n.frontier = None if f is None else int(f)
+                for key, version, runs in entry["shards"]:
+                    seqs = [s for a, b in runs for s in range(int(a), int(b) + 1)]
+                    for s in seqs:
+                        n.got[s] = (int(version), str(key))
+                    if seqs:
+                        lo, hi = n.span.get(int(version), (min(seqs), max(seqs)))
+                        n.span[int(version)] = [min(lo, *seqs), max(hi, *seqs)]
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"saved group numbers are malformed ({type(exc).__name__}: {exc})") from None
+        return numbers
+
+
+def _runs(seqs: list[int]) -> list[list[int]]:
+    """Sorted numbers as [first, last] runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for s in seqs:
+        if runs and runs[-1][1] == s - 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs

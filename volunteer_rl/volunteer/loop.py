@@ -18,7 +18,6 @@ old manifest back, and the volunteer keeps the version it holds.
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import socket
@@ -45,15 +44,16 @@ from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.weights import load_weights
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.draws import group_keys
+from volunteer_rl.protocol import jsonbounds
+from volunteer_rl.protocol.draws import group_keys, pool_prompt
+from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
-from volunteer_rl.protocol.shards import Completion, Group
+from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Storage, StorageError, is_missing
 from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
 from volunteer_rl.task.reward import completion_reward
-from volunteer_rl.volunteer.curriculum import PromptPicker
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from volunteer_rl.volunteer.numbering import GroupNumbers
 from volunteer_rl.volunteer.shard_writer import ShardWriter
@@ -105,7 +105,6 @@ class Volunteer:
         self.device = pick_device(cfg.device)
         self.host = host_facts(str(self.device))
         self.work = Path(cfg.work_dir) / self.id
-        self.rng = random.Random(cfg.seed)
         self.stop = threading.Event()
         self.policy: Policy | None = None
         self.held: Held | None = None  # the weights file of the version loaded, verified
@@ -200,13 +199,15 @@ class Volunteer:
             self.policy = load_policy(folder, self.device)
             if new_data:
                 self.problems = problems
-                self.picker = PromptPicker(problems, self.rng, self.cfg.curriculum)
             self.policy.model.eval()
             threads = set_sampling_threads(self.policy, self.cfg.threads)
             if threads != self.threads:
                 how = "--threads" if self.cfg.threads > 0 else "auto"
                 self.log(f"sampling with {threads} torch thread{'s' * (threads != 1)} ({how})")
                 self.threads = threads
+        if max(m.prompt_pool) >= len(self.problems):
+            raise DatasetError(f"{m.dataset.key}: {len(self.problems)} rows, but the prompt pool "
+                               f"of v{m.version} names row {max(m.prompt_pool)}")
         self.manifest = m
         self.extra_groups, self.capped_since = 0, None
         self.log(f"now on v{m.version} of {m.run_id} ({fetched_text(fetched, m)})")
@@ -214,12 +215,15 @@ class Volunteer:
     # -- the loop -----------------------------------------------------------------------------
 
     def _generate(self) -> list[Group]:
-        """One batch of groups, each numbered and sampled with its committed noise."""
+        """One batch of groups, each numbered, for the prompt its number draws from the
+        version's pool, and sampled with its committed noise."""
         m, policy = self.manifest, self.policy
-        picked = self.picker.pick(self.cfg.prompts_per_batch)
+        first = self.numbers.take(m.run_id, self.cfg.prompts_per_batch,
+                                  lambda: self._reached(m.run_id))
+        picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, first + i)]
+                  for i in range(self.cfg.prompts_per_batch)]
         prompts = encode_prompts(policy, [p.prompt for p in picked])
         s = m.sampling
-        first = self.numbers.take(m.run_id, m.version, len(picked))
         keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
                 for i, p in enumerate(picked)]
         out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
@@ -229,9 +233,23 @@ class Volunteer:
                                       completion_reward(x.token_ids, p.expression, policy.decode_all,
                                                         policy.eos_id, policy.special_ids))
                            for x in samples]
-            self.picker.observe(p, [c.reward for c in completions])
             groups.append(Group(p.id, m.version, self.id, first + i, completions))
         return groups
+
+    def _reached(self, run_id: str) -> int:
+        """The group number the trainer's fleet.json says this volunteer reached in `run_id`
+        (0 if it names none): asked only when no number of this run is saved locally."""
+        try:
+            raw = jsonbounds.loads(self.storage.read(layout.FLEET, max_bytes=MAX_SUMMARY_BYTES), 8)
+            n = raw["volunteers"][self.id]["next_group_number"] if raw.get("run_id") == run_id else 0
+        except (StorageError, jsonbounds.JsonError, KeyError, TypeError, AttributeError):
+            return 0
+        if type(n) is not int or not 0 <= n < MAX_GROUP_SEQ // 2:
+            return 0
+        if n:
+            self.log(f"no group number of {run_id} saved here; going on after {n}, where "
+                     f"{layout.FLEET} says this id reached")
+        return n
 
     def try_switch(self, m: Manifest) -> bool:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.

@@ -1,4 +1,9 @@
-"""Which prompts a volunteer samples next: the ones likely to teach the policy something.
+"""Which prompts volunteers sample next: the ones likely to teach the policy something.
+
+The trainer keeps one PromptPicker, fed with the rewards it recomputed for every group it
+takes, and publishes `pick`'s choice in each manifest as the version's `prompt_pool`; a
+volunteer's group number draws its prompt from that pool (protocol.draws.pool_prompt), so
+the curriculum is the trainer's and no volunteer chooses a prompt.
 
 A group whose K completions all get the same reward (all right, or all wrong) has a zero
 advantage on every token, so the trainer counts it and drops it. In the demo such groups
@@ -19,7 +24,9 @@ skips them three times in four: most stay uniform for a while.
 
 This only changes which prompts get sampled, never how: groups are still sampled from the
 published policy, rewards are still recomputed by the trainer, and a prompt no stratum
-weight favours is still drawn now and then. Pure logic, no I/O.
+weight favours is still drawn now and then. (Before schema 6 each volunteer ran this on its
+own groups; the trainer sees every volunteer's, so its estimates are current sooner.) Pure
+logic, no I/O.
 """
 
 from __future__ import annotations
@@ -95,6 +102,10 @@ class PromptPicker:
         while len(chosen) < n:  # fill up uniformly at random
             chosen.add(self.rng.randrange(len(self.problems)))
         return [self.problems[i] for i in chosen]
+
+    def pool(self, n: int) -> tuple[int, ...]:
+        """`pick(n)` as the sorted dataset rows (prompt ids) a manifest's `prompt_pool` holds."""
+        return tuple(sorted(p.id for p in self.pick(n)))
 
     def observe(self, problem: Problem, rewards: list[float]) -> None:
         """Record the rewards of one group sampled for `problem`."""
