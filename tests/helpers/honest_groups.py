@@ -5,7 +5,13 @@ change here."""
 from __future__ import annotations
 
 from volunteer_rl.model.sampling import Sample, sample
-from volunteer_rl.protocol.draws import group_keys
+from volunteer_rl.protocol.draws import group_keys, pool_prompt
+
+
+def drawn_prompt(trainer, version: int, volunteer: str, seq: int) -> int:
+    """The prompt id group number `seq` of `volunteer` must be for under `version`, as the
+    trainer published that version's pool (protocol.draws.pool_prompt)."""
+    return pool_prompt(trainer.pools[version], trainer.run_id, version, volunteer, seq)
 
 
 def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, prompt_id: int,

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from helpers.honest_groups import honest_group
+from helpers.honest_groups import drawn_prompt, honest_group
 from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
@@ -45,10 +45,11 @@ def trainer(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def group(t: Trainer, policy, volunteer: str, seq: int, version: int, prompt_id: int) -> Group:
-    """The group `volunteer` uploads as its number `seq` of `version`, sampled with `policy`
-    under the committed draws of (version, volunteer, seq): honest if `policy` holds the
-    weights of `version`."""
+def group(t: Trainer, policy, volunteer: str, seq: int, version: int) -> Group:
+    """The group `volunteer` uploads as its number `seq` of `version`, for the prompt that
+    number draws, sampled with `policy` under the committed draws of (version, volunteer,
+    seq): honest if `policy` holds the weights of `version`."""
+    prompt_id = drawn_prompt(t, version, volunteer, seq)
     samples = honest_group(policy, t.run_id, version, volunteer, seq, prompt_id,
                            t.prompt_ids[prompt_id], K, t.cfg.temperature, MAX_NEW)
     return Group(prompt_id, version, volunteer, seq, [completion(t, prompt_id, s.token_ids, s.logprobs)
@@ -96,8 +97,8 @@ def test_an_audited_shard_whose_last_group_lies_is_rejected(trainer):
     (or any prefix) would take the forgery."""
     t, _ = trainer
     policy = t.published_policy
-    honest = [group(t, policy, "tail-honest", i, 1, prompt_id=i) for i in range(3)]
-    lying = [group(t, policy, "tail-liar", i, 1, prompt_id=i) for i in range(3)]
+    honest = [group(t, policy, "tail-honest", i, 1) for i in range(3)]
+    lying = [group(t, policy, "tail-liar", i, 1) for i in range(3)]
     lying[-1] = forged(t, lying[-1])
     put(t, 1, "tail-honest", honest)
     liar_key = put(t, 1, "tail-liar", lying)
@@ -118,8 +119,8 @@ def test_a_stale_group_is_audited_against_its_own_versions_weights(trainer):
     t, v0 = trainer
     assert not all(torch.equal(t.window_weights.versions[0][n], t.window_weights.versions[1][n])
                    for n in t.window_weights.versions[0])
-    honest = [group(t, v0, "stale-honest", i, 0, prompt_id=10 + i) for i in range(3)]
-    mislabelled = [group(t, t.published_policy, "stale-mislabel", i, 0, prompt_id=10 + i)
+    honest = [group(t, v0, "stale-honest", i, 0) for i in range(3)]
+    mislabelled = [group(t, t.published_policy, "stale-mislabel", i, 0)
                    for i in range(3)]
     put(t, 0, "stale-honest", honest)
     mislabelled_key = put(t, 0, "stale-mislabel", mislabelled)

@@ -11,6 +11,7 @@ import typer
 from volunteer_rl.config import TrainerConfig, VolunteerConfig, check, flag
 from volunteer_rl.demo import DemoSettings
 from volunteer_rl.errors import ConfigError
+from volunteer_rl.protocol.manifest import MAX_POOL
 from volunteer_rl_cli.main import app
 from volunteer_rl_cli.options import field_doc, first_sentence
 
@@ -45,6 +46,8 @@ RULES = [
     (T, "audit_full_groups", 0, "--audit-full-groups: must be at least 1, not 0", 1),
     (T, "audit_floor", 0.0, "--audit-floor: must be more than 0, not 0.0", 1e-6),
     (T, "audit_floor", 2.0, "--audit-floor: must be at most 1, not 2.0", 1.0),
+    (T, "prompt_pool", 0, "--prompt-pool: must be at least 1, not 0", 1),
+    (T, "prompt_pool", 4097, "--prompt-pool: must be at most 4096, not 4097", MAX_POOL),
     (V, "prompts_per_batch", 0, "--prompts-per-batch: must be at least 1, not 0", 1),
     (V, "shard_groups", 0, "--shard-groups: must be at least 1, not 0", 1),
     (V, "heartbeat_seconds", -0.5, "--heartbeat-seconds: must be at least 0, not -0.5", 0.0),

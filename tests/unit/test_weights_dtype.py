@@ -7,6 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from helpers.honest_groups import drawn_prompt
+
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
 from volunteer_rl.model.policy import encode_prompts, load_policy
@@ -95,7 +97,7 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     trainer, _ = bf16_trainer
     cfg = trainer.cfg
     volunteer = load_policy(fetch_checkpoint(trainer.storage, trainer.manifest, tmp_path / "v"))
-    problems = trainer.problems[:64]
+    problems = [trainer.problems[drawn_prompt(trainer, 0, "honest", i)] for i in range(64)]
     keys = [group_keys(trainer.run_id, 0, "honest", i, p.id, cfg.k) for i, p in enumerate(problems)]
     out = sample(volunteer, encode_prompts(volunteer, [p.prompt for p in problems]),
                  cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
