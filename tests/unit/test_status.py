@@ -279,3 +279,21 @@ def test_read_status_from_a_bucket():
 def test_status_without_a_manifest_raises_a_storage_error():
     with pytest.raises(StorageError, match="manifest.json"):
         read_status(open_storage("memory://status-empty"))
+
+
+def test_missing_group_numbers_show_in_status_and_on_the_dashboard():
+    """What a volunteer did not upload (fleet.json's groups_missing of groups_numbered) is in
+    `vrl status --json`, its table and the dashboard's fleet table."""
+    from rich.console import Console
+
+    from volunteer_rl.observe.dashboard import fleet_rows_html
+    from volunteer_rl.observe.status import volunteer_table
+
+    summary = {"volunteers": {"vol": {"groups_numbered": 40, "groups_missing": 10}}}
+    status = build_status("/b", manifest(), {"vol": beat()}, summary, [], [], NOW)
+    (row,) = status["volunteers"]
+    assert (row["groups_missing"], row["groups_missing_rate"]) == (10, 0.25)
+    assert "<td>25% (10)</td>" in fleet_rows_html(status)
+    console = Console(width=120, record=True)
+    console.print(volunteer_table(status))
+    assert "25%" in console.export_text()

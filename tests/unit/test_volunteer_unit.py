@@ -111,3 +111,29 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
             assert f"sampling with {expected} torch thread" in logs[0] and f"({how})" in logs[0]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_volunteer_that_lost_its_numbers_goes_on_from_fleet_json_and_nothing_else(tmp_path):
+    """Only `run_id` and its own `next_group_number` are read; anything else is 0 (numbering
+    from 0 again would have every group refused as `seq_reused`)."""
+    import json
+
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.protocol import layout
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    v = Volunteer(VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", device="cpu"),
+                  log=lambda m: None)
+    assert v._reached("run-a") == 0  # no fleet.json
+    for doc, expected in (
+            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": 700}}}, 700),
+            ({"run_id": "run-b", "volunteers": {"me": {"next_group_number": 700}}}, 0),
+            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": -5}}}, 0),
+            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": 1 << 62}}}, 0),
+            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": "700"}}}, 0),
+            ({"run_id": "run-a", "volunteers": []}, 0),
+            ([1, 2], 0)):
+        v.storage.write(layout.FLEET, json.dumps(doc).encode())
+        assert v._reached("run-a") == expected, doc
+    v.storage.write(layout.FLEET, b"[" * 100_000)
+    assert v._reached("run-a") == 0

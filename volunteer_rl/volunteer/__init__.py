@@ -1,6 +1,6 @@
-"""A volunteer: follow the signed manifest, fetch checkpoints safely, pick prompts
-(curriculum), number and sample groups with their committed noise, upload shards, beat its
-heart.
+"""A volunteer: follow the signed manifest, fetch checkpoints safely, number groups, sample
+each for the prompt its number draws from the manifest's pool with its committed noise,
+upload shards, beat its heart.
 
 May import: model, task, protocol, storage and the shared modules.
 """
