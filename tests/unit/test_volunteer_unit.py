@@ -137,3 +137,30 @@ def test_a_volunteer_that_lost_its_numbers_goes_on_from_fleet_json_and_nothing_e
         assert v._reached("run-a") == expected, doc
     v.storage.write(layout.FLEET, b"[" * 100_000)
     assert v._reached("run-a") == 0
+
+
+def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_changes(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.model.checkpoint import Fetched
+    from volunteer_rl.protocol.manifest import WeightsEntry
+    from volunteer_rl.task.dataset import DatasetError
+    from volunteer_rl.volunteer import loop as vol
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    class M:
+        run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
+        prompt_pool = (0, 5)
+
+    loaded = []
+    monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))
+    monkeypatch.setattr(vol, "load_policy", lambda folder, device: loaded.append(1) or torch.nn.Linear(1, 1))
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: ["row 0", "row 1"])
+    v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", device="cpu"),
+                  log=lambda m: None)
+    with pytest.raises(DatasetError, match="2 rows, but the prompt pool of v0 names row 5"):
+        v.switch(M())
+    assert v.manifest is None and not loaded

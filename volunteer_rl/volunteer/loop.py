@@ -43,8 +43,7 @@ from volunteer_rl.model.devices import pick_device, set_sampling_threads
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.weights import load_weights
-from volunteer_rl.protocol import layout
-from volunteer_rl.protocol import jsonbounds
+from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
@@ -191,11 +190,13 @@ class Volunteer:
         self.weights_buffer = fetched.buf
         self.held = Held(m.run_id, m.version, m.files[WEIGHTS_FILE].root, fetched.buf)
         if same_shape:
+            self._check_pool(m, self.problems)
             load_weights(self.policy, fetched.buf)
         else:
             fetch_checkpoint(self.storage, m, folder, require_model=True, weights=fetched.buf)
             new_data = old is None or old.dataset != m.dataset
             problems = self._load_dataset(m) if new_data else self.problems
+            self._check_pool(m, problems)
             self.policy = load_policy(folder, self.device)
             if new_data:
                 self.problems = problems
@@ -205,12 +206,16 @@ class Volunteer:
                 how = "--threads" if self.cfg.threads > 0 else "auto"
                 self.log(f"sampling with {threads} torch thread{'s' * (threads != 1)} ({how})")
                 self.threads = threads
-        if max(m.prompt_pool) >= len(self.problems):
-            raise DatasetError(f"{m.dataset.key}: {len(self.problems)} rows, but the prompt pool "
-                               f"of v{m.version} names row {max(m.prompt_pool)}")
         self.manifest = m
         self.extra_groups, self.capped_since = 0, None
         self.log(f"now on v{m.version} of {m.run_id} ({fetched_text(fetched, m)})")
+
+    @staticmethod
+    def _check_pool(m: Manifest, problems: list[Problem]) -> None:
+        """Every row of the manifest's prompt pool is a row of the dataset held."""
+        if max(m.prompt_pool) >= len(problems):
+            raise DatasetError(f"{m.dataset.key}: {len(problems)} rows, but the prompt pool "
+                               f"of v{m.version} names row {max(m.prompt_pool)}")
 
     # -- the loop -----------------------------------------------------------------------------
 
