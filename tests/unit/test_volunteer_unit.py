@@ -154,6 +154,8 @@ def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_change
         run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
         prompt_pool = (0, 5)
 
+    M.dataset = type("D", (), {"key": "datasets/train.csv"})()
+
     loaded = []
     monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
     monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))
@@ -161,6 +163,6 @@ def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_change
     monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: ["row 0", "row 1"])
     v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", device="cpu"),
                   log=lambda m: None)
-    with pytest.raises(DatasetError, match="2 rows, but the prompt pool of v0 names row 5"):
+    with pytest.raises(DatasetError, match="^datasets/train.csv: 2 rows, but the prompt pool of v0 names row 5$"):
         v.switch(M())
     assert v.manifest is None and not loaded
