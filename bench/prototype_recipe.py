@@ -15,7 +15,7 @@ the tiny model, 900 warm-start steps, seed 0, cached under runs/bench/).
 
 - vrl as `vrl demo` runs it: `demo.start_processes` with the demo's settings (1 trainer and
   2 volunteer processes on a folder bucket, GRPO, 32 groups per step, lr 3e-4, the
-  volunteers' curriculum, niceness 10), started with `--model` on the shared start and the
+  trainer's curriculum (its prompt pools), niceness 10), started with `--model` on the shared start and the
   trainer's own evaluations off.
 - the prototype's recipe: one process, 2 threads, on-policy. Each step draws P training
   prompts uniformly, samples K = 8 completions of each (`sampling.sample`, T = 1, 32 new tokens),
