@@ -30,6 +30,9 @@ class Template:
     key: Path
     """The signing key that signed its manifests: trainers resuming it need --signing-key."""
     problems: list
+    """Every row of the train dataset, indexed by prompt id."""
+    pools: dict = field(default_factory=dict)
+    """Version -> the prompt pool its manifest published."""
     made: dict = field(default_factory=dict)
 
     def copy(self, dest: Path) -> Path:
@@ -38,9 +41,10 @@ class Template:
 
     def groups(self, volunteer: str, version: int = TEMPLATE_VERSION) -> list:
         """shards.Group objects `volunteer` would make with the template's weights labelled
-        `version`, each with reward variance: sampled with their committed draws (seq i for
-        the i-th of the first 400 train prompts, so no number repeats), so they pass a replay
-        audit as that volunteer's and no other's."""
+        `version`, each with reward variance: numbers 0..399, each sampled for the prompt it
+        draws from `version`'s pool with its committed draws (the numbers whose group has one
+        reward for all K are left out), so they pass a replay audit as that volunteer's and no
+        other's."""
         if (volunteer, version) not in self.made:
             self.made[volunteer, version] = honest_groups(self, volunteer, version)
         return self.made[volunteer, version]
@@ -49,17 +53,19 @@ class Template:
 def honest_groups(t: Template, volunteer: str, version: int) -> list:
     from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.sampling import sample
-    from volunteer_rl.protocol.draws import group_keys
+    from volunteer_rl.protocol.draws import group_keys, pool_prompt
     from volunteer_rl.protocol.shards import Completion, Group
     from volunteer_rl.task.reward import completion_reward
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
     policy = t.policy
-    keys = [group_keys(t.run_id, version, volunteer, i, p.id, k) for i, p in enumerate(t.problems)]
-    out = sample(policy, encode_prompts(policy, [p.prompt for p in t.problems]), k, temperature,
+    drawn = [t.problems[pool_prompt(t.pools[version], t.run_id, version, volunteer, i)]
+             for i in range(400)]
+    keys = [group_keys(t.run_id, version, volunteer, i, p.id, k) for i, p in enumerate(drawn)]
+    out = sample(policy, encode_prompts(policy, [p.prompt for p in drawn]), k, temperature,
                  max_new, draw_keys=keys)
     groups = []
-    for i, (p, samples) in enumerate(zip(t.problems, out)):
+    for i, (p, samples) in enumerate(zip(drawn, out)):
         rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all, policy.eos_id,
                                      policy.special_ids) for x in samples]
         if max(rewards) != min(rewards):
@@ -92,6 +98,6 @@ def template(tmp_path_factory) -> Template:
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
     t = Template(root / "bucket", trainer.policy, trainer.run_id, eval_csv,
-                 root / "signing-key.pem", trainer.problems[:400])
+                 root / "signing-key.pem", trainer.problems, dict(trainer.pools))
     assert len(t.groups("tbd")) >= 32
     return t

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import itertools
 import json
 import re
 from pathlib import Path
@@ -25,6 +26,7 @@ from conftest import TEMPLATE_VERSION
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import pool_prompt
 from volunteer_rl.protocol.printable import printable
 
 V = TEMPLATE_VERSION
@@ -89,16 +91,29 @@ def drifter(template) -> list[dict]:
     return as_dicts(template.groups("drifter")[8:10], "drifter")
 
 
-def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict]) -> dict[str, tuple[str, bytes]]:
+def renumber(rows: list[dict], vol: str, template) -> list[dict]:
+    """`rows` relabelled as `vol`'s, each given the lowest free number that draws its prompt
+    from its version's pool for `vol` (schema 6), so the prompt rule passes and only a
+    hostile edit can be the reason a shard of them is turned away."""
+    used = set()
+    for r in rows:
+        r["volunteer_id"] = vol
+        pool, v = template.pools[r["policy_version"]], r["policy_version"]
+        r["seq"] = next(n for n in itertools.count() if n not in used
+                        and pool_prompt(pool, template.run_id, v, vol, n) == r["prompt_id"])
+        used.add(r["seq"])
+    return rows
+
+
+def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict],
+                   template) -> dict[str, tuple[str, bytes]]:
     """name -> (key, bytes), every one of which the trainer must turn away. `spare` groups
     are real but never sent honestly, so only the hostile edit can be the reason. Relabelled,
     they would fail a replay audit too; the checks before the audit see the edit first.
     `drifter` holds groups honestly sampled as "drifter"'s, for the one edit (its logprobs)
     that only the audit can see."""
     def edited(vol: str, fn) -> bytes:
-        rows = copy.deepcopy(spare[:2])
-        for r in rows:
-            r["volunteer_id"] = vol
+        rows = renumber(copy.deepcopy(spare[:2]), vol, template)
         fn(rows)
         return gz_lines(rows)
 
@@ -128,9 +143,7 @@ def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict]) -> di
 
     def raw_edit(vol: str, old: str, new: str) -> bytes:
         """A JSON text no json.dumps writes: numbers and nesting the parser must bound."""
-        rows = copy.deepcopy(spare[:2])
-        for r in rows:
-            r["volunteer_id"] = vol
+        rows = renumber(copy.deepcopy(spare[:2]), vol, template)
         text = "".join(json.dumps(r) + "\n" for r in rows)
         assert old in text
         return gzip.compress(text.replace(old, new, 1).encode())
@@ -138,8 +151,7 @@ def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict]) -> di
     first_logprob = json.dumps(spare[0]["completions"][0]["logprobs"][0])
     good = gz_lines(g1)
     bomb = gzip.compress(b"\n" * (100 << 20), compresslevel=9)
-    dup_one = copy.deepcopy(g1[1])
-    dup_one["volunteer_id"] = "copycat"
+    (dup_one,) = renumber([copy.deepcopy(g1[1])], "copycat", template)
     shards = {
         "gzip_bomb": (key("bomber", "s"), bomb),
         "forged_reward": (key("forger", "s"), edited("forger", forge_reward)),
@@ -267,7 +279,7 @@ def run(backend: str, template, root: Path, name: str, hostile: bool, endpoint: 
         if hostile:
             for vid, body in HEARTBEATS.items():
                 bucket.put(layout.heartbeat_key(vid), body)
-            shards = hostile_shards(g1, spare(template), drifter(template))
+            shards = hostile_shards(g1, spare(template), drifter(template), template)
             for what in kinds(backend):
                 k, data = shards[what]
                 bucket.put(k, data)
@@ -289,7 +301,7 @@ def test_hostile_objects_are_rejected_and_change_nothing(backend, template, tmp_
     clean, _, _ = run(backend, template, tmp_path, "clean", False, endpoint)
     dirty, log, bucket = run(backend, template, tmp_path, "hostile", True, endpoint)
     shards = hostile_shards(as_dicts(template.groups("good-a")[:4], "good-a"), spare(template),
-                            drifter(template))
+                            drifter(template), template)
     assert set(shards) == set(EXPECTED) and len(kinds(backend)) >= 40
     for what in kinds(backend):
         k, reason = shards[what][0], EXPECTED[what]

@@ -5,6 +5,7 @@ The trainer is fed by a scripted volunteer in this process (one right and one wr
 per group, so every group has reward variance), which keeps the run at a few seconds."""
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import time
@@ -15,6 +16,7 @@ import pytest
 from helpers.vrlproc import Proc, run_vrl
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import pool_prompt
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust
 
@@ -36,31 +38,35 @@ def versions(bucket: Path, top: str) -> set[int]:
     return {layout.split_versioned_key(k)[1] for k in open_storage(str(bucket)).list(top)}
 
 
-def scripted_shard(storage, version: int, problems, tokenizer, seq: int) -> None:
-    """Two groups of two completions: the right expression and a wrong one."""
+def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
+    """Two groups of two completions: the right expression and a wrong one, for the prompts
+    the next numbers draw from `m`'s pool (numbers drawing a long expression are skipped)."""
     eos = tokenizer.token_to_id("<eos>")
     groups = []
-    for i in range(2):
-        p = problems[(2 * version + i) % len(problems)]
+    while len(groups) < 2:
+        n = next(numbers)
+        p = problems[pool_prompt(m.prompt_pool, m.run_id, m.version, "scripted", n)]
+        if len(p.expression) > 24:
+            continue
         answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode("0").ids + [eos]]
-        groups.append(Group(p.id, version, "scripted", i,
+        groups.append(Group(p.id, m.version, "scripted", n,
                             [Completion(ids, [-1.0] * len(ids), "", float(j == 0))
                              for j, ids in enumerate(answers)]))
-    storage.create(layout.shard_key(version, "scripted", new_shard_name(seq)), encode_shard(groups))
+    storage.create(layout.shard_key(m.version, "scripted", new_shard_name(seq)), encode_shard(groups))
 
 
 def feed(storage, trainer: Proc, problems) -> None:
     """Write one shard for each version the trainer publishes, until it stops."""
     from tokenizers import Tokenizer
 
-    tokenizer, written = None, set()
+    tokenizer, written, numbers = None, set(), itertools.count()
     deadline = time.time() + 180
     while trainer.p.poll() is None and time.time() < deadline:
         m = read_manifest(storage, trust=ANY_SIGNER)
         if m is not None and m.version not in written:
             if tokenizer is None:
                 tokenizer = Tokenizer.from_file(str(Path(storage.uri) / m.checkpoint / "tokenizer.json"))
-            scripted_shard(storage, m.version, problems, tokenizer, len(written))
+            scripted_shard(storage, m, problems, tokenizer, len(written), numbers)
             written.add(m.version)
         time.sleep(0.05)
 
@@ -71,7 +77,7 @@ def run(tmp_path_factory):
     bucket = root / "bucket"
     train = head(PACKAGE_DATA / "train.csv", root / "train.csv", 200)
     held_out = head(PACKAGE_DATA / "eval.csv", root / "eval.csv", 10)
-    problems = [p for p in load_csv(train) if len(p.expression) <= 24]
+    problems = load_csv(train)
     trainer = Proc(["trainer", "--bucket", str(bucket), "--dataset", str(train),
                     "--eval-dataset", str(held_out), "--warm-start-steps", "0", "-k", "2",
                     "--groups-per-step", "2", "--max-steps", str(STEPS), "--eval-every", "0",

@@ -6,6 +6,7 @@ run, one given the right key follows the manifest and uploads shards. ~40 s on 2
 """
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import stat
@@ -18,6 +19,7 @@ from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.launch import vrl_command, vrl_env
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.draws import pool_prompt
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
@@ -35,7 +37,13 @@ def useful_shard(bucket: Path, groups: int) -> None:
 
     tok = Tokenizer.from_file(str(bucket / layout.checkpoint_key(0, "tokenizer.json")))
     eos = tok.token_to_id("<eos>")
-    problems = [p for p in load_csv(PACKAGE_DATA / "train.csv")[:50] if len(p.expression) < 40]
+    problems = load_csv(PACKAGE_DATA / "train.csv")
+    wait_for(lambda: (bucket / layout.manifest_history_key(0)).exists(), 30, "v0's manifest copy")
+    m = read_manifest(open_storage(str(bucket)), 0, trust=Trust())  # the run this test started
+    # the prompts numbers draw from v0's pool; numbers drawing a long expression are skipped
+    drawn = ((n, problems[pool_prompt(m.prompt_pool, m.run_id, 0, "handmade", n)])
+             for n in itertools.count())
+    chosen = list(itertools.islice(((n, p) for n, p in drawn if len(p.expression) < 40), groups))
 
     def completion(text: str, right: bool) -> Completion:
         ids = tok.encode(text, add_special_tokens=False).ids + [eos]
@@ -43,7 +51,7 @@ def useful_shard(bucket: Path, groups: int) -> None:
     out = [Group(p.id, 0, "handmade", seq,
                  [completion(p.expression if i % 2 == 0 else f"{p.expression} + 1", i % 2 == 0)
                   for i in range(K)])
-           for seq, p in enumerate(problems[:groups])]
+           for seq, p in chosen]
     key = layout.shard_key(0, "handmade", "0000000000001-000000-00000000")
     open_storage(str(bucket)).create(key, encode_shard(out))
 
