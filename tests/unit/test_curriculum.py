@@ -1,4 +1,5 @@
-"""The volunteer's prompt picker: pure logic, no model."""
+"""The curriculum's prompt picker (the trainer fills each version's prompt pool with it): pure
+logic, no model."""
 import random
 
 from volunteer_rl.task.dataset import Problem
@@ -55,3 +56,13 @@ def test_non_adaptive_draws_uniformly_and_learns_nothing():
         for p in pk.pick(4):
             counts[stratum(p)] += 1
     assert all(400 < c < 600 for c in counts.values())
+
+
+def test_a_pool_is_sorted_distinct_rows_leaning_to_the_useful_stratum():
+    pk = PromptPicker(problems(), random.Random(0))
+    for p in pk.problems:
+        pk.observe(p, [1.0, 0.0] if stratum(p) == 3 else [1.0, 1.0])
+    pool = pk.pool(40)
+    assert list(pool) == sorted(set(pool)) and len(pool) == 40
+    assert sum(stratum(pk.problems[i]) == 3 for i in pool) > 20
+    assert len(pk.pool(10_000)) == len(pk.problems)  # never more rows than the dataset has
