@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,10 +13,30 @@ import pytest
 from volunteer_rl.protocol import layout
 
 TEMPLATE_VERSION = 2
+GROUPS_WANTED = 32
+"""Groups with reward variance that Template.groups makes per volunteer and version: more
+than any test takes (24 at most)."""
+CHUNK = 100
 
 # Hypothesis's own files go to the system's temp folder, not into the repository.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), "volunteer_rl-hypothesis"))
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread while the template is built and its groups are sampled. With
+    torch's default of one thread per core, 50 of the template's warm-start steps took 187 s
+    instead of 30 s on this 2-core machine while other processes were busy on it (the suite
+    must pass beside a running demo); the thread count is restored for the tests after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -36,13 +57,23 @@ class Template:
         shutil.copytree(self.bucket, dest)
         return dest
 
+    def model(self, dest: Path) -> Path:
+        """v0's checkpoint (the warm-started tiny model) copied to `dest` as a `--model` folder.
+        A live run started from it skips the trainer's own warm start, which costs a minute
+        or more on 2 cores per run; the tiny warm start itself is this fixture's (in-process,
+        once per session), and test_trainer_signals starts one through `vrl trainer`."""
+        shutil.copytree(self.bucket / layout.checkpoint_prefix(0), dest)
+        return dest
+
     def groups(self, volunteer: str, version: int = TEMPLATE_VERSION) -> list:
         """shards.Group objects `volunteer` would make with the template's weights labelled
         `version`, each with reward variance: sampled with their committed draws (seq i for
         the i-th of the first 400 train prompts, so no number repeats), so they pass a replay
-        audit as that volunteer's and no other's."""
+        audit as that volunteer's and no other's. At least 24 of them, in prompt order; the
+        first GROUPS_WANTED or a few more, as the prompts are sampled CHUNK at a time."""
         if (volunteer, version) not in self.made:
-            self.made[volunteer, version] = honest_groups(self, volunteer, version)
+            with one_thread():
+                self.made[volunteer, version] = honest_groups(self, volunteer, version)
         return self.made[volunteer, version]
 
 
@@ -55,16 +86,24 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
     policy = t.policy
-    keys = [group_keys(t.run_id, version, volunteer, i, p.id, k) for i, p in enumerate(t.problems)]
-    out = sample(policy, encode_prompts(policy, [p.prompt for p in t.problems]), k, temperature,
-                 max_new, draw_keys=keys)
     groups = []
-    for i, (p, samples) in enumerate(zip(t.problems, out)):
-        rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all, policy.eos_id,
-                                     policy.special_ids) for x in samples]
-        if max(rewards) != min(rewards):
-            groups.append(Group(p.id, version, volunteer, i, [
-                Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+    # The prompts in chunks, until GROUPS_WANTED groups have reward variance: about one prompt
+    # in six gives one, so this samples about half of the 400 prompts, at some 10 s per 400
+    # on a busy 2-core machine, for each volunteer name the tests ask for.
+    for start in range(0, len(t.problems), CHUNK):
+        chunk = t.problems[start:start + CHUNK]
+        keys = [group_keys(t.run_id, version, volunteer, start + j, p.id, k)
+                for j, p in enumerate(chunk)]
+        out = sample(policy, encode_prompts(policy, [p.prompt for p in chunk]), k, temperature,
+                     max_new, draw_keys=keys)
+        for j, (p, samples) in enumerate(zip(chunk, out)):
+            rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all,
+                                         policy.eos_id, policy.special_ids) for x in samples]
+            if max(rewards) != min(rewards):
+                groups.append(Group(p.id, version, volunteer, start + j, [
+                    Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+        if len(groups) >= GROUPS_WANTED:
+            break
     assert len(groups) >= 24, f"only {len(groups)} groups with reward variance"
     return groups
 
@@ -85,13 +124,14 @@ def template(tmp_path_factory) -> Template:
                         signing_key=str(root / "signing-key.pem"),
                         dashboard_every=0)  # no dashboard/: tests see only what their trainer writes
     trainer = Trainer(cfg, log=lambda m: None)
-    trainer.start()
-    for _ in range(TEMPLATE_VERSION):
-        trainer.publish_next()
+    with one_thread():
+        trainer.start()
+        for _ in range(TEMPLATE_VERSION):
+            trainer.publish_next()
     assert trainer.version == TEMPLATE_VERSION
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
     t = Template(root / "bucket", trainer.policy, trainer.run_id, eval_csv,
                  root / "signing-key.pem", trainer.problems[:400])
-    assert len(t.groups("tbd")) >= 32
+    assert len(t.groups("tbd")) >= GROUPS_WANTED
     return t
