@@ -1,7 +1,8 @@
 """The loop for real: one `vrl trainer` and two `vrl volunteer` processes on a folder bucket.
 
-One run (module fixture, ~2-3 minutes on 2 cores) and several tests that read what it left:
-the bucket, the metrics the trainer wrote, and each process's log.
+One run (module fixture: 40-90 s on a busy 2-core machine, from the template's warm-started
+model) and several tests that read what it left: the bucket, the metrics the trainer wrote,
+and each process's log.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The loop on S3 over HTTP: one `vrl trainer` and two `vrl volunteer` processes against
 moto's S3 server on 127.0.0.1, through whichever S3 backend open_storage() picks.
 
-One run (module fixture, about two minutes on 2 cores); the tests read what it left in the
-bucket with plain boto3, and each process's log.
+One run (module fixture: 25-45 s on a busy 2-core machine, from the template's warm-started
+model); the tests read what it left in the bucket with plain boto3, and each process's log.
 """
 from __future__ import annotations
 
