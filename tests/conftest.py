@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,10 +13,32 @@ import pytest
 from volunteer_rl.protocol import layout
 
 TEMPLATE_VERSION = 2
+GROUPS_WANTED = 32
+"""Groups with reward variance that Template.groups makes per volunteer and version: more
+than any test takes (24 at most)."""
+CHUNK = 100
+MAX_NUMBERS = 400
+"""Group numbers Template.groups samples at most per volunteer and version."""
 
 # Hypothesis's own files go to the system's temp folder, not into the repository.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), "volunteer_rl-hypothesis"))
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread while the template is built and its groups are sampled. With
+    torch's default of one thread per core, 50 of the template's warm-start steps took 187 s
+    instead of 30 s on this 2-core machine while other processes were busy on it (the suite
+    must pass beside a running demo); the thread count is restored for the tests after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -39,14 +62,25 @@ class Template:
         shutil.copytree(self.bucket, dest)
         return dest
 
+    def model(self, dest: Path) -> Path:
+        """v0's checkpoint (the warm-started tiny model) copied to `dest` as a `--model` folder.
+        A live run started from it skips the trainer's own warm start (300-800 steps in the
+        live tests, at about 0.2 s a step on one thread of this 2-core machine); the tiny
+        warm start itself is this fixture's (in-process, once per session), and
+        test_trainer_signals starts one through `vrl trainer`."""
+        shutil.copytree(self.bucket / layout.checkpoint_prefix(0), dest)
+        return dest
+
     def groups(self, volunteer: str, version: int = TEMPLATE_VERSION) -> list:
         """shards.Group objects `volunteer` would make with the template's weights labelled
-        `version`, each with reward variance: numbers 0..399, each sampled for the prompt it
-        draws from `version`'s pool with its committed draws (the numbers whose group has one
-        reward for all K are left out), so they pass a replay audit as that volunteer's and no
-        other's."""
+        `version`, each with reward variance: numbers 0, 1, 2, ..., each sampled for the prompt
+        it draws from `version`'s pool with its committed draws (the numbers whose group has
+        one reward for all K are left out), so they pass a replay audit as that volunteer's and
+        no other's. At least 24 of them, in number order; the first GROUPS_WANTED or a few
+        more, as the numbers are sampled CHUNK at a time."""
         if (volunteer, version) not in self.made:
-            self.made[volunteer, version] = honest_groups(self, volunteer, version)
+            with one_thread():
+                self.made[volunteer, version] = honest_groups(self, volunteer, version)
         return self.made[volunteer, version]
 
 
@@ -59,18 +93,25 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
     policy = t.policy
-    drawn = [t.problems[pool_prompt(t.pools[version], t.run_id, version, volunteer, i)]
-             for i in range(400)]
-    keys = [group_keys(t.run_id, version, volunteer, i, p.id, k) for i, p in enumerate(drawn)]
-    out = sample(policy, encode_prompts(policy, [p.prompt for p in drawn]), k, temperature,
-                 max_new, draw_keys=keys)
     groups = []
-    for i, (p, samples) in enumerate(zip(drawn, out)):
-        rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all, policy.eos_id,
-                                     policy.special_ids) for x in samples]
-        if max(rewards) != min(rewards):
-            groups.append(Group(p.id, version, volunteer, i, [
-                Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+    # The numbers in chunks, until GROUPS_WANTED groups have reward variance: about one in six
+    # gives one, so this samples some 200 numbers, at some 10 s per 400 on a busy 2-core
+    # machine, for each volunteer name the tests ask for.
+    for start in range(0, MAX_NUMBERS, CHUNK):
+        chunk = [t.problems[pool_prompt(t.pools[version], t.run_id, version, volunteer, n)]
+                 for n in range(start, start + CHUNK)]
+        keys = [group_keys(t.run_id, version, volunteer, start + j, p.id, k)
+                for j, p in enumerate(chunk)]
+        out = sample(policy, encode_prompts(policy, [p.prompt for p in chunk]), k, temperature,
+                     max_new, draw_keys=keys)
+        for j, (p, samples) in enumerate(zip(chunk, out)):
+            rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all,
+                                         policy.eos_id, policy.special_ids) for x in samples]
+            if max(rewards) != min(rewards):
+                groups.append(Group(p.id, version, volunteer, start + j, [
+                    Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+        if len(groups) >= GROUPS_WANTED:
+            break
     assert len(groups) >= 24, f"only {len(groups)} groups with reward variance"
     return groups
 
@@ -91,13 +132,14 @@ def template(tmp_path_factory) -> Template:
                         signing_key=str(root / "signing-key.pem"),
                         dashboard_every=0)  # no dashboard/: tests see only what their trainer writes
     trainer = Trainer(cfg, log=lambda m: None)
-    trainer.start()
-    for _ in range(TEMPLATE_VERSION):
-        trainer.publish_next()
+    with one_thread():
+        trainer.start()
+        for _ in range(TEMPLATE_VERSION):
+            trainer.publish_next()
     assert trainer.version == TEMPLATE_VERSION
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
     t = Template(root / "bucket", trainer.policy, trainer.run_id, eval_csv,
                  root / "signing-key.pem", trainer.problems, dict(trainer.pools))
-    assert len(t.groups("tbd")) >= 32
+    assert len(t.groups("tbd")) >= GROUPS_WANTED
     return t

@@ -34,20 +34,21 @@ def by_id(doc: dict) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def live_run(tmp_path_factory) -> dict:
+def live_run(tmp_path_factory, template) -> dict:
     """The live scenario, run once for the tests that look at it: what `vrl status` said at
-    each stage, and the bucket the run left behind (for the browser test)."""
+    each stage, and the bucket the run left behind (for the browser test). v0 is the
+    template's warm-started model (conftest): no warm start of its own to wait for."""
     tmp_path = tmp_path_factory.mktemp("status-run")
     started = time.time()
     bucket = tmp_path / "bucket"
     eval_csv = tmp_path / "eval20.csv"
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:21]))
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "300",
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(template.model(tmp_path / "model")),
                     "--groups-per-step", "8", "--threads", "1", "--eval-every", "3",
                     "--eval-dataset", str(eval_csv), "--dashboard-every", "3",
                     "--work-dir", str(tmp_path / "tw")],
                    tmp_path / "trainer.log", tmp_path,
-                   # one thread for the warm start too: two OpenMP threads on a shared 2-core
+                   # one thread for v0's evaluation too: two OpenMP threads on a shared 2-core
                    # machine crawl whenever another process holds one of the cores
                    {"OMP_NUM_THREADS": "1"})
     vols = {vid: Proc(["volunteer", "--bucket", str(bucket), "--id", vid, "--threads", "1",
@@ -144,16 +145,19 @@ def test_dashboard_renders_in_headless_chromium(live_run, tmp_path):
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
 
 
-def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_publishes(tmp_path):
+def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_publishes(template, tmp_path):
     """Issue 12's case, live: a volunteer with the default 30 s heartbeat feeding a trainer that
     publishes several versions a second. By the time `vrl status` reads the heartbeat the
     trainer is far past the version it names (the old rule called it stale-version, lag 48);
-    judged at the heartbeat's own time, it is producing."""
+    judged at the heartbeat's own time, it is producing. v0 is the template's warm-started
+    model (conftest): no warm start to wait for."""
     bucket = tmp_path / "bucket"
     window = 4
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--warm-start-steps", "300",
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(template.model(tmp_path / "model")),
                     "--groups-per-step", "1", "--max-staleness", str(window), "--threads", "1",
-                    "--eval-every", "0", "--dashboard-every", "0", "--poll-seconds", "0.05",
+                    # v0's evaluation on 10 rows, not the default 500: not under test here
+                    "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
+                    "--dashboard-every", "0", "--poll-seconds", "0.05",
                     "--work-dir", str(tmp_path / "tw")],
                    tmp_path / "trainer.log", tmp_path, {"OMP_NUM_THREADS": "1"})
     vol = Proc(["volunteer", "--bucket", str(bucket), "--id", "slow-beat", "--threads", "1",
