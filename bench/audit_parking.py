@@ -24,8 +24,9 @@ tokens, cut off at max_new_tokens (reward 0 under any prompt), every reward as t
 recomputes it. Its behavior logprobs are made up, so each shard fails its replay
 (`logprob_mismatch` or a token the committed draw does not select): an id this new has every
 shard drawn for audit (fewer than `--audit-full-groups` clean groups), so all its shards wait
-for the audit budget (`--audit-share`, 10 % of the trainer's time), and each one the budget
-admits is fetched, parsed, rescored and replayed whole before it is refused. Which prompt and
+for the audit budget (`--audit-share`, 10 % of the trainer's time), unfetched, and each one the
+budget admits is fetched, parsed, rescored and replayed up to its first failing group (the
+first: trainer.audit replays in growing chunks) before it is refused. Which prompt and
 which number a group gets is `parked_group` alone (see there).
 
 Each shard is built without compressing at write time: the groups' completions are pre-built
