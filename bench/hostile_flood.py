@@ -347,10 +347,12 @@ class CpuMeter:
 
 
 def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict | None,
-                  writers_nice: int = 0) -> dict:
+                  writers_nice: int = 0, child: str = "bench.hostile_flood", child_flag: str = CHILD,
+                  ids: tuple[str, ...] = HOSTILE_IDS) -> dict:
     """One run: the demo's trainer and one volunteer on a fresh folder bucket for the plan's
-    budget, with the hostile writers alongside if `payloads`. Returns what the bucket and the
-    processes tell about it."""
+    budget, with the hostile writers alongside if `payloads`: `python -m <child> <child_flag>
+    <spec>` writing as `ids` (bench.audit_parking brings its own writer). Returns what the
+    bucket and the processes tell about it."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.demo import DemoSettings, start_processes, stop
 
@@ -372,13 +374,13 @@ def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict
     if payloads is not None:
         out = work / "flood"
         out.mkdir()
-        spec = {"bucket": str(bucket), "ids": list(HOSTILE_IDS), "honest_id": HONEST_ID,
+        spec = {"bucket": str(bucket), "ids": list(ids), "honest_id": HONEST_ID,
                 "payloads": payloads, "stop_file": str(work / "stop"), "out": str(out),
                 "nice": writers_nice, "max_staleness": 2}
 
         def run_flood():
             try:
-                flood.update(run_child("bench.hostile_flood", CHILD, spec, "writers", lambda line: True,
+                flood.update(run_child(child, child_flag, spec, "writers", lambda line: True,
                                        plan, "the hostile writers"))
             except BaseException as exc:  # reported after the run
                 flood["error"] = repr(exc)
