@@ -16,12 +16,13 @@ Two runs, one after the other, each on a fresh local folder bucket, each for the
 **The parking writer.** In every version (read from manifest.json, as a volunteer reads it) it
 writes up to SHARDS_PER_VERSION shards, each of the manifest's `max_shard_groups` groups (256)
 at k = 8, then waits for the next version (a new version stops the old one's writing). Every
-group passes every check the trainer makes before its replay: a real prompt of the trainer's
-dataset (data/train.csv), its own version and volunteer id, a fresh group number (`seq`: the
-writer's n-th group of the version, never reused, so never `seq_reused`), 8 completions of
-which one is the prompt's own expression then EOS (reward 1) and seven are 32 random non-EOS
-tokens, cut off at max_new_tokens (reward 0 under any prompt), every reward as the trainer
-recomputes it. Its behavior logprobs are made up, so each shard fails its replay
+group passes every check the trainer makes before its replay: a fresh group number (`seq`:
+the writer's numbers run on across versions, never reused, so never `seq_reused` or
+`seq_order`), the prompt that number draws from the version's `prompt_pool` (schema 6), its
+own version and volunteer id, 8 completions of which one is the prompt's own expression then
+EOS (reward 1; a cut-off random one where the writer has no correct completion of that
+prompt) and seven are 32 random non-EOS tokens, cut off at max_new_tokens (reward 0 under
+any prompt), every reward as the trainer recomputes it. Its behavior logprobs are made up, so each shard fails its replay
 (`logprob_mismatch` or a token the committed draw does not select): an id this new has every
 shard drawn for audit (fewer than `--audit-full-groups` clean groups), so all its shards wait
 for the audit budget (`--audit-share`, 10 % of the trainer's time), unfetched, and each one the
@@ -83,15 +84,16 @@ GOAL = 0.9
 # ---------------------------------------------------------------------------------------------
 # One group: which prompt, which number.
 
-def parked_group(n: int, version: int, volunteer: str, prompts: list[int]) -> tuple[int, int]:
-    """(prompt id, seq) of the writer's n-th group of `version` (n = 0, 1, 2, ...).
+def parked_group(n: int, version: int, volunteer: str, run_id: str,
+                 pool: list[int]) -> tuple[int, int]:
+    """(prompt id, seq) of the writer's n-th group (n = 0, 1, 2, ... across versions).
 
-    The number is n itself: fresh in its version, so the trainer never refuses it as
-    `seq_reused`. The prompt is any prompt the writer can answer (the volunteer chooses it
-    under schema 4). When the protocol makes the prompt a committed draw over a pool the
-    trainer publishes, this is the one place to change: return that draw for (volunteer,
-    version, n); `prompts` holds every train.csv prompt the writer has a correct completion for."""
-    return prompts[n % len(prompts)], n
+    The number is n itself: fresh, and growing with the versions, so the trainer refuses it
+    neither as `seq_reused` nor as `seq_order`. The prompt is the one n draws from `version`'s
+    pool (schema 6: protocol.draws.pool_prompt), as an honest volunteer's."""
+    from volunteer_rl.protocol.draws import pool_prompt
+
+    return pool_prompt(pool, run_id, version, volunteer, n), n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +158,10 @@ def build_pieces(model_dir: Path, k: int, max_new_tokens: int, seed: int = 26) -
                                           tok.decode(ids, skip_special_tokens=True), 0.0))
         raw = ("," + ",".join(comps) + "]}\n").encode()
         sets.append([raw.decode("latin-1"), _deflate(raw).decode("latin-1")])
-    return {"correct": {str(i): c for i, c in correct.items()}, "sets": sets}
+    filler = [rng.choice(plain) for _ in range(max_new_tokens)]  # no EOS: reward 0
+    return {"correct": {str(i): c for i, c in correct.items()}, "sets": sets,
+            "filler": _completion_json(filler, [-1.0] * max_new_tokens,
+                                       tok.decode(filler, skip_special_tokens=True), 0.0)}
 
 
 class ShardMaker:
@@ -164,17 +169,19 @@ class ShardMaker:
 
     def __init__(self, pieces: dict, volunteer: str, groups: int):
         self.correct = {int(i): c for i, c in pieces["correct"].items()}
-        self.prompts = sorted(self.correct)
+        self.filler = pieces["filler"]
         self.sets = [(raw.encode("latin-1"), blocks.encode("latin-1")) for raw, blocks in pieces["sets"]]
         self.volunteer, self.groups = volunteer, groups
 
-    def shard(self, version: int, first: int) -> bytes:
-        """The gzip bytes of one shard holding the writer's groups first .. first + groups - 1."""
+    def shard(self, version: int, run_id: str, pool: list[int], first: int) -> bytes:
+        """The gzip bytes of one shard holding the writer's groups first .. first + groups - 1,
+        for `version` of `run_id`, whose prompt pool is `pool`."""
         parts, crc, size = [GZIP_HEADER], 0, 0
         for n in range(first, first + self.groups):
-            prompt, seq = parked_group(n, version, self.volunteer, self.prompts)
+            prompt, seq = parked_group(n, version, self.volunteer, run_id, pool)
             head = (f'{{"prompt_id":{prompt},"policy_version":{version},"volunteer_id":'
-                    f'"{self.volunteer}","seq":{seq},"completions":[{self.correct[prompt]}').encode()
+                    f'"{self.volunteer}","seq":{seq},"completions":['
+                    f'{self.correct.get(prompt, self.filler)}').encode()
             raw, blocks = self.sets[n % len(self.sets)]
             parts += [_stored(head), blocks]
             crc = zlib.crc32(raw, zlib.crc32(head, crc))
@@ -195,12 +202,15 @@ def self_check(model_dir: Path, pieces: dict, k: int, max_new_tokens: int, group
 
     policy = load_policy(model_dir, "cpu")
     rules = Rules(load_csv(PACKAGE_DATA / "train.csv"), len(policy.tokenizer), k, max_new_tokens,
-                  policy.decode_all, policy.eos_id, policy.special_ids, max_groups=groups)
-    data = ShardMaker(pieces, PARKER_ID, groups).shard(1, groups)
+                  policy.decode_all, policy.eos_id, policy.special_ids, max_groups=groups,
+                  run_id="run-check")
+    pool = list(range(0, 2560, 10))  # a pool of 256 rows, as a trainer publishes
+    data = ShardMaker(pieces, PARKER_ID, groups).shard(1, "run-check", pool, groups)
     key = layout.shard_key(1, PARKER_ID, _name(1))
-    scored = check_shard(data, key, rules, Window(1, 2, {0, 1}))
+    scored = check_shard(data, key, rules, Window(1, 2, {0, 1}, {0: tuple(pool), 1: tuple(pool)}))
     assert len(scored) == groups and [g.seq for g in scored] == list(range(groups, 2 * groups))
-    assert all(sorted(g.rewards) == [0.0] * (k - 1) + [1.0] for g in scored)
+    assert all(sorted(g.rewards) in ([0.0] * k, [0.0] * (k - 1) + [1.0]) for g in scored)
+    assert sum(max(g.rewards) for g in scored) > groups / 2  # most have a correct completion
     return len(data)
 
 
@@ -223,7 +233,8 @@ def parking_child(spec: dict) -> int:
     maker = ShardMaker(pieces, vid, spec["payloads"]["groups"])
     staging = Path(spec["out"]) / "staging"  # same file system as the bucket, outside it
     staging.mkdir()
-    stop, state = threading.Event(), {"version": None}
+    stop, state = threading.Event(), {"version": None, "manifest": None}
+    numbers = [0]  # the writer's next group number: numbers run on across versions
     per_version: Counter = Counter()
     counts, written_bytes, janitor = Counter(), Counter(), Counter()
 
@@ -236,7 +247,9 @@ def parking_child(spec: dict) -> int:
             try:
                 st = manifest.stat()
                 if (st.st_mtime_ns, st.st_size) != seen:
-                    state["version"] = int(json.loads(manifest.read_bytes())["version"])
+                    m = json.loads(manifest.read_bytes())
+                    state["manifest"] = (int(m["version"]), m["run_id"], m["prompt_pool"])
+                    state["version"] = state["manifest"][0]
                     seen = (st.st_mtime_ns, st.st_size)
             except (OSError, ValueError, KeyError):
                 pass
@@ -256,12 +269,14 @@ def parking_child(spec: dict) -> int:
 
     def write() -> None:
         while not stop.is_set():
-            v = state["version"]
-            if v is None or per_version[v] >= SHARDS_PER_VERSION:
+            current = state["manifest"]
+            if current is None or per_version[current[0]] >= SHARDS_PER_VERSION:
                 time.sleep(0.02)  # no manifest yet, or this version's shards all written
                 continue
+            v, run_id, pool = current
             n = per_version[v]
-            data = maker.shard(v, n * maker.groups)
+            data = maker.shard(v, run_id, pool, numbers[0])
+            numbers[0] += maker.groups
             folder = bucket / "rollouts" / f"v{v:06d}" / vid
             tmp = staging / "shard"
             try:
