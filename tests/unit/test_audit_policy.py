@@ -242,3 +242,26 @@ def test_a_volunteer_goes_on_numbering_where_it_stopped_after_a_restart(tmp_path
     assert VolunteerNumbers(path).take("run-b", 1) == 0
     path.unlink()  # lost: go on past where the trainer saw it get to
     assert VolunteerNumbers(path).take("run-b", 1, lambda: 40) == 40 + RESUME_GAP
+
+
+def test_an_audit_stops_at_the_first_failing_chunk_and_replays_a_passing_shard_whole():
+    """A lying first group costs a one-group replay (a new id's 256 made-up groups used to cost
+    the whole replay, and with it everyone's audit budget); a lie in the last group is still
+    found, and a shard that passes has every group replayed."""
+    calls = []
+
+    def replay(version, groups):
+        calls.append(len(groups))
+        bad = [g for g in groups if g == "lie"]
+        return ("replay_mismatch", "a lie") if bad else None
+
+    auditor = Auditor(replay, Budget(1.0), 10, 0.05, random.Random(0))
+    stats = AuditStats()
+    assert auditor.run("k1", "v", 0, ["lie"] + ["ok"] * 255, stats) == ("failed", ("replay_mismatch", "a lie"))
+    assert calls == [1]
+    calls.clear()
+    assert auditor.run("k2", "v", 0, ["ok"] * 255 + ["lie"], stats)[0] == "failed"
+    assert sum(calls) == 256 and calls[0] == 1
+    calls.clear()
+    assert auditor.run("k3", "v", 0, ["ok"] * 100, stats) == ("passed", None)
+    assert sum(calls) == 100 and len(calls) <= 5
