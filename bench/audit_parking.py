@@ -65,7 +65,13 @@ from collections import Counter
 from pathlib import Path
 
 from bench.common import Row, cli, machine
-from bench.hostile_flood import JANITOR_MARGIN, describe, run_contender
+from bench.hostile_flood import (
+    JANITOR_MARGIN,
+    describe,
+    run_contender,
+    run_until_stopped,
+    watch_manifest,
+)
 from bench.trl_time_to_accuracy import FULL, QUICK, Plan, log, shared_start
 
 COMMAND = "python -m bench.audit_parking"
@@ -239,21 +245,7 @@ def parking_child(spec: dict) -> int:
     counts, written_bytes, janitor = Counter(), Counter(), Counter()
 
     def watch() -> None:
-        manifest, seen = bucket / "manifest.json", None
-        while not stop.is_set():
-            if os.path.exists(spec["stop_file"]):
-                stop.set()
-                break
-            try:
-                st = manifest.stat()
-                if (st.st_mtime_ns, st.st_size) != seen:
-                    m = json.loads(manifest.read_bytes())
-                    state["manifest"] = (int(m["version"]), m["run_id"], m["prompt_pool"])
-                    state["version"] = state["manifest"][0]
-                    seen = (st.st_mtime_ns, st.st_size)
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.02)
+        watch_manifest(bucket, spec["stop_file"], stop, state)
 
     def clean() -> None:
         while not stop.wait(1.0):
@@ -269,11 +261,11 @@ def parking_child(spec: dict) -> int:
 
     def write() -> None:
         while not stop.is_set():
-            current = state["manifest"]
-            if current is None or per_version[current[0]] >= SHARDS_PER_VERSION:
+            m = state["manifest"]
+            if m is None or per_version[m["version"]] >= SHARDS_PER_VERSION:
                 time.sleep(0.02)  # no manifest yet, or this version's shards all written
                 continue
-            v, run_id, pool = current
+            v, run_id, pool = m["version"], m["run_id"], m["prompt_pool"]
             n = per_version[v]
             data = maker.shard(v, run_id, pool, numbers[0])
             numbers[0] += maker.groups
@@ -303,14 +295,7 @@ def parking_child(spec: dict) -> int:
         return threading.Thread(target=run, daemon=True)
 
     threads = [guarded(f) for f in (watch, clean, write)]
-    started, first_write = time.time(), None
-    for t in threads:
-        t.start()
-    while not stop.wait(0.05):
-        if first_write is None and state["version"] is not None:
-            first_write = time.time()
-    for t in threads:
-        t.join(timeout=10)
+    started, first_write = run_until_stopped(threads, stop, state)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     (Path(spec["out"]) / "run.json").write_text(json.dumps({
         "counts": {vid: dict(counts)}, "bytes": dict(written_bytes),

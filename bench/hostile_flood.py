@@ -169,6 +169,40 @@ def build_payloads(model_dir: Path, out: Path, k: int, max_new_tokens: int) -> d
 # ---------------------------------------------------------------------------------------------
 # The writers' process.
 
+def watch_manifest(bucket: Path, stop_file: str, stop: threading.Event, state: dict) -> None:
+    """Keep state["version"] and state["manifest"] (manifest.json parsed) current, as a
+    volunteer polls it, until `stop` is set; set it once `stop_file` exists."""
+    manifest, seen = bucket / "manifest.json", None
+    while not stop.is_set():
+        if os.path.exists(stop_file):
+            stop.set()
+            break
+        try:
+            st = manifest.stat()
+            if (st.st_mtime_ns, st.st_size) != seen:
+                m = json.loads(manifest.read_bytes())
+                state["manifest"], state["version"] = m, int(m["version"])
+                seen = (st.st_mtime_ns, st.st_size)
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+
+
+def run_until_stopped(threads: list[threading.Thread], stop: threading.Event,
+                      state: dict) -> tuple[float, float | None]:
+    """Start `threads`, wait until `stop` is set, join them; (when they started, when the
+    first version was seen: writing began)."""
+    started, first_write = time.time(), None
+    for t in threads:
+        t.start()
+    while not stop.wait(0.05):
+        if first_write is None and state["version"] is not None:
+            first_write = time.time()
+    for t in threads:
+        t.join(timeout=10)
+    return started, first_write
+
+
 def flood_child(spec: dict) -> None:
     """3 writer threads, a manifest watcher and a janitor, until spec["stop_file"] exists;
     then run.json (objects per shape, bytes, CPU seconds) into spec["out"]."""
@@ -185,20 +219,7 @@ def flood_child(spec: dict) -> None:
     dup: dict[str, tuple[int, str, bytes]] = {}  # writer id -> (version, honest key, bytes)
 
     def watch() -> None:
-        """The current version from manifest.json (as a volunteer polls it); the stop file."""
-        manifest, seen = bucket / "manifest.json", None
-        while not stop.is_set():
-            if os.path.exists(spec["stop_file"]):
-                stop.set()
-                break
-            try:
-                st = manifest.stat()
-                if (st.st_mtime_ns, st.st_size) != seen:
-                    state["version"] = int(json.loads(manifest.read_bytes())["version"])
-                    seen = (st.st_mtime_ns, st.st_size)
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.02)
+        watch_manifest(bucket, spec["stop_file"], stop, state)
 
     def copy_honest() -> None:
         """The newest honest shard of the current version, re-labelled for each writer."""
@@ -292,15 +313,7 @@ def flood_child(spec: dict) -> None:
         return threading.Thread(target=run, daemon=True)
 
     threads = [guarded(f) for f in (watch, copy_honest, clean)] + [guarded(write, vid) for vid in ids]
-    started = time.time()
-    first_write = None
-    for t in threads:
-        t.start()
-    while not stop.wait(0.05):
-        if first_write is None and state["version"] is not None:
-            first_write = time.time()
-    for t in threads:
-        t.join(timeout=10)
+    started, first_write = run_until_stopped(threads, stop, state)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     (Path(spec["out"]) / "run.json").write_text(json.dumps({
         "counts": {vid: dict(c) for vid, c in counts.items()}, "bytes": dict(written_bytes),
