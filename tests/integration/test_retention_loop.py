@@ -39,8 +39,9 @@ def versions(bucket: Path, top: str) -> set[int]:
 
 
 def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
-    """Two groups of two completions: the right expression and a wrong one, for the prompts
-    the next numbers draw from `m`'s pool (numbers drawing a long expression are skipped)."""
+    """Two groups of two completions, the right expression and one that does not parse
+    (reward 1 and 0 whatever the prompt), for the prompts the next numbers draw from `m`'s
+    pool (numbers drawing a long expression are skipped)."""
     eos = tokenizer.token_to_id("<eos>")
     groups = []
     while len(groups) < 2:
@@ -48,7 +49,7 @@ def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
         p = problems[pool_prompt(m.prompt_pool, m.run_id, m.version, "scripted", n)]
         if len(p.expression) > 24:
             continue
-        answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode("0").ids + [eos]]
+        answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode("1 +").ids + [eos]]
         groups.append(Group(p.id, m.version, "scripted", n,
                             [Completion(ids, [-1.0] * len(ids), "", float(j == 0))
                              for j, ids in enumerate(answers)]))
