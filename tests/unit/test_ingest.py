@@ -707,3 +707,35 @@ def test_keys_outside_volunteer_folders_are_rejected_and_capped(tmp_path, monkey
     assert stats.rejected == {"bad_key": 3} and not stats.by_volunteer["m-vol"][1]
     assert [m.split()[1].rstrip(":") for m in order] == [
         "rollouts/v000003/a.txt", "rollouts/v000003/b.txt", "rollouts/v000003/zz.txt"]
+
+
+def test_a_new_volunteers_lying_shard_costs_one_group_of_replay_and_a_trusted_ones_one_call():
+    """The audit replays a volunteer with no clean groups in growing chunks, stopping at the
+    first failure (one new id parking big lying shards took every step from the trainer while
+    each audit replayed them whole); a trusted volunteer's audited shard goes in one call."""
+    calls = []
+
+    def lying(version, groups):
+        calls.append(len(groups))
+        return ("replay_mismatch", "not sampled")
+
+    s = fresh_storage("chunk-new")
+    put(s, 3, "newbie", [g(0, 3, "newbie", [[12], [i]]) for i in range(20)])
+    stats = IngestStats()
+    make(s, audit=auditor(lying)).poll(win(3), stats)
+    assert calls == [1] and stats.rejected == {"replay_mismatch": 1}
+
+    calls.clear()
+
+    def honest(version, groups):
+        calls.append(len(groups))
+        return None
+
+    s = fresh_storage("chunk-trusted")
+    put(s, 3, "old", [g(0, 3, "old", [[12], [i]]) for i in range(20)])
+    fleet = Fleet()
+    fleet.counts["old"] = Counts(accepted=50, clean=500)
+    always = Auditor(honest, Budget(1.0), 10 ** 9, 0.05, random.Random(0))  # every shard due
+    stats = IngestStats()
+    make(s, audit=always, fleet=fleet).poll(win(3), stats)
+    assert calls == [20] and stats.audit.audited == 1 and not stats.rejected

@@ -11,8 +11,10 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   ones. Any rejected shard sets n back to 0.
 - **Every group of an audited shard is replayed, up to the first that fails.** A shard is
   accepted or rejected whole, so one injected group among many is caught whenever its shard is
-  audited; the replay goes in growing chunks (1, 4, 16, ... groups) and stops at the first
-  failure, so a lying shard costs the audit budget little.
+  audited. For a volunteer with no clean groups (new, or just caught) the replay goes in
+  growing chunks (1, 4, 16, ... groups) and stops at the first failure, so its lying shards
+  cost the audit budget little; a trusted volunteer's shard is replayed in one call (three
+  calls for a 16-group shard cost the demo's trainer 12 s more audit time in 300 s).
 - **Budget, reserved before a byte is fetched.** Audits may take `share` of the trainer's wall
   time (a token bucket holding at most BURST_SECONDS of audit time). A shard known to be due
   for an audit when it is listed is fetched only if the bucket has room, and then the
@@ -213,15 +215,19 @@ class Auditor:
                 d.reserved = 0.0
 
     def run(self, key: str, volunteer: str, version: int, groups: list,
-            stats: AuditStats) -> tuple[str, tuple[str, str] | None]:
+            stats: AuditStats, chunked: bool = True) -> tuple[str, tuple[str, str] | None]:
         """Replay `groups` of `key` now: (outcome, problem), outcome 'passed', 'failed' or
         'deferred' (its version's weights are not held), problem the replay's (reason code,
-        detail) of a failure. Its time is charged to the budget, net of what was reserved;
-        an exception of the replay's own (a fault of the trainer) propagates."""
+        detail) of a failure. `chunked`: in growing chunks, stopping at the first failure
+        (for a volunteer with no clean groups: new, or just caught); else in one call, as
+        batching makes an honest shard's replay cheapest. Its time is charged to the budget,
+        net of what was reserved; an exception of the replay's own (a fault of the trainer)
+        propagates."""
         d = self._draw(key)
         started = self.budget.clock()
         try:
-            problem, replayed = self._replay_until_failure(version, groups)
+            problem, replayed = (self._replay_until_failure(version, groups) if chunked
+                                 else (self.replay(version, groups) if groups else None, len(groups)))
         except Unavailable:
             stats.deferred += 1
             return "deferred", None

@@ -575,7 +575,7 @@ class Ingest:
             stats.audit.deferred += 1
             return None
         outcome, problem = self.auditor.run(key, volunteer, groups[0].policy_version, groups,
-                                            stats.audit)
+                                            stats.audit, chunked=not self.fleet.clean(volunteer))
         if outcome == "deferred":
             return None
         self.fleet.count_audit(volunteer)
@@ -612,7 +612,7 @@ class Ingest:
             return
         try:
             outcome, problem = self.auditor.run(key, volunteer, groups[0].policy_version, groups,
-                                                stats.audit)
+                                                stats.audit, chunked=not self.fleet.clean(volunteer))
         except Exception as exc:  # the trainer's own fault: nobody is charged
             self._log_trace(f"{type(exc).__name__} of the trainer's own while re-auditing "
                             f"{printable(key)}", exc)
