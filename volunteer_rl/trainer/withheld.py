@@ -34,6 +34,14 @@ class _Numbers:
     span: dict[int, list[int]] = field(default_factory=dict)
     """Version -> [lowest, highest] number received under it."""
 
+    def record(self, version: int, key: str, seqs: list[int]) -> None:
+        """Note `seqs`, received under `version` in shard `key` (checked by the caller)."""
+        for s in seqs:
+            self.got[s] = (version, key)
+        if seqs:
+            lo, hi = self.span.get(version, (min(seqs), max(seqs)))
+            self.span[version] = [min(lo, *seqs), max(hi, *seqs)]
+
 
 @dataclass
 class GroupNumbers:
@@ -59,11 +67,7 @@ class GroupNumbers:
             for u, (lo, hi) in n.span.items():
                 if (u < version and s <= hi) or (u > version and s >= lo):
                     return "seq_order"
-        for s in seqs:
-            n.got[s] = (version, key)
-        if seqs:
-            lo, hi = n.span.get(version, (min(seqs), max(seqs)))
-            n.span[version] = [min(lo, *seqs), max(hi, *seqs)]
+        n.record(version, key, seqs)
         return None
 
     def close_below(self, low: int) -> dict[str, tuple[int, int]]:
@@ -121,12 +125,8 @@ class GroupNumbers:
                 f = entry["frontier"]
                 n.frontier = None if f is None else int(f)
                 for key, version, runs in entry["shards"]:
-                    seqs = [s for a, b in runs for s in range(int(a), int(b) + 1)]
-                    for s in seqs:
-                        n.got[s] = (int(version), str(key))
-                    if seqs:
-                        lo, hi = n.span.get(int(version), (min(seqs), max(seqs)))
-                        n.span[int(version)] = [min(lo, *seqs), max(hi, *seqs)]
+                    n.record(int(version), str(key),
+                             [s for a, b in runs for s in range(int(a), int(b) + 1)])
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"saved group numbers are malformed ({type(exc).__name__}: {exc})") from None
         return numbers
