@@ -201,8 +201,10 @@ def hostile_shards(g1: list[dict], spare: list[dict], drifter: list[dict],
             "uneven", lambda rows: rows[0]["completions"][0]["logprobs"].pop())),
         "completions_not_a_list": (key("dicty", "s"), edited("dicty", set_(["completions"], {"a": 1}))),
         "line_not_an_object": (key("listy", "s"), gzip.compress(b"[1, 2, 3]\n")),
+        # one completion more than k: eight times k once made a line longer than its byte
+        # budget when the drawn prompts had long completions, and line_too_long came first
         "too_many_completions": (key("greedy", "s"), edited(
-            "greedy", lambda rows: rows[0].update(completions=rows[0]["completions"] * 8))),
+            "greedy", lambda rows: rows[0].update(completions=rows[0]["completions"] + rows[0]["completions"][:1]))),
         "empty_shard": (key("nothing", "s"), gzip.compress(b"")),
         "not_gzip": (key("plain", "s"), gz_lines(spare[:1])[10:] + b"plain bytes"),
         "not_utf8": (key("latin", "s"), gzip.compress(b'{"prompt_id": "\xff\xfe"}\n')),
