@@ -93,7 +93,7 @@ def upload_target(folder: Path, m, s3) -> None:
 def results(quick: bool = False) -> list[Row]:
     from bench.checkpoint_sync import policy_for, qwen3
     from bench.s3_checkpoint import start
-    from volunteer_rl.model.checkpoint import Held, build_weights
+    from volunteer_rl.model.chain import Held, build_weights
     from volunteer_rl.storage import open_storage
     from volunteer_rl.volunteer.loop import swap_weights
 

@@ -31,7 +31,7 @@ process, as bench/s3_checkpoint.py starts it):
   Before every folder round, untimed, the bucket is left holding the last version only (the
   ones before deleted, as retention does, and the last raw copy), so both sides write into
   disk blocks just freed (see `tidy` in folder_round for why that matters on this VM).
-- **fetch, vrl**: `checkpoint.fetch_weights`, what a volunteer that takes the keyframe runs:
+- **fetch, vrl**: `chain.fetch_weights`, what a volunteer that takes the keyframe runs:
   the object read into memory while its 64 MiB pieces are hashed on every core as they land,
   and every piece compared with the manifest. A volunteer reuses its read buffer from one
   version to the next, so the buffer is page-faulted once before the timed rounds.
@@ -232,7 +232,7 @@ def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
     """Folder bucket: publish and fetch, vrl and raw; returns rows, bytes per version, the
     published weights file (the raw S3 transfers send the same bytes) and the volunteer's
     read buffer (the S3 fetch reuses it, as a volunteer would)."""
-    from volunteer_rl.model.checkpoint import fetch_weights
+    from volunteer_rl.model.chain import fetch_weights
     from volunteer_rl.volunteer.loop import swap_weights
 
     bucket = tmp / f"bucket-{dtype}"
@@ -297,7 +297,7 @@ def s3_round(policy, dtype: str, weights: Path, held, endpoint: str, tmp: Path,
              quick: bool) -> list[Row]:
     """S3 (moto over HTTP): one round of each transfer on an emptied bucket."""
     from bench.s3_checkpoint import reset_bucket
-    from volunteer_rl.model.checkpoint import fetch_weights
+    from volunteer_rl.model.chain import fetch_weights
     from volunteer_rl.storage.s3 import S3Storage
 
     plain = S3Storage(f"s3://{BUCKET}/raw", endpoint_url=endpoint)

@@ -76,7 +76,7 @@ def calculator_steps(policy, lr: float, seed: int = 0):
 def step_sizes(policy, lr: float, steps: int, seed: int = 0) -> list[dict]:
     """Run `steps` AdamW steps on `policy` (changed in place); per step the bf16 file's size,
     the patch's size, the changed words and the seconds spent making the patch."""
-    from volunteer_rl.model.checkpoint import sha256_bytes
+    from volunteer_rl.model.hashing import sha256_bytes
     from volunteer_rl.model.weights import weights_bytes
     from volunteer_rl.protocol.patch import apply_patch, make_patch, read_header
 

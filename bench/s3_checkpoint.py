@@ -16,7 +16,7 @@ For each link and repeat, on an emptied bucket:
 - S3Storage.create of `checkpoints/v000001/model.safetensors` (If-None-Match: *; one PUT or
   parallel multipart, as its UploadChoice decides);
 - S3Storage.read_into of it into one buffer that every round reuses, as a volunteer reuses
-  its weights buffer from one version to the next (checkpoint.read_verified): one streamed
+  its weights buffer from one version to the next (vetting.read_verified): one streamed
   GET, read from the socket straight into the buffer, that splits into parallel ranged GETs
   if it is slow; sha256-checked after the clock stops;
 - S3Storage.read of it, which returns a new buffer each time (a row with no goal: the cost of

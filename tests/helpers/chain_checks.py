@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from volunteer_rl.model.checkpoint import Held, build_weights
+from volunteer_rl.model.chain import Held, build_weights
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, Manifest, pieces_root
 from volunteer_rl.storage import open_storage

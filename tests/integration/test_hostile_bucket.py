@@ -19,20 +19,18 @@ import torch
 
 from helpers.vrlproc import one_line_error, run_vrl
 from volunteer_rl.config import PACKAGE_DATA, VolunteerConfig
-from volunteer_rl.model.checkpoint import (
+from volunteer_rl.model.chain import fetch_weights, keyframe_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint, publish_checkpoint
+from volunteer_rl.model.hashing import sha256_bytes
+from volunteer_rl.model.policy import Policy, load_policy
+from volunteer_rl.model.tiny import build_tokenizer
+from volunteer_rl.model.vetting import (
     CHECKPOINT_FILES,
     MAX_MODEL_FP32_BYTES,
     CheckpointRefused,
     check_model_config,
     check_model_folder,
-    fetch_checkpoint,
-    fetch_weights,
-    keyframe_weights,
-    publish_checkpoint,
-    sha256_bytes,
 )
-from volunteer_rl.model.policy import Policy, load_policy
-from volunteer_rl.model.tiny import build_tokenizer
 from volunteer_rl.model.weights import save_policy
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (

@@ -145,7 +145,7 @@ def test_gc_removes_beyond_the_window_and_reports_each_prefix(collected):
 
 
 def test_eval_of_the_current_version_works_and_a_removed_one_says_so(collected):
-    from volunteer_rl.model.checkpoint import CheckpointError
+    from volunteer_rl.model.hashing import CheckpointError
     from volunteer_rl.trainer.evaluate import load_version
 
     r = run_vrl(["eval", "--bucket", str(collected["bucket"]), "--dataset", str(collected["eval"]),

@@ -2,12 +2,9 @@ import json
 
 import pytest
 
-from volunteer_rl.model.checkpoint import (
-    CheckpointError,
-    fetch_checkpoint,
-    keyframe_weights,
-    publish_checkpoint,
-)
+from volunteer_rl.model.chain import keyframe_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint, publish_checkpoint
+from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     Dataset,

@@ -127,7 +127,8 @@ def test_unsigned_needs_allow_unsigned_and_a_signature_is_checked_anyway(tmp_pat
 
 
 def test_a_full_fetch_leaves_only_the_files_the_signed_manifest_names(tmp_path):
-    from volunteer_rl.model.checkpoint import fetch_checkpoint, keyframe_weights, publish_checkpoint
+    from volunteer_rl.model.chain import keyframe_weights
+    from volunteer_rl.model.checkpoint import fetch_checkpoint, publish_checkpoint
 
     s = open_storage(str(tmp_path / "bucket"))
     src = tmp_path / "src"

@@ -83,7 +83,7 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
     import torch
 
     from volunteer_rl.config import VolunteerConfig
-    from volunteer_rl.model.checkpoint import Fetched
+    from volunteer_rl.model.chain import Fetched
     from volunteer_rl.model.policy import Policy
     from volunteer_rl.protocol.manifest import WeightsEntry
     from volunteer_rl.volunteer import loop as vol
@@ -144,7 +144,7 @@ def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_change
     import torch
 
     from volunteer_rl.config import VolunteerConfig
-    from volunteer_rl.model.checkpoint import Fetched
+    from volunteer_rl.model.chain import Fetched
     from volunteer_rl.protocol.manifest import WeightsEntry
     from volunteer_rl.task.dataset import DatasetError
     from volunteer_rl.volunteer import loop as vol

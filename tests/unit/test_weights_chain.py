@@ -9,14 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from volunteer_rl.model.checkpoint import (
-    CheckpointError,
-    Held,
-    build_weights,
-    piece_hashes,
-    plan_fetch,
-    sha256_bytes,
-)
+from volunteer_rl.model.chain import Held, build_weights, plan_fetch
+from volunteer_rl.model.hashing import CheckpointError, piece_hashes, sha256_bytes
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     KEYFRAME_FILE,
@@ -226,7 +220,8 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from volunteer_rl.model.checkpoint import Filling, upload_buffer
+    from volunteer_rl.model.checkpoint import upload_buffer
+    from volunteer_rl.model.hashing import Filling
 
     storage = open_storage(str(tmp_path / "bucket"))
     data = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)

@@ -10,7 +10,9 @@ from safetensors import safe_open
 from helpers.honest_groups import drawn_prompt
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
-from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint, fetch_weights
+from volunteer_rl.model.chain import fetch_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint
+from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.model.policy import encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.protocol import layout

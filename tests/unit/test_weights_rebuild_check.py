@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_weights_chain import MIB, evolve, held, publish_bytes
 
-from volunteer_rl.model.checkpoint import CheckpointError, build_weights
+from volunteer_rl.model.chain import build_weights
+from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE
 from volunteer_rl.storage import open_storage

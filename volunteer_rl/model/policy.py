@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from volunteer_rl.model.checkpoint import (
+from volunteer_rl.model.vetting import (
     VRL_CONFIG,
     CheckpointRefused,
     check_model_folder,

@@ -14,8 +14,9 @@ import torch
 
 from volunteer_rl import config
 from volunteer_rl.errors import VrlError
-from volunteer_rl.model.checkpoint import VRL_CONFIG, WEIGHTS_FILE, byte_buffer
+from volunteer_rl.model.hashing import byte_buffer
 from volunteer_rl.model.policy import Policy, quiet_transformers
+from volunteer_rl.model.vetting import VRL_CONFIG, WEIGHTS_FILE
 
 WEIGHTS_DTYPES = dict(zip(config.WEIGHTS_DTYPES, (torch.float32, torch.bfloat16), strict=True))
 """The torch dtype of each `--weights-dtype` name (config.WEIGHTS_DTYPES lists the names)."""
@@ -122,7 +123,7 @@ def weights_size(model: torch.nn.Module, dtype: torch.dtype) -> int:
 def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
                  made: Callable[[int], None] = lambda end: None) -> None:
     """Make in `buf` (weights_size bytes) the file `write_weights` writes, calling
-    `made(end)` each time buf[:end] is done (checkpoint.Filling: threads that hash and upload
+    `made(end)` each time buf[:end] is done (hashing.Filling: threads that hash and upload
     it follow along, so a big tensor is made _PIECE bytes at a time).
 
     Each tensor is cast straight into its place in `buf` (the same rounding as `Tensor.to`):
@@ -164,7 +165,7 @@ def load_weights(policy: Policy, source) -> None:
     """Swap new weights into the live model in place (no rebuild, no re-allocation).
 
     `source` is a safetensors file's path or its bytes already in memory (a verified buffer
-    from checkpoint.fetch_weights): each tensor is copied straight from those bytes into the
+    from chain.fetch_weights): each tensor is copied straight from those bytes into the
     model's own tensor, cast to its dtype (bf16 weights into an fp32 model are upcast
     exactly), with no intermediate state dict. A tied lm_head is saved once under the
     embedding's name, so it may be missing here. Every tensor's shape and byte range is

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from volunteer_rl.model.checkpoint import CheckpointError, fetch_checkpoint
+from volunteer_rl.model.checkpoint import fetch_checkpoint
+from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.protocol import layout, metrics

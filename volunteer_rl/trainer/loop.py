@@ -24,7 +24,8 @@ import torch
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.errors import VrlError
-from volunteer_rl.model.checkpoint import fetch_checkpoint, fetch_weights
+from volunteer_rl.model.chain import fetch_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import pick_device
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer

@@ -15,17 +15,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
-from volunteer_rl.model.checkpoint import (
-    WEIGHTS_FILE,
-    Filling,
-    byte_buffer,
-    clear_folder,
-    piece_hashes,
-    publish_checkpoint,
-    sha256_bytes,
-    upload_buffer,
-)
+from volunteer_rl.model.checkpoint import clear_folder, publish_checkpoint, upload_buffer
+from volunteer_rl.model.hashing import Filling, byte_buffer, piece_hashes, sha256_bytes
 from volunteer_rl.model.policy import Policy
+from volunteer_rl.model.vetting import WEIGHTS_FILE
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (

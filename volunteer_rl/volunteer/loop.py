@@ -29,19 +29,13 @@ from typing import Callable
 
 from volunteer_rl.config import VolunteerConfig
 from volunteer_rl.errors import ConfigError
-from volunteer_rl.model.checkpoint import (
-    WEIGHTS_FILE,
-    CheckpointError,
-    CheckpointRefused,
-    Fetched,
-    Held,
-    fetch_checkpoint,
-    fetch_weights,
-    sha256_bytes,
-)
+from volunteer_rl.model.chain import Fetched, Held, fetch_weights
+from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import pick_device, set_sampling_threads
+from volunteer_rl.model.hashing import CheckpointError, sha256_bytes
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
+from volunteer_rl.model.vetting import WEIGHTS_FILE, CheckpointRefused
 from volunteer_rl.model.weights import load_weights
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
@@ -67,7 +61,7 @@ def default_volunteer_id() -> str:
 def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
                  log: Callable[[str], None] | None = None,
                  reuse: memoryview | None = None) -> Fetched:
-    """Fetch the manifest's weights (verified, in memory: checkpoint.fetch_weights, which
+    """Fetch the manifest's weights (verified, in memory: chain.fetch_weights, which
     patches the held version forward when that is cheaper) and copy them into the live model.
 
     Returns what was fetched; its buffer holds version m's weights file until the next fetch,
@@ -165,7 +159,7 @@ class Volunteer:
     def switch(self, m: Manifest) -> None:
         """Move to the manifest's version: swap weights in place when only they changed.
 
-        The weights come into memory (checkpoint.fetch_weights: the patches after the version
+        The weights come into memory (chain.fetch_weights: the patches after the version
         held, or the keyframe and the patches after it, whichever is fewer bytes), are checked
         piece by piece against the manifest, and only then copied into the model; a swap
         writes nothing to disk. The buffer then holds this version's weights file, for the
@@ -174,7 +168,7 @@ class Volunteer:
         computes in fp32 with the bf16-rounded values, as the trainer's audit does.
 
         Either way the checkpoint is checked before any of it is downloaded (its file names,
-        config.json, the weights' size: checkpoint.check_checkpoint) and a full load checks
+        config.json, the weights' size: vetting.check_checkpoint) and a full load checks
         the folder again (load_policy). Nothing changes until the new version has loaded: on
         any error the volunteer keeps the model, dataset and manifest it holds."""
         old = self.manifest
