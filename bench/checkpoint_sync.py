@@ -25,7 +25,7 @@ process, as bench/s3_checkpoint.py starts it):
   committed checkpoint that is only in the page cache); a copy without it measures the page
   cache, and the note gives that figure too. S3: one plain `put_object` of the file, against
   the third publish of one trainer: its storage chooses between a multipart upload and one
-  PUT by what was faster on this link so far (`storage.s3.UploadChoice`: multipart on the
+  PUT by what was faster on this link so far (`storage.s3_transfer.UploadChoice`: multipart on the
   first big upload, the right guess for the internet; one PUT on the second), so the third
   is what a running trainer does. The note gives all three.
   Before every folder round, untimed, the bucket is left holding the last version only (the

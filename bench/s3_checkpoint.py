@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import Row, emit_rows
-from volunteer_rl.storage import s3
+from volunteer_rl.storage import s3_transfer
 from volunteer_rl.storage.s3 import S3Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,8 +163,9 @@ def run(mb: int, repeat: int, stream_mbps: float) -> list[Row]:
     command = f"python -m bench.s3_checkpoint --mb {mb} --repeat {repeat}"
     try:
         print(f"moto server {endpoint} (own process); {len(data) / MB:.0f} MB object; "
-              f"parts of {s3.MIN_PART // 2**20}-{s3.PART_SIZE // 2**20} MiB from "
-              f"{s3.MULTIPART_THRESHOLD // 2**20} MiB on, {s3.CONCURRENCY} at a time; "
+              f"parts of {s3_transfer.MIN_PART // 2**20}-{s3_transfer.PART_SIZE // 2**20} MiB "
+              f"from {s3_transfer.MULTIPART_THRESHOLD // 2**20} MiB on, "
+              f"{s3_transfer.CONCURRENCY} at a time; "
               f"capped link {stream_mbps:g} MB/s per connection", flush=True)
         loop = measure("loopback", endpoint, endpoint, data, digest, repeat)
         capped = measure("capped  ", relayed, endpoint, data, digest, repeat)

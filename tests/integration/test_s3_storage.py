@@ -30,7 +30,7 @@ from botocore.exceptions import (  # noqa: E402
 from botocore.stub import Stubber  # noqa: E402
 
 from helpers.storage_contract import empty_bucket, moto_s3  # noqa: E402
-from volunteer_rl.storage import s3  # noqa: E402
+from volunteer_rl.storage import s3_errors, s3_transfer  # noqa: E402
 from volunteer_rl.storage.base import (  # noqa: E402
     AlreadyExists,
     Forbidden,
@@ -44,7 +44,8 @@ from volunteer_rl.storage.base import (  # noqa: E402
 )
 from volunteer_rl.storage.fsspec import FsspecStorage  # noqa: E402
 from volunteer_rl.storage.retry import Retrying  # noqa: E402
-from volunteer_rl.storage.s3 import S3Storage, expected_etag  # noqa: E402
+from volunteer_rl.storage.s3 import S3Storage  # noqa: E402
+from volunteer_rl.storage.s3_transfer import expected_etag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "vrl-s3-test"
@@ -83,9 +84,9 @@ def any_store(request, admin, endpoint):
 @pytest.fixture
 def small_parts(monkeypatch):
     """Multipart from 5 MiB on, in 5 MiB parts: a 12 MiB object becomes 5 + 5 + 2 MiB."""
-    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * MiB)
-    monkeypatch.setattr(s3, "PART_SIZE", 5 * MiB)
-    monkeypatch.setattr(s3, "MIN_PART", 5 * MiB)
+    monkeypatch.setattr(s3_transfer, "MULTIPART_THRESHOLD", 5 * MiB)
+    monkeypatch.setattr(s3_transfer, "PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(s3_transfer, "MIN_PART", 5 * MiB)
 
 
 class Requests:
@@ -183,8 +184,8 @@ def test_multipart_write_then_one_streamed_get_on_a_fast_link(store, admin, smal
 
 def test_a_slow_stream_splits_into_ranged_gets_pinned_to_the_etag(store, admin, small_parts,
                                                                    monkeypatch):
-    monkeypatch.setattr(s3, "PROBE_BYTES", 2 * MiB)  # two 1 MiB chunks, then every stream
-    monkeypatch.setattr(s3, "SPLIT_SECONDS", 0.0)   # counts as slow
+    monkeypatch.setattr(s3_transfer, "PROBE_BYTES", 2 * MiB)  # two 1 MiB chunks, then every stream
+    monkeypatch.setattr(s3_transfer, "SPLIT_SECONDS", 0.0)   # counts as slow
     data = os.urandom(12 * MiB)
     store.write("big.bin", data)
     etag = admin.head_object(Bucket=BUCKET, Key="some/prefix/big.bin")["ETag"]
@@ -199,11 +200,11 @@ def test_a_slow_stream_splits_into_ranged_gets_pinned_to_the_etag(store, admin, 
 def test_big_reads_take_bytes_from_the_socket_straight_into_the_buffer(store, admin):
     admin.put_object(Bucket=BUCKET, Key="some/prefix/x.bin", Body=b"0123456789")
     body = store.client.get_object(Bucket=BUCKET, Key="some/prefix/x.bin")["Body"]
-    readinto = s3._socket_reader(body)
+    readinto = s3_transfer._socket_reader(body)
     assert readinto.__qualname__ == "HTTPResponse.readinto"  # http.client's, under urllib3
     assert readinto.__self__ is body._raw_stream._fp
     view = memoryview(bytearray(10))
-    assert s3._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
+    assert s3_transfer._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
     body.close()
 
 
@@ -216,16 +217,16 @@ def test_a_wrapped_body_is_read_through_its_own_read(store, admin):
     admin.put_object(Bucket=BUCKET, Key="some/prefix/x.bin", Body=b"0123456789")
     raw = store.client.get_object(Bucket=BUCKET, Key="some/prefix/x.bin")["Body"]
     body = Checked(raw._raw_stream, 10)
-    readinto = s3._socket_reader(body)
+    readinto = s3_transfer._socket_reader(body)
     assert readinto.__qualname__ != "HTTPResponse.readinto"
     view = memoryview(bytearray(10))
-    assert s3._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
+    assert s3_transfer._fill("x.bin", readinto, view, 0, 10) == 10 and bytes(view) == b"0123456789"
     with pytest.raises(StorageError, match="x.bin: connection closed after 10 of 11 bytes"):
-        s3._fill("x.bin", readinto, memoryview(bytearray(11)), 10, 11)
+        s3_transfer._fill("x.bin", readinto, memoryview(bytearray(11)), 10, 11)
 
 
 def test_upload_choice_tries_both_methods_then_keeps_the_faster():
-    choice = s3.UploadChoice()
+    choice = s3_transfer.UploadChoice()
     size = 100 * MiB
     assert choice.pick(size) == "multipart"
     choice.record("multipart", size, 2.0)
@@ -236,12 +237,12 @@ def test_upload_choice_tries_both_methods_then_keeps_the_faster():
         picks.append(choice.pick(size))
         choice.record(picks[-1], size, 1.0 if picks[-1] == "single" else 2.0)
     assert picks.count("single") == 18 and picks.count("multipart") == 2  # retried 1 in 10
-    assert choice.pick(s3.MAX_SINGLE_PUT + 1) == "multipart"  # over S3's PUT limit
-    assert s3.UploadChoice(fixed="single").pick(size) == "single"
+    assert choice.pick(s3_transfer.MAX_SINGLE_PUT + 1) == "multipart"  # over S3's PUT limit
+    assert s3_transfer.UploadChoice(fixed="single").pick(size) == "single"
 
 
 def test_big_single_put_is_recognised_as_ours_after_a_retry(store, small_parts):
-    store.upload_choice = s3.UploadChoice(fixed="single")
+    store.upload_choice = s3_transfer.UploadChoice(fixed="single")
     data = os.urandom(6 * MiB)
     store.create("one-put.bin", data)
     assert store._is_ours("one-put.bin", data) == expected_etag(data, multipart=False)
@@ -306,7 +307,7 @@ def test_multipart_create_is_write_once_and_leaves_no_upload_behind(store, admin
 
 
 def test_multipart_compare_and_swap_puts_the_condition_on_complete(store, small_parts):
-    store.upload_choice = s3.UploadChoice(fixed="multipart")
+    store.upload_choice = s3_transfer.UploadChoice(fixed="multipart")
     e1 = store.write_if_match("big.bin", os.urandom(6 * MiB), None)
     with pytest.raises(PreconditionFailed):                     # If-None-Match: * (enforced)
         store.write_if_match("big.bin", os.urandom(6 * MiB), None)
@@ -355,12 +356,12 @@ def test_which_s3_faults_are_transient():
                 ConnectionClosedError(endpoint_url="http://127.0.0.1:9"),
                 ReadTimeoutError(endpoint_url="http://127.0.0.1:9"),
                 ConnectionResetError("reset by peer"), TimeoutError("timed out")):
-        assert s3.is_transient(exc), exc
+        assert s3_errors.is_transient(exc), exc
     for exc in (_client_error("AccessDenied", 403), _client_error("NoSuchKey", 404),
                 _client_error("PreconditionFailed", 412), _client_error("InvalidRange", 416),
                 SSLError(endpoint_url="https://s3.example.org", error="certificate expired"),
                 ValueError("x")):
-        assert not s3.is_transient(exc), exc
+        assert not s3_errors.is_transient(exc), exc
 
 
 def test_a_throttled_request_is_transient_and_retried(store):

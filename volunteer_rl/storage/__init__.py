@@ -3,12 +3,14 @@ and its backends (a local folder, any fsspec filesystem, S3), plus retry as a wr
 
 Knows nothing of what the objects mean; that is protocol's job.
 
-    base.py     the Storage interface, its errors, is_missing
-    local.py    a folder (the embedded default)
-    fsspec.py   any fsspec file system (gs://, memory://, s3:// through s3fs)
-    s3.py       S3 and S3-compatible stores through boto3, with real conditional writes
-    retry.py    Retrying: Transient failures tried again
-    here        open_storage: the storage for a bucket URI
+    base.py         the Storage interface, its errors, is_missing
+    local.py        a folder (the embedded default)
+    fsspec.py       any fsspec file system (gs://, memory://, s3:// through s3fs)
+    s3.py           S3 and S3-compatible stores through boto3, with real conditional writes
+    s3_transfer.py  S3's big objects at the link's speed: split reads, multipart uploads
+    s3_errors.py    what S3's answers mean, and which are worth another try
+    retry.py        Retrying: Transient failures tried again
+    here            open_storage: the storage for a bucket URI
 
 A bucket is addressed by URI: a plain folder path or `file://` (the embedded default, no
 server), `s3://bucket/prefix` (boto3; `endpoint_url` for MinIO, R2 and other S3-compatible

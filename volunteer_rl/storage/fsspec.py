@@ -33,7 +33,7 @@ class FsspecStorage:
     fsspec reports failures as OSError types (s3fs maps S3's error codes onto them), which
     become the storage errors they mean (base.classify_errors). s3fs passes botocore's
     network errors on unchanged and keeps the ClientError of an unmapped answer (a 502) as
-    the cause: those are classified by the S3 backend's rule (s3.is_transient)."""
+    the cause: those are classified by the S3 backend's rule (s3_errors.is_transient)."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None):
         import fsspec  # deferred: `vrl --help` must not pay for it
@@ -60,7 +60,7 @@ class FsspecStorage:
             return True
         if self.protocol != "s3":
             return False
-        from volunteer_rl.storage.s3 import is_transient
+        from volunteer_rl.storage.s3_errors import is_transient
 
         return is_transient(exc) or (exc.__cause__ is not None and is_transient(exc.__cause__))
 
@@ -74,7 +74,7 @@ class FsspecStorage:
         on plain http, could push any size into a 1 MiB read. (gcsfs has the same gap.)"""
         from fsspec.asyn import sync
 
-        from volunteer_rl.storage.s3 import STREAM_CHUNK
+        from volunteer_rl.storage.s3_transfer import STREAM_CHUNK
 
         bucket, key, _ = self.fs.split_path(path)
 
