@@ -54,7 +54,7 @@ def gc(
     from volunteer_rl.trainer.retention import collect, summary_lines
 
     trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
-    plan, outcome = collect(open_storage(bucket, endpoint_url), keep_versions, dry_run,
+    plan, outcome = collect(open_storage(bucket, endpoint_url, create=False), keep_versions, dry_run,
                             trust=trust)
     for line in summary_lines(plan, outcome, dry_run):
         log(line)

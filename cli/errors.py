@@ -4,7 +4,10 @@ A known failure (volunteer_rl.errors.VrlError: its message names what is at faul
 line, `error: <message>`, on stderr and exit code 1; Ctrl-C becomes `interrupted` and exit
 code 130. Anything else is a bug and keeps its traceback. A setting the config refuses while a
 command builds it from its flags is a bad command line instead, reported as click reports a
-flag value it refuses itself (usage, message, exit code 2).
+flag value it refuses itself (usage, message, exit code 2); one a `--config` file holds is a
+known error naming the file and key (config_file.py). Mistakes that third-party code would
+report with a traceback (torch on an unknown --device, boto3 on an endpoint without its
+scheme, fsspec without gcsfs) are caught where the flag is known and raised as VrlErrors.
 """
 
 from __future__ import annotations

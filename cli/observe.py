@@ -45,7 +45,7 @@ def eval_(
     from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
 
     problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
-    storage = open_storage(bucket, endpoint_url)
+    storage = open_storage(bucket, endpoint_url, create=False)
     trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
     m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
     res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
@@ -75,7 +75,7 @@ def status(
     from volunteer_rl.observe.status import watch as watch_status
     from volunteer_rl.storage import open_storage
 
-    storage = open_storage(bucket, endpoint_url)
+    storage = open_storage(bucket, endpoint_url, create=False)
     if json_:
         import json
 
@@ -101,6 +101,6 @@ def dashboard(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
     from volunteer_rl.observe.dashboard import read_history, write_dashboard
     from volunteer_rl.storage import open_storage
 
-    storage = open_storage(bucket, endpoint_url)
+    storage = open_storage(bucket, endpoint_url, create=False)
     keys = write_dashboard(storage, read_history(storage))
     log(f"wrote {len(keys)} objects; open {storage.uri.rstrip('/')}/{keys[-1]}")

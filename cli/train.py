@@ -77,10 +77,14 @@ def trainer(
 
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
+    from volunteer_rl.storage import check_bucket
     from volunteer_rl.trainer.stopping import Stopped, StopSignal
 
     with usage_errors():
         cfg = TrainerConfig(**ctx.params)
+    # Before seconds of imports: a bad --bucket fails at once, and a new folder bucket exists
+    # by the time volunteers started beside the trainer look for it.
+    check_bucket(cfg.bucket, cfg.endpoint_url)
     # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
     # importing torch takes seconds, and a signal then must stop the process too.
     stop = StopSignal(log).install()

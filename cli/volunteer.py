@@ -50,8 +50,11 @@ def volunteer(
 
     Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
     """
+    from volunteer_rl.storage import check_bucket
+
     with usage_errors():
         cfg = VolunteerConfig(**ctx.params)
+    check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
     from volunteer_rl.volunteer.loop import Volunteer
 
     v = Volunteer(cfg, log=log)
@@ -75,7 +78,7 @@ def volunteers_list(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT
     from volunteer_rl.protocol.fleet import read_denylist
     from volunteer_rl.storage import open_storage
 
-    entries, _ = read_denylist(open_storage(bucket, endpoint_url))
+    entries, _ = read_denylist(open_storage(bucket, endpoint_url, create=False))
     if not entries:
         print("no volunteer is denied")
     for vid, e in sorted(entries.items()):
@@ -104,7 +107,7 @@ def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, den
         changed.append(True)
         return True
 
-    update_denylist(open_storage(bucket, endpoint_url), change)
+    update_denylist(open_storage(bucket, endpoint_url, create=False), change)
     return bool(changed)
 
 

@@ -121,6 +121,7 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
     dataset, model, bucket = tmp_path / "train.csv", tmp_path / "model", tmp_path / "bucket"
     write_dataset(dataset)
     save_model(arch, tokenizer, chat, dataset, model)
+    bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     assert not (model / "vrl.json").exists()  # no hint of ours: the format comes from the folder
 
     trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(model),

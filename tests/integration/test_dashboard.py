@@ -152,6 +152,7 @@ def test_vrl_dashboard_command(tmp_path):
     r = run_vrl(["dashboard", "--bucket", str(bucket)], cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (bucket / "dashboard" / "index.html").exists() and "index.html" in r.stdout
+    (tmp_path / "empty").mkdir()  # a folder that does not exist is another error (test_cli_front_door)
     r = run_vrl(["dashboard", "--bucket", str(tmp_path / "empty")], cwd=tmp_path, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"error: manifest.json: not found in {tmp_path / 'empty'}"]

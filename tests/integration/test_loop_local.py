@@ -48,6 +48,7 @@ def stale_shard(bucket: Path) -> str:
 def run(tmp_path_factory, template):
     root = tmp_path_factory.mktemp("loop")
     bucket = root / "bucket"
+    bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     # v0 is the template's warm-started model (conftest): no warm start of its own to wait for.
     trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(template.model(root / "model")),
                     "--max-steps", str(STEPS), "--groups-per-step", "16", "--publish-every", "2",
@@ -135,6 +136,7 @@ def copy_bucket(run, name: str) -> Path:
 
 
 def test_missing_manifest_is_one_line(run, tmp_path):
+    (tmp_path / "empty").mkdir()  # a folder that does not exist is another error (test_cli_front_door)
     err = one_line_error(run_vrl(["eval", "--bucket", str(tmp_path / "empty")], cwd=tmp_path))
     assert "manifest.json" in err and "not found" in err
 

@@ -26,6 +26,7 @@ KEYFRAME_EVERY = 20
 def run(tmp_path_factory, template):
     root = tmp_path_factory.mktemp("patches")
     bucket = root / "bucket"
+    bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     model = root / "model"  # the template's warm-started weights, as a model folder
     shutil.copytree(template.bucket / layout.checkpoint_prefix(0), model)
     trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(model),

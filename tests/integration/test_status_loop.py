@@ -41,6 +41,7 @@ def live_run(tmp_path_factory, template) -> dict:
     tmp_path = tmp_path_factory.mktemp("status-run")
     started = time.time()
     bucket = tmp_path / "bucket"
+    bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     eval_csv = tmp_path / "eval20.csv"
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:21]))
     trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(template.model(tmp_path / "model")),
@@ -152,6 +153,7 @@ def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_p
     judged at the heartbeat's own time, it is producing. v0 is the template's warm-started
     model (conftest): no warm start to wait for."""
     bucket = tmp_path / "bucket"
+    bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     window = 4
     trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(template.model(tmp_path / "model")),
                     "--groups-per-step", "1", "--max-staleness", str(window), "--threads", "1",

@@ -472,7 +472,7 @@ def test_gc_command_names_each_failed_object_and_exits_1(tmp_path, monkeypatch):
     s = Retrying(DenyDelete(tmp_path, deny=["vol-2"]), sleep=lambda s: None)
     fill(s, range(6))
     set_current(s, 5)
-    monkeypatch.setattr(volunteer_rl.storage, "open_storage", lambda uri, endpoint=None: s)
+    monkeypatch.setattr(volunteer_rl.storage, "open_storage", lambda uri, endpoint=None, **kw: s)
     r = CliRunner().invoke(app, ["gc", "--bucket", str(tmp_path), "--keep-versions", "2",
                                  "--allow-unsigned"])
     assert r.exit_code == 1, r.output

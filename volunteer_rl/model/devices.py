@@ -2,20 +2,52 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
+from volunteer_rl.errors import VrlError
 from volunteer_rl.model.policy import Policy
+
+DEVICES = "auto, cpu, cuda, cuda:N or mps"
+"""The --device values, as messages spell them."""
+
+
+class DeviceError(VrlError):
+    """--device names a device this torch does not know or cannot use here."""
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """cuda, then mps, then cpu, unless a device is named."""
+    """cuda, then mps, then cpu, unless a device is named; DeviceError (naming --device) for
+    a name that is none of DEVICES or a device this torch build or machine lacks, before
+    anything is loaded, rather than torch's own error on the first tensor moved there."""
     if name != "auto":
-        return torch.device(name)
+        return _named_device(name)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _named_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:\d+)?", name):
+        if not torch.cuda.is_available():
+            why = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA GPU"
+            raise DeviceError(f"--device {name}: this torch {why}; use --device cpu or auto")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {name}: there are {torch.cuda.device_count()} CUDA "
+                              f"devices, numbered from 0")
+        return torch.device(name)
+    if name == "mps":
+        if getattr(torch.backends, "mps", None) is None or not torch.backends.mps.is_available():
+            raise DeviceError("--device mps: this torch or machine has no MPS (Apple GPU); "
+                              "use --device cpu or auto")
+        return torch.device("mps")
+    raise DeviceError(f"--device {name}: use {DEVICES}")
 
 
 SMALL_MODEL_PARAMS = 5_000_000

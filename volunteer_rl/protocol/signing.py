@@ -84,14 +84,18 @@ def public_key_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
 
 
 def parse_public_key(text: str, where: str = "public key") -> Ed25519PublicKey:
-    """The key of an `ed25519:<base64>` text; KeyFileError naming `where` if it is not one."""
+    """The key of an `ed25519:<base64>` text; KeyFileError naming `where` if it is not one.
+    The message never quotes the text: it may be a private key given by mistake."""
     text = text.strip()
     if not text.startswith(KEY_PREFIX):
-        raise KeyFileError(f"{where}: {text[:60]!r} is not an {KEY_PREFIX}<base64> public key")
+        what = ("is a private key: give its public half (`vrl public-key`, or the .pub file "
+                "beside it) and keep the private one secret") if "PRIVATE KEY" in text else \
+            f"is not an {KEY_PREFIX}<base64> public key"
+        raise KeyFileError(f"{where}: {what}")
     try:
         raw = base64.b64decode(text[len(KEY_PREFIX):], validate=True)
     except (binascii.Error, ValueError):
-        raise KeyFileError(f"{where}: {text[:60]!r} is not valid base64") from None
+        raise KeyFileError(f"{where}: the text after {KEY_PREFIX} is not valid base64") from None
     if len(raw) != 32:
         raise KeyFileError(f"{where}: an ed25519 public key has 32 bytes, this one {len(raw)}")
     return Ed25519PublicKey.from_public_bytes(raw)
@@ -107,8 +111,8 @@ def resolve_trust_key(value: str | None) -> str | None:
     the trainer's `signing-key.pem.pub`). None stays None (trust on first use)."""
     if not value:
         return None
-    if value.strip().startswith(KEY_PREFIX):
-        return normalize_public_key(value, "--trust-key")
+    if value.strip().startswith(KEY_PREFIX) or "PRIVATE KEY" in value:
+        return normalize_public_key(value, "--trust-key")  # refuses a private key unquoted
     path = Path(value).expanduser()
     if not path.is_file():
         raise KeyFileError(f"--trust-key {value}: neither an {KEY_PREFIX}<base64> key nor a file")
