@@ -12,6 +12,8 @@ import typer
 from volunteer_rl_cli import admin, demo, observe, train, volunteer
 from volunteer_rl_cli.errors import KnownErrorsAsOneLine
 
+DISTRIBUTION = "volunteer-rl"  # the name pip installs vrl under (pyproject.toml)
+
 app = typer.Typer(
     cls=KnownErrorsAsOneLine,
     help="Reinforcement learning with volunteers' machines as generators and a bucket as the "
@@ -19,6 +21,21 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 for group in (train, volunteer, observe, admin, demo):
     app.add_typer(group.app)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata  # deferred: 60 ms that `vrl --help` need not pay
+
+        print(f"vrl {metadata.version(DISTRIBUTION)}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version,
+        help="Print the installed version of vrl and exit.")) -> None:
+    pass  # the app's help is Typer(help=...) above
 
 
 def main() -> None:

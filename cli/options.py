@@ -6,6 +6,8 @@ config.flag(name), its default the field's default, its help the first sentence 
 docstring under the field, its range the field's bounds (config.setting). So a setting's
 default, meaning and limits are written once, in volunteer_rl/config.py. Reading the
 docstrings parses config.py with ast (a few milliseconds); nothing heavy is imported here.
+Each option also goes into the help panel PANELS names for its setting, the same on every
+command.
 """
 
 from __future__ import annotations
@@ -20,11 +22,44 @@ from functools import cache
 import typer
 from typer.models import OptionInfo
 
-from volunteer_rl.config import TrainerConfig, VolunteerConfig, flag
+from volunteer_rl.config import TrainerConfig, VolunteerConfig, flag, range_text, why_not
 
 # Short flags and environment variables, by setting name, on every command that has them.
 _SHORT = {"bucket": "-b", "k": "-k"}
 _ENVVARS = {"endpoint_url": "VRL_ENDPOINT_URL", "trust_key": "VRL_TRUST_KEY"}
+
+# The help panel of each setting, on every command that has it (`vrl trainer --help` groups
+# its ~40 options by these). A setting in no panel is listed under typer's "Options".
+PANELS = {
+    "Storage": ("bucket", "endpoint_url", "work_dir"),
+    "Model": ("model", "weights_dtype", "warm_start_steps", "seed"),
+    "Machine": ("device", "threads", "nice"),
+    "Data": ("dataset", "eval_dataset", "curriculum", "prompt_pool"),
+    "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
+           "groups_per_step"),
+    "Publishing": ("publish_every", "publish_min_seconds", "keyframe_every",
+                   "patch_max_fraction", "keep_versions", "gc_every"),
+    "Audits and denylist": ("audit_tolerance", "replay_tolerance", "audit_share",
+                            "audit_full_groups", "audit_floor", "deny_after", "deny_rate"),
+    "Trust": ("signing_key", "trust_key", "allow_unsigned"),
+    "Volunteering": ("volunteer_id", "prompts_per_batch", "shard_groups", "shard_seconds",
+                     "max_groups_per_version"),
+    "Demo": ("volunteers", "rl_seconds", "groups_per_version"),
+    "Run and reports": ("max_steps", "max_seconds", "poll_seconds", "eval_every",
+                        "eval_samples", "dashboard_every", "heartbeat_seconds", "log_shards"),
+}
+_PANEL = {name: panel for panel, names in PANELS.items() for name in names}
+
+
+def _trust_key_given(value: str | None) -> str | None:
+    """`--trust-key ""` would mean no key, so the first key seen would be trusted: refused."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty: give the trainer's public key (ed25519:... or a "
+                                 "file holding it), or leave the flag out")
+    return value
+
+
+_CALLBACKS = {"trust_key": _trust_key_given}
 
 
 @cache
@@ -56,20 +91,44 @@ def first_sentence(text: str) -> str:
     return match.group(0) if match else text
 
 
+_METAVARS = {"int": "INT", "float": "FLOAT", "str": "TEXT"}
+
+
+def _setting_check(cls: type, name: str):
+    """The option's callback: the setting's rules (config.setting) refuse a value as a bad
+    command line, in config.py's words; `setting` names what it checks (for the tests)."""
+    extra = _CALLBACKS.get(name)
+
+    def callback(value):
+        why = why_not(cls, name, value)
+        if why:
+            raise typer.BadParameter(why)
+        return extra(value) if extra else value
+
+    callback.setting = (cls, name)
+    return callback
+
+
 def option(cls: type, name: str, *, flags: tuple[str, ...] = (), help: str | None = None
            ) -> OptionInfo:
     """The typer option of the field `name` of the dataclass `cls` (see the module docstring).
     `flags` replaces the flag for a command that spells it otherwise; `help` replaces the help
-    where the command gives the setting another meaning."""
+    where the command gives the setting another meaning. Its values are checked by the
+    setting's rules and its metavar shows them (`INT [x>=1]`, `FLOAT [0<x<=1]`), so typer
+    gets no min/max of its own."""
     field = next(f for f in fields(cls) if f.name == name)
     default = ... if field.default is MISSING else field.default
     long = flags[0] if flags else flag(name)
     decls = [*flags] or [long, *([_SHORT[name]] if name in _SHORT else [])]
     if default is True:  # a setting that is on by default can be turned off
         decls = [f"{long}/--no-{long[2:]}", *decls[1:]]
+    kind = _METAVARS.get(str(field.type).split("|")[0].strip())  # None: a bool flag
+    allowed = range_text(cls, name)
+    metavar = (kind if not allowed else allowed if kind == "TEXT"  # grpo|reinforce
+               else f"{kind} [{allowed}]") if kind else None
     return typer.Option(default, *decls, help=help or first_sentence(field_doc(cls, name)),
-                        envvar=_ENVVARS.get(name), min=field.metadata.get("at_least"),
-                        max=field.metadata.get("at_most"))
+                        envvar=_ENVVARS.get(name), metavar=metavar,
+                        callback=_setting_check(cls, name), rich_help_panel=_PANEL.get(name))
 
 
 def log(line: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from volunteer_rl.errors import ConfigError
@@ -38,41 +39,66 @@ def setting(default: Any, *, at_least: float | None = None, at_most: float | Non
     return field(default=default, metadata={k: v for k, v in rules.items() if v is not None})
 
 
-def _refusal(f: Field, value: Any) -> str | None:
-    """Why `value` is not allowed for `f` (one line naming the flag), or None if it is."""
-    rules, name = f.metadata, flag(f.name)
+def _why_not(rules: Mapping[str, Any], value: Any) -> str | None:
+    """Why the rules of a setting refuse `value` ("must be at least 1, not 0"), or None if
+    they allow it. None (an optional setting left unset) is always allowed."""
+    if value is None:
+        return None
     if "one_of" in rules and value not in rules["one_of"]:
-        return f"{name}: use {' or '.join(rules['one_of'])}, not {value!r}"
+        return f"use {' or '.join(rules['one_of'])}, not {value!r}"
     # `not (value >= x)` rather than `value < x`: NaN fails every comparison and is refused.
     if "at_least" in rules and not value >= rules["at_least"]:
-        return f"{name}: must be at least {rules['at_least']}, not {value!r}"
+        return f"must be at least {rules['at_least']}, not {value!r}"
     if "at_most" in rules and not value <= rules["at_most"]:
-        return f"{name}: must be at most {rules['at_most']}, not {value!r}"
+        return f"must be at most {rules['at_most']}, not {value!r}"
     if "above" in rules and not value > rules["above"]:
-        return f"{name}: must be more than {rules['above']}, not {value!r}"
+        return f"must be more than {rules['above']}, not {value!r}"
     return None
 
 
-def check(cls: type, name: str, value: Any) -> None:
+def _field(cls: type, name: str) -> Field:
+    return next(f for f in fields(cls) if f.name == name)
+
+
+def why_not(cls: type, name: str, value: Any) -> str | None:
+    """Why the field `name` of the settings class `cls` refuses `value`, without naming it
+    (the CLI's option check says which flag), or None if it is allowed."""
+    return _why_not(_field(cls, name).metadata, value)
+
+
+def range_text(cls: type, name: str) -> str | None:
+    """The values the field `name` of `cls` allows, for help ("x>=0", "0<x<=1", "grpo|...")."""
+    rules = _field(cls, name).metadata
+    if "one_of" in rules:
+        return "|".join(rules["one_of"])
+    low = (f"{rules['at_least']}<=" if "at_least" in rules
+           else f"{rules['above']}<" if "above" in rules else "")
+    if "at_most" in rules:
+        return f"{low}x<={rules['at_most']}"
+    if low:  # one-sided: written as x>=1, x>0
+        return "x" + (f">={rules['at_least']}" if "at_least" in rules else f">{rules['above']}")
+    return None
+
+
+def check(cls: type, name: str, value: Any, where: str | None = None) -> None:
     """ConfigError unless `value` is allowed for the field `name` of the settings class `cls`
-    (for code that takes one setting on its own, such as retention's keep_versions)."""
-    refusal = _refusal(next(f for f in fields(cls) if f.name == name), value)
-    if refusal:
-        raise ConfigError(refusal)
+    (for code that takes one setting on its own, such as retention's keep_versions); the
+    message names `where` (such as `run.toml: max_steps`) instead of the flag if given."""
+    why = why_not(cls, name, value)
+    if why:
+        raise ConfigError(f"{where or flag(name)}: {why}")
 
 
-class _Checked:
+class Checked:
     """Checks every field of the settings dataclass that derives from it when it is built."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            refusal = _refusal(f, getattr(self, f.name))
-            if refusal:
-                raise ConfigError(refusal)
+            check(type(self), f.name, getattr(self, f.name))
 
 
 @dataclass
-class TrainerConfig(_Checked):
+class TrainerConfig(Checked):
     bucket: str
     """Bucket URI: a folder path, file://, s3://bucket/prefix, gs://bucket/prefix, memory://."""
     endpoint_url: str | None = None
@@ -81,8 +107,8 @@ class TrainerConfig(_Checked):
     """`tiny` (the project's own small Llama-shaped model, built offline) or a local Hugging
     Face model folder."""
     dataset: str | None = None
-    """Train CSV with columns python_expression,natural_language (default: the shipped
-    data/train.csv)."""
+    """Train CSV with the columns python_expression and natural_language (default: the
+    shipped data/train.csv)."""
     eval_dataset: str | None = None
     """Held-out CSV of the same columns (default: the shipped data/eval.csv)."""
     algo: str = setting("grpo", one_of=ALGOS)
@@ -121,32 +147,32 @@ class TrainerConfig(_Checked):
     """Run a retention pass after every this many publishes (0: never; `vrl gc` does the same
     by hand), on a thread of its own, each pass bounded in listings and deletes (retention.py);
     the next pass goes on where one stopped."""
-    eval_every: int = 10
+    eval_every: int = setting(10, at_least=0)
     """Versions between held-out evaluations (0: none)."""
-    eval_prompts: int = 200
+    eval_prompts: int = setting(200, at_least=1)
     """Held-out prompts used by the periodic evaluation (the final one uses all)."""
     eval_samples: int = setting(4, at_least=1)
     """Samples per prompt for the sampled-accuracy estimate."""
-    warm_start_steps: int = 900
+    warm_start_steps: int = setting(900, at_least=0)
     """Supervised steps before v0 when the model is built from scratch (`tiny`)."""
-    seed: int = 0
+    seed: int = setting(0, at_least=0)
     """Seeds model init, the warm start, batch order and the curriculum's pools."""
     curriculum: bool = True
     """Fill each version's prompt pool where groups are likely to have reward variance, by
     difficulty stratum, skipping most prompts whose last group was all right or all wrong
     (task/curriculum.py); off: uniformly at random."""
     prompt_pool: int = setting(256, at_least=1, at_most=4096)
-    """Prompts in each version's pool (manifest `prompt_pool`, at most protocol.manifest.
-    MAX_POOL): volunteers' groups are drawn from it by group number. Large enough that the
+    """Prompts in each version's pool (the manifest's `prompt_pool`, at most its MAX_POOL):
+    volunteers' groups are drawn from it by group number. Large enough that the
     groups of one version rarely share a prompt."""
-    max_steps: int = 0
+    max_steps: int = setting(0, at_least=0)
     """Stop after this many optimizer steps (0: no limit)."""
-    max_seconds: float = 0.0
+    max_seconds: float = setting(0.0, at_least=0)
     """Stop after this many seconds of RL after v0 is published (0: no limit)."""
-    poll_seconds: float = 0.2
+    poll_seconds: float = setting(0.2, above=0)
     """Seconds between bucket listings while waiting for rollouts (one LIST per window
     version)."""
-    threads: int = 0
+    threads: int = setting(0, at_least=0)
     """torch CPU threads during RL (0: torch's default); the warm start uses all cores."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
@@ -183,9 +209,9 @@ class TrainerConfig(_Checked):
     """The lowest rate at which a trusted volunteer's groups are drawn for an audit: a shard
     of g groups is audited with a chance of at least 1 - (1 - floor)^g (16 groups: 7.7 %,
     256 groups: 72 %)."""
-    deny_after: int = 5
+    deny_after: int = setting(5, at_least=0)
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
-    deny_rate: float = 0.5
+    deny_rate: float = setting(0.5, at_least=0, at_most=1)
     """...provided at least this share of all its shards was rejected."""
     dashboard_every: float = setting(60.0, at_least=0)
     """Seconds between writes of dashboard/ (index.html and PNG plots), the first this long
@@ -202,7 +228,7 @@ class TrainerConfig(_Checked):
 
 
 @dataclass
-class VolunteerConfig(_Checked):
+class VolunteerConfig(Checked):
     bucket: str
     """Bucket URI, as for the trainer."""
     endpoint_url: str | None = None
@@ -214,24 +240,24 @@ class VolunteerConfig(_Checked):
     """Prompts sampled per generate round (each gets K completions, all in one batched call)."""
     shard_groups: int = setting(32, at_least=1)
     """Upload a shard once it holds this many groups..."""
-    shard_seconds: float = 20.0
+    shard_seconds: float = setting(20.0, at_least=0)
     """...or once its oldest group is this many seconds old."""
-    poll_seconds: float = 1.0
+    poll_seconds: float = setting(1.0, above=0)
     """Seconds between manifest polls while there is nothing to do."""
-    max_groups_per_version: int = 0
+    max_groups_per_version: int = setting(0, at_least=0)
     """Generate at most this many groups with one version, then wait for the next (0: no cap).
     A trainer takes only so many groups per version; past that, donated compute only makes
     groups that go stale."""
-    cap_patience_seconds: float = 2.0
+    cap_patience_seconds: float = setting(2.0, at_least=0)
     """At the cap, wait this long for a new version before making one more batch anyway."""
-    manifest_grace_seconds: float = 60.0
+    manifest_grace_seconds: float = setting(60.0, at_least=0)
     """Keep generating through manifest read failures for at most this long."""
     heartbeat_seconds: float = setting(30.0, at_least=0)
     """Seconds between heartbeats, overwrites of volunteers/<id>.json from a thread (0: none).
     `vrl status` calls a volunteer offline after two of its periods without one."""
-    max_seconds: float = 0.0
+    max_seconds: float = setting(0.0, at_least=0)
     """Stop after this many seconds (0: until Ctrl-C or SIGTERM)."""
-    threads: int = 0
+    threads: int = setting(0, at_least=0)
     """torch CPU threads for sampling (0: auto, one for a model of under 5 M parameters on the
     CPU, torch's default otherwise; see devices.sampling_threads)."""
     nice: int = setting(10, at_least=0, at_most=19)
@@ -242,7 +268,7 @@ class VolunteerConfig(_Checked):
     """cuda, mps, cpu or auto."""
     work_dir: str = ".vrl/volunteer"
     """Local cache for the dataset and checkpoints."""
-    seed: int | None = None
+    seed: int | None = setting(None, at_least=0)
     """Accepted and unused since schema 6, so older command lines still run: a volunteer
     makes no random choice. Its prompts are drawn from the manifest's pool by group number
     and its sampling noise is committed (protocol.draws)."""

@@ -13,17 +13,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from volunteer_rl.config import TrainerConfig, check
+from volunteer_rl.config import Checked, TrainerConfig, check, setting
 from volunteer_rl.launch import stop, vrl_command, vrl_env
 
 
 @dataclass
-class DemoSettings:
+class DemoSettings(Checked):
     bucket: str | None = None
     """Local folder for the bucket (default: a new folder under runs/)."""
-    volunteers: int = 2
+    volunteers: int = setting(2, at_least=1)
     """Volunteer processes to start."""
-    rl_seconds: float = 300.0
+    rl_seconds: float = setting(300.0, above=0)
     """Seconds of RL after v0 is published."""
     warm_start_steps: int = TrainerConfig.warm_start_steps
     """The trainer's --warm-start-steps: supervised steps that make v0."""
@@ -31,17 +31,18 @@ class DemoSettings:
     """The trainer's --algo."""
     lr: float = TrainerConfig.lr
     """The trainer's --lr."""
-    threads: int = 1
+    threads: int = setting(1, at_least=0)
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
     groups_per_step: int = TrainerConfig.groups_per_step
     """The trainer's --groups-per-step (16 made twice the steps, each noisier: same end point,
     slower start)."""
-    groups_per_version: int = 48
+    groups_per_version: int = setting(48, at_least=0)
     """Each volunteer's cap of groups per version."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # its own rules
         for name in ("warm_start_steps", "algo", "lr", "groups_per_step"):
             check(TrainerConfig, name, getattr(self, name))  # as the trainer would refuse it
 

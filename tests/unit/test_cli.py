@@ -95,20 +95,20 @@ def test_flags_and_environment_reach_the_config(built, tmp_path):
     r = vrl("trainer", "-b", "s3://x/run", "-k", "4", "--lr", "5e-4", "--log-shards",
             "--weights-dtype", "bf16", "--max-seconds", "2.5", VRL_ENDPOINT_URL="http://s3:9000")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["trainer stopped at v3"], r.output
-    r = vrl("volunteer", "--bucket", "b", "--id", "laptop", "--seed", "3",
+    r = vrl("volunteer", "--bucket", str(tmp_path), "--id", "laptop", "--seed", "3",
             VRL_TRUST_KEY="ed25519:abc")
     assert r.exit_code == 0 and "volunteer vol-1 stopped after uploading 7 groups" in r.stdout
     assert built == [
         TrainerConfig(bucket="s3://x/run", endpoint_url="http://s3:9000", k=4, lr=5e-4,
                       log_shards=True, weights_dtype="bf16", max_seconds=2.5),
-        VolunteerConfig(bucket="b", volunteer_id="laptop", seed=3,
+        VolunteerConfig(bucket=str(tmp_path), volunteer_id="laptop", seed=3,
                         trust_key="ed25519:abc")]
 
 
 @pytest.mark.parametrize("args,message", [
-    (("trainer", "--bucket", "b", "--algo", "ppo"), "--algo: use reinforce or grpo, not 'ppo'"),
-    (("trainer", "--bucket", "b", "--temperature", "0"), "--temperature: must be more than 0"),
-    (("demo", "--algo", "ppo"), "--algo: use reinforce or grpo, not 'ppo'"),
+    (("trainer", "--bucket", "b", "--algo", "ppo"), "'--algo': use reinforce or grpo, not 'ppo'"),
+    (("trainer", "--bucket", "b", "--temperature", "0"), "'--temperature': must be more than 0"),
+    (("demo", "--algo", "ppo"), "'--algo': use reinforce or grpo, not 'ppo'"),
     (("trainer", "--bucket", "b", "--keep-versions", "0"), "--keep-versions"),
     (("volunteer", "--bucket", "b", "--nice", "20"), "--nice"),
     (("gc", "--bucket", "b", "--keep-versions", "0"), "--keep-versions"),
@@ -160,6 +160,7 @@ def test_ctrl_c_is_interrupted_and_exit_130(monkeypatch, tmp_path):
 
 def test_deny_list_allow_round_trip(tmp_path):
     bucket = str(tmp_path / "bucket")
+    (tmp_path / "bucket").mkdir()  # only the trainer makes a folder bucket
     out = vrl("volunteers", "list", "--bucket", bucket)
     assert out.exit_code == 0 and "no volunteer is denied" in out.stdout
     out = vrl("volunteers", "deny", "spammer-1", "--bucket", bucket, "--reason", "junk")

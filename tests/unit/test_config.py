@@ -8,15 +8,15 @@ from dataclasses import MISSING, fields
 import pytest
 import typer
 
-from volunteer_rl.config import TrainerConfig, VolunteerConfig, check, flag
+from volunteer_rl.config import TrainerConfig, VolunteerConfig, check, flag, range_text
 from volunteer_rl.demo import DemoSettings
 from volunteer_rl.errors import ConfigError
 from volunteer_rl.protocol.manifest import MAX_POOL
 from volunteer_rl_cli.main import app
 from volunteer_rl_cli.options import field_doc, first_sentence
 
-T, V = TrainerConfig, VolunteerConfig
-REQUIRED = {"bucket": "b"}
+T, V, D = TrainerConfig, VolunteerConfig, DemoSettings
+REQUIRED = {T: {"bucket": "b"}, V: {"bucket": "b"}, D: {}}
 
 # (settings class, field, a value the rule refuses, the one-line message, an edge it accepts)
 RULES = [
@@ -53,6 +53,31 @@ RULES = [
     (V, "heartbeat_seconds", -0.5, "--heartbeat-seconds: must be at least 0, not -0.5", 0.0),
     (V, "nice", -1, "--nice: must be at least 0, not -1", 0),
     (V, "nice", 20, "--nice: must be at most 19, not 20", 19),
+    # issue 27: every number has a range
+    (T, "eval_every", -1, "--eval-every: must be at least 0, not -1", 0),
+    (T, "eval_prompts", 0, "--eval-prompts: must be at least 1, not 0", 1),
+    (T, "warm_start_steps", -1, "--warm-start-steps: must be at least 0, not -1", 0),
+    (T, "seed", -1, "--seed: must be at least 0, not -1", 0),
+    (T, "max_steps", -5, "--max-steps: must be at least 0, not -5", 0),
+    (T, "max_seconds", -1.0, "--max-seconds: must be at least 0, not -1.0", 0.0),
+    (T, "poll_seconds", 0.0, "--poll-seconds: must be more than 0, not 0.0", 1e-3),
+    (T, "threads", -3, "--threads: must be at least 0, not -3", 0),
+    (T, "deny_after", -1, "--deny-after: must be at least 0, not -1", 0),
+    (T, "deny_rate", 5.0, "--deny-rate: must be at most 1, not 5.0", 1.0),
+    (T, "deny_rate", -0.5, "--deny-rate: must be at least 0, not -0.5", 0.0),
+    (V, "shard_seconds", -1.0, "--shard-seconds: must be at least 0, not -1.0", 0.0),
+    (V, "poll_seconds", -1.0, "--poll-seconds: must be more than 0, not -1.0", 1e-3),
+    (V, "max_groups_per_version", -1, "--max-groups-per-version: must be at least 0, not -1", 0),
+    (V, "cap_patience_seconds", -1.0, "--cap-patience-seconds: must be at least 0, not -1.0", 0.0),
+    (V, "manifest_grace_seconds", -1.0, "--manifest-grace-seconds: must be at least 0, not -1.0",
+     0.0),
+    (V, "max_seconds", -1.0, "--max-seconds: must be at least 0, not -1.0", 0.0),
+    (V, "threads", -1, "--threads: must be at least 0, not -1", 0),
+    (V, "seed", -1, "--seed: must be at least 0, not -1", None),
+    (D, "volunteers", 0, "--volunteers: must be at least 1, not 0", 1),
+    (D, "rl_seconds", -5.0, "--rl-seconds: must be more than 0, not -5.0", 0.5),
+    (D, "threads", -1, "--threads: must be at least 0, not -1", 0),
+    (D, "groups_per_version", -1, "--groups-per-version: must be at least 0, not -1", 0),
 ]
 
 
@@ -60,15 +85,15 @@ RULES = [
                          ids=[f"{c.__name__}.{n}={b!r}" for c, n, b, _, _ in RULES])
 def test_each_rule_refuses_in_one_line_naming_its_flag(cls, name, bad, message, edge):
     with pytest.raises(ConfigError) as e:
-        cls(**REQUIRED, **{name: bad})
+        cls(**REQUIRED[cls], **{name: bad})
     assert str(e.value) == message
-    assert cls(**REQUIRED, **{name: edge})  # the edge of the range is allowed
+    assert cls(**REQUIRED[cls], **{name: edge})  # the edge of the range is allowed
     with pytest.raises(ConfigError, match=f"^{message}$"):
         check(cls, name, bad)  # the same rule, for code that takes one setting on its own
 
 
 def test_every_rule_is_tested():
-    ruled = {(c, f.name) for c in (T, V) for f in fields(c) if f.metadata}
+    ruled = {(c, f.name) for c in (T, V, D) for f in fields(c) if f.metadata}
     assert ruled == {(c, n) for c, n, *_ in RULES}
 
 
@@ -112,7 +137,7 @@ SHARED = {"bucket", "endpoint_url", "device"}  # one option on every command, fr
 @pytest.mark.parametrize("command,cls", [("trainer", T), ("volunteer", V)])
 def test_defaults_and_help_shown_in_help_are_the_dataclass_defaults(command, cls):
     click_command = typer.main.get_command(app).commands[command]
-    params = {p.name: p for p in click_command.params if p.name != "ctx"}
+    params = {p.name: p for p in click_command.params if p.name not in ("ctx", "config")}
     assert set(params) == {f.name for f in fields(cls)} - NOT_FLAGS[cls]
     for f in fields(cls):
         if f.name not in params:
@@ -123,5 +148,6 @@ def test_defaults_and_help_shown_in_help_are_the_dataclass_defaults(command, cls
         if f.default is not MISSING:
             assert p.default == f.default and type(p.default) is type(f.default), f.name
         assert p.help == first_sentence(field_doc(T if f.name in SHARED else cls, f.name))
-        bounds = (f.metadata.get("at_least"), f.metadata.get("at_most"))
-        assert (p.min, p.max) == bounds, f.name
+        # The setting's own rules check the flag, and its metavar shows them.
+        assert p.callback.setting == (T if f.name in SHARED else cls, f.name)
+        assert (range_text(cls, f.name) or "") in (p.metavar or ""), f.name
