@@ -8,6 +8,7 @@ import typer
 
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.demo import DemoSettings, run_demo
+from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.errors import usage_errors
 from volunteer_rl_cli.options import option
 
@@ -17,6 +18,7 @@ app = typer.Typer()
 @app.command()
 def demo(
     ctx: typer.Context,
+    config: Optional[str] = config_option(DemoSettings, TrainerConfig),
     bucket: Optional[str] = option(DemoSettings, "bucket"),
     volunteers: int = option(DemoSettings, "volunteers"),
     rl_seconds: float = option(DemoSettings, "rl_seconds"),

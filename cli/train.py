@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from volunteer_rl.config import TrainerConfig
+from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.errors import usage_errors
 from volunteer_rl_cli.options import (
     BUCKET,
@@ -26,6 +27,7 @@ T = partial(option, TrainerConfig)  # T("lr"): the --lr option, from TrainerConf
 @app.command()
 def trainer(
     ctx: typer.Context,
+    config: Optional[str] = config_option(TrainerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     model: str = T("model"),

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from volunteer_rl.config import VolunteerConfig
+from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.errors import usage_errors
 from volunteer_rl_cli.options import (
     ALLOW_UNSIGNED,
@@ -27,6 +28,7 @@ V = partial(option, VolunteerConfig)  # V("nice"): the --nice option, from Volun
 @app.command()
 def volunteer(
     ctx: typer.Context,
+    config: Optional[str] = config_option(VolunteerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     volunteer_id: Optional[str] = V("volunteer_id"),
