@@ -6,9 +6,9 @@ option of the command. Flags given on the command line, and environment variable
 the file. A key that is not an option of the command, a value of the wrong type or out of
 the setting's range is one error line naming the file and the key, before anything runs.
 
-How: the file's values become click's default_map of the command (read by an eager option,
-so before any other option is looked at), checked here first as click and config.py would
-check them on the command line.
+How: the file's values become the default_map of the command's context (read by an eager
+option, so before any other option is looked at), checked here first: their TOML type against
+the option's, then the setting's own rule (config.check), so the message can name the file.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from volunteer_rl.config import check
 from volunteer_rl.errors import ConfigError
 
 CONFIG = "config"  # the option's own name, never a key of the file
-
 
 _KINDS = {bool: ((bool,), "true or false"), int: ((int,), "an integer"),
           float: ((int, float), "a number"), str: ((str,), "a string")}
