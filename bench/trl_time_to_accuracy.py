@@ -180,6 +180,7 @@ def run_vrl(model: Path, plan: Plan, work: Path) -> Run:
     from volunteer_rl.launch import stop, vrl_command, vrl_env
 
     bucket = work / "bucket"
+    bucket.mkdir(parents=True, exist_ok=True)  # a volunteer refuses a missing folder bucket
     tiny_eval = work / "eval-4.csv"  # makes the trainer's own v0/final evaluations ~free
     lines = (PACKAGE_DATA / "eval.csv").read_text().splitlines(keepends=True)
     tiny_eval.write_text("".join(lines[:5]))
