@@ -54,8 +54,8 @@ def gc(
     from volunteer_rl.trainer.retention import collect, summary_lines
 
     trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
-    plan, outcome = collect(open_storage(bucket, endpoint_url, create=False), keep_versions, dry_run,
-                            trust=trust)
+    storage = open_storage(bucket, endpoint_url, create=False)
+    plan, outcome = collect(storage, keep_versions, dry_run, trust=trust)
     for line in summary_lines(plan, outcome, dry_run):
         log(line)
     for _, message in outcome.failed[:GC_REPORTED_FAILURES]:

@@ -163,8 +163,8 @@ def test_a_folder_named_like_a_scheme_is_still_a_folder_when_spelled_as_a_path()
     ("volunteers", "allow", "bob")])
 def test_a_folder_bucket_that_does_not_exist_is_an_error_and_is_not_made(built, tmp_path, command):
     missing = tmp_path / "no" / "such" / "folder"
-    line = one_line(vrl(*command, "--bucket", str(missing), "--work-dir", str(tmp_path / "w"))
-                    if command[0] in ("volunteer", "eval") else vrl(*command, "--bucket", str(missing)))
+    work = ("--work-dir", str(tmp_path / "w")) if command[0] in ("volunteer", "eval") else ()
+    line = one_line(vrl(*command, "--bucket", str(missing), *work))
     assert line == (f"error: --bucket {missing}: no such folder (only the trainer creates a "
                     "folder bucket; check the path)")
     assert not (tmp_path / "no").exists() and built == []
@@ -345,8 +345,10 @@ def test_a_config_file_sets_options_by_setting_name_and_the_command_line_wins(bu
 
 
 @pytest.mark.parametrize("command,text,message", [
-    ("trainer", "max_stepz = 3", "max_stepz: not an option of `vrl trainer` (did you mean max_steps?)"),
-    ("trainer", "max-steps = 3", "max-steps: not an option of `vrl trainer` (did you mean max_steps?)"),
+    ("trainer", "max_stepz = 3",
+     "max_stepz: not an option of `vrl trainer` (did you mean max_steps?)"),
+    ("trainer", "max-steps = 3",
+     "max-steps: not an option of `vrl trainer` (did you mean max_steps?)"),
     ("trainer", "zzz = 1", "zzz: not an option of `vrl trainer`; keys are setting names, such as "
                            "max_staleness"),
     ("trainer", "max_steps = -5", "max_steps: must be at least 0, not -5"),
