@@ -11,7 +11,7 @@ import os
 import signal
 
 POINTS = ("ingest", "optimizer_step", "checkpoint_upload", "before_manifest", "state_save",
-          "local_write")
+          "local_write", "manifest_copy")
 _hits: dict[str, int] = {}
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.errors import VrlError
+from volunteer_rl.faults import crash_point
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import MAX_GROUPS_PER_SHARD
@@ -387,5 +388,6 @@ def write_manifest(storage: Storage, manifest: Manifest, etag: str | None,
     new etag."""
     data = manifest.to_signed_json(key)
     new_etag = storage.write_if_match(layout.MANIFEST, data, etag)
+    crash_point("manifest_copy")  # tests: the crash a resume repairs (trainer.loop)
     storage.create(layout.manifest_history_key(manifest.version), data)
     return new_etag

@@ -237,11 +237,21 @@ class Trainer:
         return self.picker.pool(self.cfg.prompt_pool)
 
     def _repair_history(self, manifest: Manifest) -> None:
-        """A crash between manifest.json and its manifests/ copy leaves the copy missing."""
+        """A crash between manifest.json and its manifests/ copy leaves the copy missing:
+        write it as write_manifest would have, with manifest.json's bytes, signature included
+        (an unsigned copy is refused by `vrl eval --version`, `vrl gc` and the window's
+        recovery). Those bytes must still hold the manifest resumed from."""
+        key = layout.manifest_history_key(manifest.version)
+        if self.storage.exists(key):
+            return  # the usual case: the copy is there
+        data = self.storage.read(layout.MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+        if Manifest.from_json(data) != manifest:
+            raise TrainerError(f"{layout.MANIFEST}: changed while this trainer resumed from it; "
+                               "is a second trainer running on this bucket?")
         try:
-            self.storage.create(layout.manifest_history_key(manifest.version), manifest.to_json())
+            self.storage.create(key, data)
         except AlreadyExists:
-            pass  # the usual case: the copy is there
+            pass
 
     def _committed(self, win: Window) -> set[int]:
         """Versions of the window that were committed (have their manifest copy)."""
