@@ -49,7 +49,7 @@ def eval_(
     trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
     m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
     res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
-                             m.sampling.max_new_tokens)
+                             m.sampling.max_new_tokens, log=log, label=f"eval v{m.version}")
     log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
         f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} "
         f"on {len(problems)} prompts")

@@ -1,39 +1,123 @@
-"""Progress bars (rich) for the slow, countable things: the warm start and checkpoint
-transfers. Shown only on an interactive terminal; in logs and pipes (the demo, CI, a
-service) the concise log lines are the record, and a bar would only add noise."""
+"""How long phases show their progress: the one place for it.
+
+A countable phase (the warm start, an evaluation, a checkpoint transfer) shows a rich bar
+with its rate and time left on an interactive terminal; in logs and pipes (the demo, CI, a
+service) it logs one status line per STATUS_SECONDS instead, with the same figures. An
+endless loop (a volunteer's uploads, a trainer waiting for groups) says what it does at most
+once per STATUS_SECONDS (`Every`). Callers keep their own logic and only call these.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Iterator
+import time
+from typing import Callable, Iterator, Protocol
+
+STATUS_SECONDS = 10.0
+"""Seconds between two status lines of one phase or loop: often enough that no minute passes
+in silence, rarely enough that a log stays readable (a volunteer uploads about 7 shards a
+second on the demo's machine; one line per shard buried everything else)."""
 
 
 def interactive() -> bool:
     return sys.stderr.isatty()
 
 
+class Every:
+    """`due()` is True at its first call, then at most once per `seconds`."""
+
+    def __init__(self, seconds: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.seconds = STATUS_SECONDS if seconds is None else seconds
+        self.clock = clock
+        self.last: float | None = None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def status_line(description: str, done: float, total: float, seconds: float,
+                unit: str = "", unit_bytes: bool = False, note: str = "") -> str:
+    """`warm start 120/900 steps (13%), loss 1.234, 4.8 steps/s, about 2m43s left`."""
+    rate = done / seconds if seconds > 0 else 0.0
+    if unit_bytes:
+        counts, speed = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB", f"{rate / 1e6:.1f} MB/s"
+    else:
+        counts = f"{done:,.0f}/{total:,.0f}{' ' + unit if unit else ''}"
+        speed = f"{rate:.1f} {unit or 'items'}/s"
+    left = f"about {duration((total - done) / rate)} left" if rate > 0 and done < total else \
+        f"{duration(seconds)} in all"
+    return ", ".join(filter(None, [f"{description} {counts} ({done / total:.0%})", note, speed, left]))
+
+
+class Advance(Protocol):
+    def __call__(self, n: float, note: str = "") -> None: ...
+
+
 @contextlib.contextmanager
 def progress(description: str, total: float, unit_bytes: bool = False,
-             enabled: bool | None = None) -> Iterator[Callable[[float], None]]:
-    """Yield `advance(n)`; a transient rich bar on stderr when interactive, else a no-op."""
-    if not (interactive() if enabled is None else enabled) or total <= 0:
-        yield lambda n: None
+             enabled: bool | None = None, log: Callable[[str], None] | None = None,
+             unit: str = "", every: float | None = None) -> Iterator[Advance]:
+    """Yield `advance(n, note="")`. On an interactive terminal (or `enabled`): a transient rich
+    bar on stderr, with `note` (say, the loss) after the description. Otherwise, given `log`:
+    a `status_line` at most once per `every` seconds (default STATUS_SECONDS), the first one
+    interval after the start and none once all is done (the caller says what it finished)."""
+    if total <= 0:
+        yield lambda n, note="": None
+        return
+    if not (interactive() if enabled is None else enabled):
+        if log is None:
+            yield lambda n, note="": None
+            return
+        started, done, tick = time.monotonic(), [0.0], Every(every)
+        tick.due()  # the first line is due one interval after the start
+
+        def advance(n: float, note: str = "") -> None:
+            done[0] += n
+            if done[0] < total and tick.due():
+                log(status_line(description, done[0], total, time.monotonic() - started,
+                                unit, unit_bytes, note))
+        yield advance
         return
     from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
+        MofNCompleteColumn,
         Progress,
+        ProgressColumn,
         TaskProgressColumn,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed or 0:.1f} {unit or 'items'}/s", style="progress.data.speed")
 
     columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
-    columns += [DownloadColumn(), TransferSpeedColumn()] if unit_bytes else []
+    columns += [DownloadColumn(), TransferSpeedColumn()] if unit_bytes else [MofNCompleteColumn(), Rate()]
     columns.append(TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+
+        def advance_bar(n: float, note: str = "") -> None:
+            bar.update(task, advance=n,
+                       description=f"{description} {note}" if note else description)
+        yield advance_bar

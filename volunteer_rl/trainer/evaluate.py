@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
+from volunteer_rl.progress import progress
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.protocol.signing import Trust
@@ -16,34 +18,54 @@ from volunteer_rl.task.dataset import Problem
 from volunteer_rl.task.reward import completion_reward
 
 
+EVAL_BATCH = 256
+"""Completions sampled in one batched call (sampling.sample's batch_size): the evaluation
+goes chunk by chunk, each one call, so its progress can be shown between calls."""
+
+
 def accuracy(policy: Policy, problems: list[Problem], temperature: float, samples: int = 1,
-             max_new_tokens: int = 32) -> float:
+             max_new_tokens: int = 32, advance: Callable[[int], None] = lambda n: None) -> float:
     """Mean reward over `problems`, `samples` completions each (1 is enough for greedy), by
     the trainer's rule on the sampled tokens (`completion_reward`): a completion that runs
-    out of tokens before EOS scores 0."""
+    out of tokens before EOS scores 0. `advance(n)` is told of each n completions made.
+
+    The prompts go in length order, EVAL_BATCH // K of them a call: the batches sample()
+    would make of them all in one call, so the figures are the same."""
     if not problems:
         raise ValueError("no problems to evaluate on")
     k = 1 if temperature <= 0 else samples
+    prompts = encode_prompts(policy, [p.prompt for p in problems])
+    order = sorted(range(len(problems)), key=lambda i: len(prompts[i]))
+    per_call = max(1, EVAL_BATCH // k)
     was_training = policy.model.training
     policy.model.eval()
+    total = 0.0
     try:
-        groups = sample(policy, encode_prompts(policy, [p.prompt for p in problems]), k,
-                        temperature, max_new_tokens)
+        for start in range(0, len(order), per_call):
+            chunk = order[start:start + per_call]
+            groups = sample(policy, [prompts[i] for i in chunk], k, temperature, max_new_tokens,
+                            batch_size=EVAL_BATCH)
+            total += sum(completion_reward(s.token_ids, problems[i].expression, policy.decode_all,
+                                           policy.eos_id, policy.special_ids)
+                         for i, g in zip(chunk, groups) for s in g)
+            advance(len(chunk) * k)
     finally:
         policy.model.train(was_training)
-    total = sum(completion_reward(s.token_ids, p.expression, policy.decode_all, policy.eos_id,
-                                  policy.special_ids)
-                for p, g in zip(problems, groups) for s in g)
     return total / (len(problems) * k)
 
 
 def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: float,
-                       samples: int = 4, max_new_tokens: int = 32) -> dict[str, float]:
-    """Both accuracies under the metric names the trainer logs."""
-    return {
-        metrics.ACCURACY_GREEDY: accuracy(policy, problems, 0.0, 1, max_new_tokens),
-        metrics.ACCURACY_SAMPLED: accuracy(policy, problems, temperature, samples, max_new_tokens),
-    }
+                       samples: int = 4, max_new_tokens: int = 32, *,
+                       log: Callable[[str], None] | None = None,
+                       label: str = "eval") -> dict[str, float]:
+    """Both accuracies under the metric names the trainer logs. Its progress (progress.py):
+    a bar on a terminal, else a line per STATUS_SECONDS through `log` (none without it)."""
+    with progress(label, len(problems) * (1 + samples), log=log, unit="completions") as advance:
+        return {
+            metrics.ACCURACY_GREEDY: accuracy(policy, problems, 0.0, 1, max_new_tokens, advance),
+            metrics.ACCURACY_SAMPLED: accuracy(policy, problems, temperature, samples,
+                                               max_new_tokens, advance),
+        }
 
 
 def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,

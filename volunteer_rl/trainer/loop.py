@@ -31,6 +31,7 @@ from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.observe.dashboard import TrainerDashboard
+from volunteer_rl.progress import Every
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, poll_manifest, read_manifest
@@ -90,6 +91,14 @@ def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.de
     return policy
 
 
+def waiting_line(usable: int, stats: IngestStats, wanted: int, step: int) -> str:
+    """Why the trainer waits for rollouts before step `step` + 1 (most groups of a weak
+    policy have one reward for all K, and those teach nothing)."""
+    since = f"since step {step}" if step else "so far"
+    return (f"{usable} usable group{'s' * (usable != 1)}, {stats.zero_variance} without reward "
+            f"variance (of {stats.groups} received {since}), waiting for {wanted}")
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print,
                  stop: StopSignal | None = None):
@@ -118,6 +127,7 @@ class Trainer:
         self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum)
         self.pools: dict[int, tuple[int, ...]] = {}  # the window's published prompt pools
         self.numbers = GroupNumbers()  # group numbers received; restored by _resume
+        self.waiting = Every()  # why the loop waits for groups: at most one line per interval
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -336,7 +346,8 @@ class Trainer:
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
         res = greedy_and_sampled(self.published_policy, problems, self.cfg.temperature,
-                                 self.cfg.eval_samples, self.cfg.max_new_tokens)
+                                 self.cfg.eval_samples, self.cfg.max_new_tokens,
+                                 log=self.log, label=f"eval v{version}")
         self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
                  f"{res[metrics.ACCURACY_GREEDY]:.1%}, sampled (T={self.cfg.temperature}) "
                  f"{res[metrics.ACCURACY_SAMPLED]:.1%}")
@@ -378,6 +389,8 @@ class Trainer:
             t_ingest += time.time() - t0
             if len(fresh) < cfg.groups_per_step:
                 buffer = fresh
+                if self.waiting.due():
+                    self.log(waiting_line(len(fresh), stats, cfg.groups_per_step, self.steps))
                 self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
                 waited += cfg.poll_seconds
                 continue

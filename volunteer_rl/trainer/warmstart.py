@@ -70,13 +70,15 @@ def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: 
     lengths = [len(p) + len(t) for p, t in zip(prompts, targets)]
     batches = shuffled_batches(lengths, min(batch_size, len(problems)), rng)
     start = time.time()
-    with progress("warm start", steps) as advance:
+    # The first and the last step get a line of their own; between them progress() shows a
+    # bar on a terminal, else a status line with the loss every STATUS_SECONDS.
+    with progress("warm start", steps, log=log, unit="steps") as advance:
         for step in range(steps):
             idx = next(batches)
             loss = _step(policy, opt, [prompts[i] for i in idx], [targets[i] for i in idx],
                          lr_at(step, steps, lr, warmup))
-            advance(1)
-            if step % 100 == 0 or step == steps - 1:
+            advance(1, f"loss {loss:.3f}")
+            if step == 0 or step == steps - 1:
                 log(f"warm start step {step + 1}/{steps} loss {loss:.3f} ({time.time() - start:.0f}s)")
     policy.model.eval()
     return time.time() - start
