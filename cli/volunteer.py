@@ -39,6 +39,7 @@ def volunteer(
     poll_seconds: float = V("poll_seconds"),
     max_seconds: float = V("max_seconds"),
     heartbeat_seconds: float = V("heartbeat_seconds"),
+    log_shards: bool = V("log_shards"),
     seed: Optional[int] = V("seed"),
     threads: int = V("threads"),
     nice: int = V("nice"),

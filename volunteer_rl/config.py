@@ -234,8 +234,9 @@ class VolunteerConfig(Checked):
     endpoint_url: str | None = None
     """S3-compatible endpoint, as for the trainer."""
     volunteer_id: str | None = None
-    """Volunteer id, the name in object keys (default: the sanitized hostname plus a random
-    suffix)."""
+    """Volunteer id, the name in object keys (default: the one this --work-dir saved, else a
+    new one, the sanitized hostname plus a random suffix, saved there for the next start;
+    volunteer/identity.py)."""
     prompts_per_batch: int = setting(16, at_least=1)
     """Prompts sampled per generate round (each gets K completions, all in one batched call)."""
     shard_groups: int = setting(32, at_least=1)
@@ -257,6 +258,9 @@ class VolunteerConfig(Checked):
     `vrl status` calls a volunteer offline after two of its periods without one."""
     max_seconds: float = setting(0.0, at_least=0)
     """Stop after this many seconds (0: until Ctrl-C or SIGTERM)."""
+    log_shards: bool = False
+    """Log one line per shard uploaded (its key, groups, mean reward). Without it a volunteer
+    logs one summary line per progress.STATUS_SECONDS."""
     threads: int = setting(0, at_least=0)
     """torch CPU threads for sampling (0: auto, one for a model of under 5 M parameters on the
     CPU, torch's default otherwise; see devices.sampling_threads)."""

@@ -46,7 +46,7 @@ def test_deep_manifest_leaves_a_running_volunteer_on_its_version(template, tmp_p
     key = public_key_text(parse_private_key(template.key.read_bytes(), str(template.key)))
     vol = Proc(["volunteer", "--bucket", str(bucket), "--id", "vol", "--trust-key", key,
                 "--threads", "1", "--poll-seconds", "0.2", "--prompts-per-batch", "4",
-                "--shard-groups", "4", "--heartbeat-seconds", "1", "--device", "cpu",
+                "--shard-groups", "4", "--heartbeat-seconds", "1", "--device", "cpu", "--log-shards",
                 "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path)
     try:
         wait_for(lambda: "now on v2 " in vol.text() and "uploaded" in vol.text(), 120, "v2 in use")

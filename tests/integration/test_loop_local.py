@@ -56,7 +56,7 @@ def run(tmp_path_factory, template):
                     "--threads", "1", "--work-dir", str(root / "tw")], root / "trainer.log", root)
     vols = [Proc(["volunteer", "--bucket", str(bucket), "--id", f"vol-{i}", "--threads", "1",
                   "--seed", str(i), "--shard-groups", "16", "--shard-seconds", "3",
-                  "--prompts-per-batch", "16", "--work-dir", str(root / "vw")],
+                  "--prompts-per-batch", "16", "--log-shards", "--work-dir", str(root / "vw")],
                  root / f"vol-{i}.log", root) for i in (1, 2)]
     try:
         # Once the trainer is past v3, drop in a shard of v0: outside the window, never used.
@@ -201,6 +201,7 @@ def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
     # batch of 16 per 2 s of patience) keeps it under.
     v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
               "--shard-groups", "100000", "--shard-seconds", "100000", "--max-groups-per-version", "160",
+              "--log-shards",
               "--work-dir", str(run["root"] / "vw3")], run["root"] / "ctrlc.log", run["root"])
     try:
         wait_for(lambda: "now on v" in v.text(), 60, "the volunteer to load the checkpoint")

@@ -82,7 +82,7 @@ def _run_loop(root: Path, endpoint: str, bucket: Bucket, template) -> dict:
                     "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
                     "--work-dir", str(root / "tw")], root / "trainer.log", root)
     vols = [Proc(["volunteer", *common, "--id", f"vol-{i}", "--seed", str(i),
-                  "--shard-groups", "8", "--shard-seconds", "3",
+                  "--shard-groups", "8", "--shard-seconds", "3", "--log-shards",
                   "--work-dir", str(root / f"vw{i}")], root / f"vol-{i}.log", root)
             for i in (1, 2)]
     try:

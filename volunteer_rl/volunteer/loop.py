@@ -18,17 +18,13 @@ old manifest back, and the volunteer keeps the version it holds.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
 from volunteer_rl.config import VolunteerConfig
-from volunteer_rl.errors import ConfigError
 from volunteer_rl.model.chain import Fetched, Held, fetch_weights
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import pick_device, set_sampling_threads
@@ -37,6 +33,7 @@ from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.vetting import WEIGHTS_FILE, CheckpointRefused
 from volunteer_rl.model.weights import load_weights
+from volunteer_rl.progress import Every
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
@@ -48,14 +45,9 @@ from volunteer_rl.storage.base import Storage, StorageError, is_missing
 from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
 from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
+from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import GroupNumbers
 from volunteer_rl.volunteer.shard_writer import ShardWriter
-
-
-def default_volunteer_id() -> str:
-    """Sanitized hostname plus a random suffix, so two processes on one host never collide."""
-    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40].strip("-.") or "volunteer"
-    return f"{host}-{uuid.uuid4().hex[:6]}"
 
 
 def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
@@ -84,14 +76,19 @@ def fetched_text(f: Fetched, m: Manifest) -> str:
     return f"keyframe v{m.weights.keyframe.version}{after}, {mb}"
 
 
+def upload_summary(shards: int, groups: int, seconds: float, version: int, total: int) -> str:
+    """The volunteer's status line: what it uploaded since the last one."""
+    rate = groups / seconds if seconds > 0 else 0.0
+    return (f"uploaded {shards} shard{'s' * (shards != 1)}, {groups} groups in {seconds:.0f}s "
+            f"({rate:.1f} groups/s) on v{version}; {total} groups since start")
+
+
 class Volunteer:
     def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print):
         self.cfg = cfg
         self.log = log
-        self.id = cfg.volunteer_id or default_volunteer_id()
-        if not layout.is_safe_name(self.id):
-            raise ConfigError(f"--id {self.id!r}: use 1-64 of A-Z a-z 0-9 _ . - "
-                              "(not starting with . or -)")
+        self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
+        self.id = self.claim.id
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
                                   cfg.allow_unsigned, log)
@@ -111,6 +108,8 @@ class Volunteer:
         self.extra_groups = 0  # groups allowed past the per-version cap (see at_cap)
         self.capped_since: float | None = None
         self.tally = Tally(started_at=time.time())
+        self.summary = Every()  # the upload summary line's interval
+        self.last_summary = (self.tally.started_at, 0, 0)  # (time, shards, groups) at the last one
         self.numbers = GroupNumbers(self.work / "group-numbers.json")
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
                                    self._heartbeat_payload, log)
@@ -281,6 +280,18 @@ class Volunteer:
             return None
         return now
 
+    def _uploaded(self, groups: int) -> None:
+        """Count an uploaded shard; say what was uploaded at the first one, then at most once
+        per progress.STATUS_SECONDS (a line per shard is --log-shards)."""
+        now = time.time()
+        self.tally.uploaded(groups, now)
+        if self.summary.due():
+            t = self.tally
+            since, shards, made = self.last_summary
+            self.log(upload_summary(t.shards - shards, t.groups_uploaded - made, now - since,
+                                    self.manifest.version, t.groups_uploaded))
+            self.last_summary = (now, t.shards, t.groups_uploaded)
+
     def _heartbeat_payload(self, state: str, now: float) -> dict:
         """What the heartbeat thread writes: counters plus the version in use."""
         m = self.manifest
@@ -333,8 +344,8 @@ class Volunteer:
         if self.trust.mark is not None and self.trust.mark.seen is not None:
             self.log(f"refusing manifests behind {self.trust.mark.seen}, the newest seen from this "
                      f"bucket ({self.trust.mark.path})")
-        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds, self.log,
-                             on_upload=lambda n: self.tally.uploaded(n, time.time()))
+        writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds,
+                             self.log if cfg.log_shards else None, on_upload=self._uploaded)
         self.heartbeat.start()
         try:
             while not self.stop.is_set():

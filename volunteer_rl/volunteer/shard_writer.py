@@ -18,8 +18,9 @@ class ShardWriter:
     `limit` is the manifest's max_shard_groups: no shard holds more, whatever N is."""
 
     def __init__(self, storage: Storage, volunteer_id: str, max_groups: int, max_seconds: float,
-                 log: Callable[[str], None], on_upload: Callable[[int], None] | None = None):
-        self.storage, self.volunteer_id, self.log = storage, volunteer_id, log
+                 log: Callable[[str], None] | None, on_upload: Callable[[int], None] | None = None):
+        self.storage, self.volunteer_id = storage, volunteer_id
+        self.log = log  # a line per shard uploaded (--log-shards); None: none
         self.on_upload = on_upload  # told the group count of each uploaded shard
         self.max_groups, self.max_seconds = max_groups, max_seconds
         self.limit = MAX_GROUPS_PER_SHARD
@@ -51,8 +52,9 @@ class ShardWriter:
             shard, self.groups = self.groups[:self.limit], self.groups[self.limit:]
             key = layout.shard_key(self.version, self.volunteer_id, new_shard_name(self.seq))
             self.storage.create(key, encode_shard(shard))
-            rewards = [c.reward for g in shard for c in g.completions]
-            self.log(f"uploaded {key}: {len(shard)} groups, reward {sum(rewards) / len(rewards):.3f}")
+            if self.log is not None:
+                rewards = [c.reward for g in shard for c in g.completions]
+                self.log(f"uploaded {key}: {len(shard)} groups, reward {sum(rewards) / len(rewards):.3f}")
             self.uploaded_groups += len(shard)
             if self.on_upload is not None:
                 self.on_upload(len(shard))
