@@ -48,6 +48,7 @@ def eval_(
     storage = open_storage(bucket, endpoint_url, create=False)
     trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
     m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
+    log(f"evaluating v{m.version} of {m.run_id} on {len(problems)} prompts")
     res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
                              m.sampling.max_new_tokens, log=log, label=f"eval v{m.version}")
     log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
