@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import one_thread
 from safetensors import safe_open
 
 from helpers.honest_groups import drawn_prompt
@@ -36,7 +37,8 @@ def bf16_trainer(tmp_path_factory):
                         eval_dataset=str(eval_csv), work_dir=str(root / "work"),
                         weights_dtype="bf16", signing_key=str(root / "key.pem"))
     trainer = Trainer(cfg, log=lambda m: None)
-    trainer.start()
+    with one_thread():  # the warm start on one torch thread: conftest.one_thread says why
+        trainer.start()
     return trainer, root
 
 
