@@ -3,12 +3,13 @@ trainer/balance.py), the volunteer's stop and resume at it (volunteer/quota.py),
 useful fraction the trainer measures."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Dataset, Manifest, Quota, Sampling
+from volunteer_rl.protocol.manifest import Dataset, Manifest, ManifestError, Quota, Sampling
 from volunteer_rl.trainer.balance import (
     PRIOR_USABLE,
     USABLE_FLOOR,
@@ -154,3 +155,42 @@ def test_waits_are_logged_at_most_every_interval_and_count_the_rest():
     assert len(lines) == 1
     a.room(manifest(version=9), 8, 10.0 + LOG_EVERY_SECONDS)
     assert len(lines) == 2 and lines[1].endswith("(4 more like it since the last such line)")
+
+
+# --- the manifest's field -------------------------------------------------------------------
+
+
+def signed_raw(quota) -> dict:
+    raw = json.loads(manifest().to_json())
+    raw["quota"] = quota
+    return raw
+
+
+@pytest.mark.parametrize("quota, why", [
+    (0, "quota must be null or an object of groups and wait_seconds"),
+    ({"groups": 5}, "quota must be null or an object of groups and wait_seconds"),
+    ({"groups": 5, "wait_seconds": 1, "more": 1}, "quota must be null or an object"),
+    ({"groups": 0, "wait_seconds": 1}, "quota.groups 0 is not an integer in 1..1048576"),
+    ({"groups": (1 << 20) + 1, "wait_seconds": 1}, "quota.groups 1048577 is not an integer in 1..1048576"),
+    ({"groups": 2.0, "wait_seconds": 1}, "quota.groups 2.0 is not an integer"),
+    ({"groups": True, "wait_seconds": 1}, "quota.groups True is not an integer"),
+    ({"groups": 5, "wait_seconds": 0.01}, "quota.wait_seconds 0.01 is not a number in 0.1..3600"),
+    ({"groups": 5, "wait_seconds": 1e9}, "quota.wait_seconds 1000000000.0 is not a number in 0.1..3600"),
+    ({"groups": 5, "wait_seconds": "2"}, "quota.wait_seconds '2' is not a number"),
+    ({"groups": 5, "wait_seconds": False}, "quota.wait_seconds False is not a number"),
+])
+def test_a_manifest_quota_out_of_bounds_is_refused_in_one_line(quota, why):
+    with pytest.raises(ManifestError) as e:
+        Manifest.from_raw(signed_raw(quota))
+    msg = str(e.value)
+    assert msg.startswith(f"manifest.json: malformed (ValueError: {why}") and msg.endswith(")")
+    assert "\n" not in msg
+
+
+def test_a_manifest_quota_round_trips_and_is_required_since_schema_7():
+    assert Manifest.from_raw(signed_raw({"groups": 7, "wait_seconds": 2})).quota == Quota(7, 2.0)
+    assert Manifest.from_raw(signed_raw(None)).quota is None
+    raw = signed_raw(None)
+    del raw["quota"]
+    with pytest.raises(ManifestError, match=r"^manifest.json: malformed \(KeyError: 'quota'\)$"):
+        Manifest.from_raw(raw)

@@ -99,14 +99,18 @@ def test_a_schema_6_reader_refuses_a_schema_7_manifest_in_one_line(trained, monk
 
 
 class Recorder(threading.Event):
-    """The volunteer's stop event, noting what its heartbeat says while the loop waits."""
+    """The volunteer's stop event, noting what its heartbeat says while the loop waits; it
+    stops a loop that would wait for good (a deadlock fails the test, never hangs it)."""
 
-    def __init__(self, volunteer):
+    def __init__(self, volunteer, give_up: float = 60.0):
         super().__init__()
         self.volunteer, self.waiting = volunteer, []
+        self.give_up = time.time() + give_up
 
     def wait(self, timeout=None):
         self.waiting.append(self.volunteer._heartbeat_payload("running", time.time())["waiting"])
+        if time.time() > self.give_up:
+            self.set()
         return super().wait(timeout)
 
 
