@@ -13,7 +13,7 @@ shared start; 100 steps with --quick), twice:
   own cap of 48 groups per version (`--max-groups-per-version 48`, 2 s patience).
 
 It reads the bucket after each run: groups sampled (the volunteers' last heartbeats,
-`groups_total`), received (`ingest/groups`) and trained (`rollout/groups`) over every step's
+`groups_total`, and never fewer than their shards in the bucket hold), received (`ingest/groups`) and trained (`rollout/groups`) over every step's
 metrics, and fleet.json's `balance` (the trainer's last minute). Rows: the useful fraction,
 groups trained / groups sampled over the whole run (goal >= 0.6, the issue's), and the
 held-out accuracy of the last version, published S seconds into RL (500 prompts, greedy and
@@ -25,9 +25,11 @@ not with whatever else runs on it: say so when it was busy.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +76,11 @@ def read_balance(bucket: Path) -> tuple[int, int, int, int, dict, dict | None, i
     sampled = 0
     for path in (bucket / "volunteers").glob("*.json"):
         sampled += int(json.loads(path.read_text()).get("groups_total") or 0)
+    # A volunteer killed before its last heartbeat under-reports: never count fewer groups
+    # than its shards in the bucket hold.
+    uploaded = sum(len(gzip.open(p).read().splitlines())
+                   for p in (bucket / "rollouts").glob("v*/*/*.jsonl.gz"))
+    sampled = max(sampled, uploaded)
     received = trained = steps = 0
     for path in (bucket / "metrics").glob("v*.jsonl"):
         for line in path.read_text().splitlines():
@@ -120,7 +127,6 @@ def run_demo(model: Path, seconds: float, root: Path, baseline: bool) -> Balance
                             extra_trainer_args=extra + (("--quota-headroom", "0") if baseline else ()))
     trainer, volunteers = start_processes(settings, bucket)
     tail: list[str] = []
-    import threading
 
     def pump(proc):
         for line in proc.stdout:
@@ -203,8 +209,10 @@ def results(quick: bool, seconds: float | None = None, baseline: bool = True) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes: checks the code, not the figures")
-    parser.add_argument("--seconds", type=float, help=f"seconds of RL per run ({SECONDS:g}; {QUICK_SECONDS:g} with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: checks the code, not the figures")
+    parser.add_argument("--seconds", type=float,
+                        help=f"seconds of RL per run ({SECONDS:g}; {QUICK_SECONDS:g} with --quick)")
     parser.add_argument("--no-baseline", action="store_true", help="only the run with the quota")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args()
