@@ -3,9 +3,10 @@
     python -m bench.balance [--quick] [--seconds S] [--no-baseline] [--json PATH]
 
 Runs `vrl demo`'s processes (`volunteer_rl.demo.start_processes`: 1 trainer + 2 volunteers, 1
-torch thread each, on a folder bucket) for S seconds of RL (300; 40 with --quick), from v0 as
-`vrl demo` makes it (900 warm-start steps, built once and cached: bench.trl_time_to_accuracy's
-shared start; 100 steps with --quick), twice:
+torch thread each, on a folder bucket) for S seconds of RL (300), from v0 as `vrl demo` makes it
+(900 warm-start steps, built once and cached: bench.trl_time_to_accuracy's shared start),
+twice (--quick: from a v0 of 100 warm-start steps, until the trainer made 8 steps, at most S
+seconds (900): it checks the code, at whatever pace the machine allows):
 
 - vrl: the demo as it is, the trainer asking each volunteer for a quota of each version
   (the manifest's `quota`, trainer/balance.py);
@@ -37,8 +38,9 @@ from pathlib import Path
 from bench.common import Row, emit_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-SECONDS, QUICK_SECONDS = 300.0, 40.0
+SECONDS, QUICK_SECONDS = 300.0, 900.0
 WARM_START, QUICK_WARM_START = 900, 100
+QUICK_STEPS = 8
 GOAL = 0.6
 BASELINE_CAP = 48
 """The volunteers' own cap per version that `vrl demo` passed before the quota existed."""
@@ -111,8 +113,9 @@ def accuracy(bucket: Path, work: Path, version: int) -> tuple[float, float, int]
     return r["eval/accuracy_greedy"], r["eval/accuracy_sampled"], len(problems)
 
 
-def run_demo(model: Path, seconds: float, root: Path, baseline: bool) -> Balance:
-    """`vrl demo`'s processes from `model` for `seconds` of RL; what they did, read back."""
+def run_demo(model: Path, seconds: float, root: Path, baseline: bool, max_steps: int = 0) -> Balance:
+    """`vrl demo`'s processes from `model` for `seconds` of RL (or until the trainer made
+    `max_steps` steps); what they did, read back."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.demo import DemoSettings, start_processes
     from volunteer_rl.launch import stop
@@ -121,7 +124,8 @@ def run_demo(model: Path, seconds: float, root: Path, baseline: bool) -> Balance
     bucket.mkdir(parents=True)
     tiny_eval = root / "eval-4.csv"  # the trainer's own v0/final evaluations ~free
     tiny_eval.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(keepends=True)[:5]))
-    extra = ("--model", str(model), "--eval-every", "0", "--eval-dataset", str(tiny_eval))
+    extra = ("--model", str(model), "--eval-every", "0", "--eval-dataset", str(tiny_eval),
+             "--max-steps", str(max_steps))
     settings = DemoSettings(bucket=str(bucket), rl_seconds=seconds,
                             groups_per_version=BASELINE_CAP if baseline else 0,
                             extra_trainer_args=extra + (("--quota-headroom", "0") if baseline else ()))
@@ -167,17 +171,19 @@ def results(quick: bool, seconds: float | None = None, baseline: bool = True) ->
 
     seconds = seconds or (QUICK_SECONDS if quick else SECONDS)
     command = "python -m bench.balance" + (" --quick" if quick else "") + (
-        f" --seconds {seconds:g}" if seconds not in (SECONDS, QUICK_SECONDS) else "")
+        f" --seconds {seconds:g}" if seconds != (QUICK_SECONDS if quick else SECONDS) else "")
+    steps = QUICK_STEPS if quick else 0
+    span = f"{steps} steps (at most {seconds:.0f}s)" if quick else f"{seconds:.0f}s of RL"
     model = shared_start(QUICK_WARM_START if quick else WARM_START)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vrl-balance-") as tmp:
-        log(f"vrl: `vrl demo`'s processes with the manifest's quota, {seconds:.0f}s of RL")
-        mine = run_demo(model, seconds, Path(tmp) / "quota", baseline=False)
+        log(f"vrl: `vrl demo`'s processes with the manifest's quota, {span}")
+        mine = run_demo(model, seconds, Path(tmp) / "quota", baseline=False, max_steps=steps)
         log(f"  {describe(mine)}")
         base = None
         if baseline:
-            log(f"baseline: no quota, the volunteers' own cap of {BASELINE_CAP}, {seconds:.0f}s of RL")
-            base = run_demo(model, seconds, Path(tmp) / "baseline", baseline=True)
+            log(f"baseline: no quota, the volunteers' own cap of {BASELINE_CAP}, {span}")
+            base = run_demo(model, seconds, Path(tmp) / "baseline", baseline=True, max_steps=steps)
             log(f"  {describe(base)}")
     took = time.time() - started
     b_useful = base.useful if base else float("nan")
@@ -191,10 +197,10 @@ def results(quick: bool, seconds: float | None = None, baseline: bool = True) ->
             vrl=mine.useful, baseline=b_useful,
             ratio=mine.useful / b_useful if base and b_useful else float("nan"),
             goal=f">= {GOAL}", met=mine.useful >= GOAL, command=command,
-            note=(f"{seconds:.0f}s of RL from v0 as `vrl demo` makes it; vrl (manifest quota): "
+            note=(f"{span} from v0 as `vrl demo` makes it; vrl (manifest quota): "
                   f"{describe(mine)}; baseline (no quota, own cap {BASELINE_CAP}/version): "
                   f"{note_base}; both runs {took:.0f}s")),
-        Row(benchmark=f"demo accuracy at {seconds:.0f}s (1 trainer + 2 volunteers)",
+        Row(benchmark=f"demo accuracy after {span} (1 trainer + 2 volunteers)",
             measure="held-out sampled accuracy",
             vrl=mine.sampled_accuracy, baseline=b_acc,
             ratio=mine.sampled_accuracy / b_acc if base and b_acc else float("nan"),
@@ -212,7 +218,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="small sizes: checks the code, not the figures")
     parser.add_argument("--seconds", type=float,
-                        help=f"seconds of RL per run ({SECONDS:g}; {QUICK_SECONDS:g} with --quick)")
+                        help=f"seconds of RL per run ({SECONDS:g}; with --quick the most, {QUICK_SECONDS:g})")
     parser.add_argument("--no-baseline", action="store_true", help="only the run with the quota")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""bench/balance.py at --quick size: both demos run and their bucket adds up (not the figures)."""
+"""bench/balance.py at --quick size: both demos run until the trainer made 8 steps, and their
+bucket adds up (not the figures)."""
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from bench.balance import GOAL, results
 
 
-@pytest.mark.slow  # a v0 of 100 warm-start steps (cached after the first run), two 40 s demos: ~6 min
+@pytest.mark.slow  # a v0 of 100 warm-start steps (cached after the first run), two demos of 8 steps: ~5 min
 def test_balance_quick_rows_are_sane():
     useful, accuracy = results(quick=True)
     assert 0 < useful.vrl <= 1 and 0 < useful.baseline <= 1
