@@ -143,8 +143,10 @@ def test_the_volunteers_own_cap_and_the_quota_whichever_leaves_less():
     m = manifest(quota=Quota(8, 5.0))
     assert a.room(m, 0, 0.0) == 6
     assert a.room(m, 6, 1.0) == 0 and a.waiting == "--max-groups-per-version of v3 reached (6 groups)"
+    assert not a.quota_reached                               # its own cap: the shard stays buffered
     assert a.room(m, 6, 3.0) == 2                            # its patience: one batch more, but
     assert a.room(m, 8, 3.5) == 0 and a.waiting == "quota of v3 reached (8 groups)"  # the quota is 8
+    assert a.quota_reached                                   # the trainer's: what it holds goes out
 
 
 def test_waits_are_logged_at_most_every_interval_and_count_the_rest():

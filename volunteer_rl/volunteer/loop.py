@@ -348,8 +348,10 @@ class Volunteer:
                 if not room:
                     # Nothing published yet, our weights fell out of the staleness window and
                     # the new ones did not load, or this version has had its share of groups:
-                    # groups made now would only be dropped. What is made goes out now.
-                    writer.flush()
+                    # groups made now would only be dropped. At the manifest's quota the
+                    # trainer is waiting for what we hold: it goes out now.
+                    if self.usable(m) and self.allowance.quota_reached:
+                        writer.flush()
                     self.stop.wait(cfg.poll_seconds)
                     continue
                 groups = self._generate(min(cfg.prompts_per_batch, room))

@@ -2,8 +2,10 @@
 (schema 7, what the trainer asks of each volunteer) and its own --max-groups-per-version,
 whichever leaves less.
 
-Each limit pauses, never stops. Reached, the volunteer flushes its shard, waits for a newer
-version, and says so in its log and heartbeat (`waiting`); if none comes within the limit's
+Each limit pauses, never stops. Reached, the volunteer waits for a newer version and says so
+in its log and heartbeat (`waiting`); at the manifest's quota it first uploads the groups it
+holds (the trainer is waiting for them; its own cap leaves them buffered, as it always did).
+If no newer version comes within the limit's
 patience, the trainer may still lack usable groups (fewer had reward variance than it
 estimated, a volunteer left), so the limit grows and sampling resumes: the manifest's quota
 after `quota.wait_seconds` by another `quota.groups`, then by twice as many at each further
@@ -59,6 +61,7 @@ class Allowance:
     limits: list[Limit] = field(default_factory=list)
     waiting: str | None = None
     """Why the volunteer is not sampling now (its heartbeat's `waiting`), or None."""
+    made: int = 0  # groups of the version made, as of the last `room`
     logged: dict[str, tuple[float, int]] = field(default_factory=dict)
     """For each kind of line: when it was last logged, and how many went unlogged since."""
 
@@ -77,6 +80,7 @@ class Allowance:
         0: wait (poll for a newer version and ask again)."""
         if self.version != (m.run_id, m.version):
             self.version, self.limits, self.waiting = (m.run_id, m.version), self._limits(m), None
+        self.made = made
         if not self.limits:
             return 1 << 30
         reached = [lim for lim in self.limits if lim.room(made) == 0]
@@ -100,6 +104,11 @@ class Allowance:
         if room:
             self.waiting = None
         return room
+
+    @property
+    def quota_reached(self) -> bool:
+        """Whether the manifest's quota (not the volunteer's own cap) held it at the last `room`."""
+        return any(lim.name == "quota" and lim.room(self.made) == 0 for lim in self.limits)
 
     def _say(self, kind: str, now: float, line: str) -> None:
         """Log `line` unless a line of this kind went out less than LOG_EVERY_SECONDS ago."""
