@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.common import Row, machine
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ["generation", "trl_time_to_accuracy", "prototype_recipe", "checkpoint_sync",
+BENCHMARKS = ["generation", "trl_time_to_accuracy", "prototype_recipe", "balance", "checkpoint_sync",
               "s3_checkpoint", "ingest_fleet", "hostile_flood", "audit_cost", "audit_parking", "replay_choice",
               "trust_farming", "patch_size", "catch_up"]
 """In the order of docs/PERFORMANCE.md; each is bench/<name>.py."""

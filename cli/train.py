@@ -69,6 +69,7 @@ def trainer(
     deny_rate: float = T("deny_rate"),
     log_shards: bool = T("log_shards"),
     dashboard_every: float = T("dashboard_every"),
+    quota_headroom: float = T("quota_headroom"),
 ):
     """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
     rollout shards, publish a new version every --publish-every steps. Ctrl-C or SIGTERM,

@@ -225,6 +225,12 @@ class TrainerConfig(Checked):
     (default: <work_dir>/signing-key.pem). Keep it on this host, never in the bucket."""
     allow_unsigned: bool = False
     """Resume a bucket whose manifest is unsigned (written by a trainer from before signing)."""
+    # -- balance (trainer/balance.py) --
+    quota_headroom: float = setting(1.5, at_least=0, at_most=100)
+    """Each volunteer is asked for this many times its share of the groups a version needs (0:
+    no quota, volunteers sample until the next version). The manifest's `quota`: groups per
+    step, less the usable groups in hand, over the share of groups received that are usable
+    and over the volunteers sending them (trainer/balance.py)."""
 
 
 @dataclass

@@ -36,8 +36,9 @@ class DemoSettings(Checked):
     groups_per_step: int = TrainerConfig.groups_per_step
     """The trainer's --groups-per-step (16 made twice the steps, each noisier: same end point,
     slower start)."""
-    groups_per_version: int = setting(48, at_least=0)
-    """Each volunteer's cap of groups per version."""
+    groups_per_version: int = setting(0, at_least=0)
+    """Each volunteer's own cap of groups per version (0: none; the trainer's manifest says
+    how many it wants of each version, its `quota`)."""
     extra_trainer_args: tuple[str, ...] = ()
     """More `vrl trainer` flags (tests use this to shrink the run)."""
 
@@ -72,8 +73,6 @@ def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, li
                     "--threads", str(s.threads), "--seed", str(i + 1), "--shard-seconds", "5",
                     # one shard per generate round: on one machine, latency beats fewer objects
                     "--prompts-per-batch", "16", "--shard-groups", "16",
-                    # the trainer takes ~16 of every ~45 groups (most have one reward for
-                    # all K); more only burns the cores the trainer shares with us
                     "--max-groups-per-version", str(s.groups_per_version), "--poll-seconds", "0.1",
                     "--work-dir", str(work / "volunteers")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

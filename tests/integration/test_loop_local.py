@@ -129,6 +129,18 @@ def test_eval_command_reads_any_published_version(run):
 
 # --- bad input: one line naming the object, exit 1, nothing trained on ---------------------
 
+def without_quota(bucket: Path, key_file: Path) -> None:
+    """Replace the bucket's manifest.json by the same manifest with `quota` null, signed."""
+    import dataclasses
+
+    from volunteer_rl.protocol.manifest import Manifest
+    from volunteer_rl.protocol.signing import load_or_create_key
+
+    key, _ = load_or_create_key(key_file)
+    m = Manifest.from_json((bucket / layout.MANIFEST).read_bytes())
+    (bucket / layout.MANIFEST).write_bytes(dataclasses.replace(m, quota=None).to_signed_json(key))
+
+
 def copy_bucket(run, name: str) -> Path:
     dst = run["root"] / name
     shutil.copytree(run["bucket"], dst)
@@ -198,7 +210,10 @@ def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
     bucket = copy_bucket(run, "ctrl-c")
     # Nothing may go up before the signal: no count or age reached, and fewer groups than the
     # manifest's max_shard_groups (256) buffered, which the per-version cap (160, then one
-    # batch of 16 per 2 s of patience) keeps it under.
+    # batch of 16 per 2 s of patience) keeps it under; and no quota, which the run's last
+    # manifest has (a volunteer uploads what it holds when it reaches one): the same manifest,
+    # signed again by the run's key without it.
+    without_quota(bucket, run["root"] / "tw" / "signing-key.pem")
     v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
               "--shard-groups", "100000", "--shard-seconds", "100000", "--max-groups-per-version", "160",
               "--log-shards",

@@ -219,14 +219,16 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
                                       "groups_numbered": 0, "groups_missing": 0,
                                       "next_group_number": 0, "groups_trained": 8,
                                       "last_version": 6, "version_lag": 1,
-                                      "last_trained_at": NOW + 2, "denied": False}
+                                      "last_trained_at": NOW + 2, "denied": False,
+                                      "groups_received_recent": 0, "groups_trained_recent": 0,
+                                      "useful_fraction": None}
     assert doc["volunteers"]["c"]["denied"] and doc["evals"][0]["accuracy_sampled"] == 0.4
     restarted = FleetSummary(s, print, interval=5.0, clock=lambda: clock[0])
     clock[0] += 5
     restarted.after_publish(manifest(8), 13, parse_lines([step(3, {layout.shard_key(8, "a", "s3"): 1})]),
                             fleet)
     doc = json.loads(s.read(layout.FLEET))
-    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 4
+    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 5
     assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot
 
 

@@ -62,7 +62,7 @@ def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
     v = Volunteer(cfg, log=lambda m: None)
 
     class M:
-        version = 3
+        run_id, version, quota = "run", 3, None
     v.manifest = M()
     w = ShardWriter(v.storage, "me", 100, 1e9, lambda m: None)
     w.add(groups(8, 3), 3)

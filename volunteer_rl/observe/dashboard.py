@@ -3,7 +3,9 @@
 It opens straight from a folder bucket (relative links only, no script, no server) and from
 any bucket served as a static site. Plots: held-out accuracy and reward against version and
 wall time, fleet throughput (trained groups per minute, per volunteer), and the staleness of
-trained groups. The fleet table is `vrl status`'s document rendered as HTML.
+trained groups. The fleet table is `vrl status`'s document rendered as HTML, under the
+fleet's balance (the share of the groups received in the last minute that were trained, and
+the quota asked of each volunteer).
 
 Written by the trainer every `--dashboard-every` seconds (60 by default; the first that long
 after it starts), but never sooner than COST_RATIO times the last write's duration after it,
@@ -24,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from volunteer_rl.observe.status import READ_WORKERS, read_status
+from volunteer_rl.observe.status import READ_WORKERS, balance_line, read_status
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, read_metrics
 from volunteer_rl.protocol.printable import printable
@@ -220,7 +222,9 @@ def fleet_rows_html(status: dict) -> str:
                  None if r["version"] is None else f"v{r['version']}", r["version_lag"],
                  None if rate is None else f"{rate:,.0f}", r["completions_total"] and f"{r['completions_total']:,.0f}",
                  f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} ({acc})",
-                 _missing(r), r["groups_trained"], (r["host"] or {}).get("device")]
+                 _missing(r), r["groups_trained"],
+                 None if r["useful_fraction"] is None else f"{r['useful_fraction']:.0%}",
+                 (r["host"] or {}).get("device")]
         rows.append(f'<tr class="{html.escape(r["state"])}">' +
                     "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(rows)
@@ -234,7 +238,7 @@ def index_html(status: dict, now: float) -> str:
                  f"greedy {evals[-1].get('accuracy_greedy') or 0:.1%}") if evals else "none yet"
     reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
     head = ("volunteer", "state", "seen", "version", "lag", "compl/min", "completions",
-            "accepted shards", "groups missing", "groups trained", "device")
+            "accepted shards", "groups missing", "groups trained", "useful (last min)", "device")
     plots = "\n".join(f'<img src="{plot_file(p)}" alt="{p}">' for p in PLOTS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     return f"""<!doctype html>
@@ -250,6 +254,7 @@ td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; d
 <h1>run {html.escape(printable(t['run_id']))}: version {t['version']}</h1>
 <p>step {t['step']}, staleness window {t['max_staleness']}, reward {reward}; last held-out
 evaluation {html.escape(last_eval)}. Written {stamp}; reloads every {REFRESH_SECONDS} s.</p>
+<p>{html.escape(balance_line(status["balance"]))}.</p>
 <h2>fleet</h2>
 <table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
 {fleet_rows_html(status)}

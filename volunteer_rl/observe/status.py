@@ -20,7 +20,8 @@ States, judged with the reader's clock (keep clocks NTP-synced):
   when the heartbeat was written (or of another run), and the trainer has not trained on its
   groups lately: what it makes would be dropped;
 - `producing`: alive and it made completions in the last minute;
-- `idle`: alive and it made none (waiting for a version, at its per-version cap, ...);
+- `idle`: alive and it made none (waiting for a version, at its quota, ...: its heartbeat's
+  `waiting` says why);
 - `unknown`: the trainer has shards from it but there is no heartbeat (an older build).
 """
 
@@ -161,6 +162,10 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
            "groups_missing": missing,
            "groups_missing_rate": min(1.0, missing / numbered) if numbered else None,
            "groups_trained": json_int(t.get("groups_trained")) or 0,
+           # the trainer's last minute (fleet.json schema 5; older files: 0 and None)
+           "groups_received_recent": max(0, json_int(t.get("groups_received_recent")) or 0),
+           "groups_trained_recent": max(0, json_int(t.get("groups_trained_recent")) or 0),
+           "useful_fraction": fraction(t.get("useful_fraction")),
            "trainer_last_version": last,
            "trainer_version_lag": None if last is None else version - last,
            "denied": denied or bool(t.get("denied")),
@@ -170,7 +175,29 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
         row[k] = json_number(hb_ok.get(k)) if hb_ok else None
     host = hb_ok.get("host") if hb_ok else None
     row["host"] = host if isinstance(host, dict) else None
+    waiting = hb_ok.get("waiting") if hb_ok else None
+    row["waiting"] = printable(waiting, 120) if isinstance(waiting, str) else None
     return row
+
+
+def fraction(x) -> float | None:
+    """A share in 0..1 from fleet.json, else None."""
+    n = json_number(x)
+    return n if n is not None and 0 <= n <= 1 else None
+
+
+def balance_doc(raw) -> dict:
+    """fleet.json's `balance` (schema 5), every field checked; None for what is missing."""
+    raw = raw if isinstance(raw, dict) else {}
+    quota = raw.get("quota") if isinstance(raw.get("quota"), dict) else {}
+    groups, wait = json_int(quota.get("groups")), json_number(quota.get("wait_seconds"))
+    return {"window_seconds": json_number(raw.get("window_seconds")),
+            "groups_received": json_int(raw.get("groups_received")),
+            "groups_trained": json_int(raw.get("groups_trained")),
+            "useful_fraction": fraction(raw.get("useful_fraction")),
+            "usable_fraction": fraction(raw.get("usable_fraction")),
+            "volunteers": json_number(raw.get("volunteers")),
+            "quota": {"groups": groups, "wait_seconds": wait} if groups is not None else None}
 
 
 def metric_trends(records: Iterable[Record], summary_evals: Iterable[dict]) -> dict:
@@ -218,6 +245,7 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
                         "reward_mean": last.get("reward_mean"),
                         "summary_updated_at": json_number(summary.get("updated_at")),
                         "rewards": trends["rewards"], "evals": trends["evals"]},
+            "balance": balance_doc(summary.get("balance")),
             "counts": counts, "volunteers": rows}
 
 
@@ -309,7 +337,23 @@ def trainer_lines(status: dict) -> list[str]:
             f"trainer: v{t['version']} (published {_ago(age)}{old}), step {t['step']}, window "
             f"{t['max_staleness']}, reward {'-' if reward is None else f'{reward:.3f}'}{avg}",
             f"held-out accuracy (sampled): {eval_trend(t['evals'])}",
+            balance_line(status["balance"]),
             f"volunteers: {counts or 'none yet'}"]
+
+
+def balance_line(b: dict) -> str:
+    """`useful: 62% of 1,990 groups received in the last 60s trained (70% usable); quota 40
+    groups per volunteer per version, 2s wait`: the fleet's balance from fleet.json."""
+    if b["useful_fraction"] is None:
+        text = "useful: no groups received lately"
+    else:
+        usable = "" if b["usable_fraction"] is None else f" ({b['usable_fraction']:.0%} usable)"
+        text = (f"useful: {b['useful_fraction']:.0%} of {_count(b['groups_received'])} groups "
+                f"received in the last {b['window_seconds'] or 0:.0f}s trained{usable}")
+    q = b["quota"]
+    wait = "" if q is None or q["wait_seconds"] is None else f", {q['wait_seconds']:g}s wait"
+    quota = "no quota" if q is None else f"quota {q['groups']:,} groups per volunteer per version{wait}"
+    return f"{text}; {quota}"
 
 
 def _short_ago(seconds: float | None) -> str:
@@ -341,17 +385,18 @@ def volunteer_table(status: dict):
     for col, justify in (("state", "left"), ("seen", "right"), ("version", "right"),
                          ("/min", "right"), ("made", "right"), ("accepted", "right"),
                          ("audited", "right"), ("missing", "right"),
-                         ("trained", "right"), ("device", "left")):
+                         ("trained", "right"), ("useful", "right"), ("device", "left")):
         table.add_column(col, justify=justify, no_wrap=True)
     for r in status["volunteers"]:
-        state = r["state"] + (" denied" if r["denied"] else "")
+        state = r["state"] + (" denied" if r["denied"] else "") + (
+            " (waiting)" if r["state"] == "idle" and r["waiting"] else "")
         rate = r["completions_per_minute"] if r["state"] != "offline" else None
         table.add_row(markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
                       _short_ago(r["seconds_since_heartbeat"]), _version(r),
                       "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
                       _accepted(r), _share(r["audit_coverage"]),
                       _share(r["groups_missing_rate"]), _count(r["groups_trained"]),
-                      markup_safe((r["host"] or {}).get("device", "-"), 20))
+                      _share(r["useful_fraction"]), markup_safe((r["host"] or {}).get("device", "-"), 20))
     return table
 
 

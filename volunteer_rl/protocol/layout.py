@@ -25,17 +25,20 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
 `weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
 4: the weights file is named by the root of its pieces (manifest.pieces_root), not by its
 sha256, and patches (format 2) name their base and target by root. 5: tokens are drawn by
 Gumbel-max over committed per-token noise (protocol.draws, "vrl-draw-v2"), not by inverse CDF.
 6: a group's prompt is drawn from the manifest's `prompt_pool` by its number, and numbers run
-across the versions of a run (protocol.draws.pool_prompt). Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
+across the versions of a run (protocol.draws.pool_prompt). 7: the manifest's `quota` says how
+many groups of the version each volunteer should sample before it waits for the next
+(manifest.Quota). Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
 patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
 gives; one of schema 4 would sample tokens the replay rejects; one of schema 5 would choose its
-prompts, which the trainer refuses (`prompt_mismatch`)."""
+prompts, which the trainer refuses (`prompt_mismatch`); one of schema 6 would not stop at its
+quota."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

@@ -73,7 +73,10 @@ MAX_PATCHES = 256
 """Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
 MAX_POOL = 4096
 """Most rows a manifest's `prompt_pool` may hold (a pool of 4,096 is about 30 KB of JSON)."""
-"""Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
+MAX_QUOTA_GROUPS = 1 << 20
+"""Most groups a manifest's `quota` may ask of one volunteer for one version."""
+QUOTA_WAIT_RANGE = (0.1, 3600.0)
+"""Seconds a manifest's `quota.wait_seconds` may say: from a tenth of a second to an hour."""
 PIECE_BYTES = 64 << 20
 """Bytes per hashed piece of the weights file the trainer publishes (the last is shorter)."""
 _PIECE_RANGE = (1 << 20, 1 << 30)
@@ -148,6 +151,19 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Quota:
+    """How much of a version the trainer wants from each volunteer (schema 7): sample at
+    most `groups` groups with it, then wait for the next version; a volunteer that sees no
+    newer one for `wait_seconds` samples another `groups` of the same version (the trainer
+    may still lack usable groups: without this, a fleet stopped at its quotas would wait for
+    a version that never comes). Advice to honest volunteers, not a defence: the trainer's
+    caps per volunteer and version bound one that ignores it (docs/THREATS.md)."""
+
+    groups: int
+    wait_seconds: float
+
+
+@dataclass(frozen=True)
 class Dataset:
     """The train split volunteers draw prompts from, content-addressed in the bucket."""
 
@@ -180,6 +196,10 @@ class Manifest:
     """Dataset rows this version's groups are sampled for (schema 6): group number n of a
     volunteer is sampled for pool_prompt(prompt_pool, run_id, version, volunteer, n). The
     trainer fills it from its curriculum (task.curriculum); 1..MAX_POOL rows of the dataset."""
+    quota: Quota | None = None
+    """Groups each volunteer should sample with this version before it waits for the next
+    (schema 7); None: no quota, sample until the next version (the trainer has not measured
+    its fleet yet, or runs with --quota-headroom 0)."""
     weights: Weights | None = None
     """Pieces and chain of the weights file (schema 3 on). None only for a checkpoint without
     weights, which no reader loads (tests of the protocol's other parts)."""
@@ -221,7 +241,7 @@ class Manifest:
                 prompt_format=str(raw["prompt_format"]),
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
                 max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
-                prompt_pool=_pool(raw["prompt_pool"]),
+                prompt_pool=_pool(raw["prompt_pool"]), quota=_quota(raw["quota"]),
                 weights=_weights(raw.get("weights")),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
@@ -252,6 +272,21 @@ def _pool(raw) -> tuple[int, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_POOL or not all(type(r) is int for r in raw):
         raise ValueError(f"prompt_pool must be a list of at most {MAX_POOL} integers")
     return tuple(raw)
+
+
+def _quota(raw) -> Quota | None:
+    """The `quota` object (required since schema 7, null for none), its numbers in bounds."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"groups", "wait_seconds"}:
+        raise ValueError("quota must be null or an object of groups and wait_seconds")
+    groups, wait = raw["groups"], raw["wait_seconds"]
+    lo, hi = QUOTA_WAIT_RANGE
+    if type(groups) is not int or not 1 <= groups <= MAX_QUOTA_GROUPS:
+        raise ValueError(f"quota.groups {groups!r:.20} is not an integer in 1..{MAX_QUOTA_GROUPS}")
+    if type(wait) not in (int, float) or not lo <= wait <= hi:  # NaN fails the range too
+        raise ValueError(f"quota.wait_seconds {wait!r:.20} is not a number in {lo}..{hi:g}")
+    return Quota(groups, float(wait))
 
 
 def _link(raw) -> Link:

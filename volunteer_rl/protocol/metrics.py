@@ -42,6 +42,10 @@ INGEST_GROUPS = "ingest/groups"
 ACCURACY_GREEDY = "eval/accuracy_greedy"
 ACCURACY_SAMPLED = "eval/accuracy_sampled"
 EVAL_PROMPTS = "eval/prompts"
+USEFUL_FRACTION = "fleet/useful_fraction"
+"""Groups trained / groups received over the trainer's recent window (trainer.balance)."""
+USABLE_FRACTION = "fleet/usable_fraction"
+"""Share of the groups received over that window with reward variance and no duplicates."""
 
 _LAG = re.compile(r"-?[0-9]{1,9}")  # a staleness_hist key; bounded, so int() is cheap
 
@@ -86,6 +90,8 @@ class StepRecord:
     sources: tuple[Source, ...]
     """The batch's shards; a key that is no shard key, or a count that is no whole number,
     is left out."""
+    useful_fraction: float | None = None
+    """`fleet/useful_fraction` (absent from lines of older trainers)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,12 @@ class EvalRecord:
 
 
 Record = StepRecord | EvalRecord
+
+
+def _fraction(raw) -> float | None:
+    """A share in 0..1 from untrusted JSON, else None."""
+    x = json_number(raw)
+    return x if x is not None and 0 <= x <= 1 else None
 
 
 def _sources(raw) -> tuple[Source, ...]:
@@ -146,7 +158,8 @@ def parse_line(line) -> Record | None:
                           groups=json_int(line.get(GROUPS)) or 0,
                           received=json_int(line.get(INGEST_GROUPS)) or 0,
                           staleness=_staleness(line.get(STALENESS_HIST)),
-                          sources=_sources(line.get(SOURCES)))
+                          sources=_sources(line.get(SOURCES)),
+                          useful_fraction=_fraction(line.get(USEFUL_FRACTION)))
     version = json_int(line.get(VERSION))
     if kind == EVAL_LINE and version is not None:
         return EvalRecord(version=version, time=json_number(line.get(TIME)),

@@ -5,6 +5,7 @@ object)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from volunteer_rl.protocol import layout
@@ -42,6 +43,9 @@ class Fleet:
     counts: dict[str, Counts] = field(default_factory=dict)
     denied: dict[str, dict] = field(default_factory=dict)
     etag: str | None = None
+    received: Counter = field(default_factory=Counter)
+    """Groups in the shards accepted from each volunteer since take_received last ran (the
+    trainer's balance counts them per step)."""
 
     def is_denied(self, volunteer: str) -> bool:
         return volunteer in self.denied
@@ -70,6 +74,7 @@ class Fleet:
             c.accepted += 1
             c.accepted_groups += groups
             c.clean += groups
+            self.received[volunteer] += groups
         else:
             c.rejected += 1
             c.rejected_groups += groups
@@ -100,6 +105,11 @@ class Fleet:
 
         self.denied = update_denylist(storage, add)
         self.etag = None  # our own write: read it again next refresh
+
+    def take_received(self) -> Counter:
+        """Groups accepted per volunteer since the last call."""
+        received, self.received = self.received, Counter()
+        return received
 
     def count_audit(self, volunteer: str) -> None:
         self.counts.setdefault(volunteer, Counts()).audited += 1

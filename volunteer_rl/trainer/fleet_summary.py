@@ -3,9 +3,11 @@
 Heartbeats (volunteers/<id>.json) say what volunteers claim; this object says what the
 trainer made of their work: shards accepted and rejected (Fleet.counts), groups trained, the
 newest policy version of theirs it trained on, whether they are denied, plus the trainer's own
-version, step, last reward and recent held-out evaluations, and a short timeline of
+version, step, last reward and recent held-out evaluations, a short timeline of
 (time, version) points so a reader can tell which version was current when a heartbeat was
-written. `vrl status` joins the two.
+written, and the balance of the last minute (trainer.balance: groups received and trained,
+the useful fraction, the quota asked), fleet-wide and per volunteer. `vrl status` joins the
+two.
 
 The trainer calls `FleetSummary.after_publish` once per publish. Per-volunteer figures are
 accumulated from the step metrics of every publish (in memory), but the object is written at
@@ -24,9 +26,10 @@ from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
+from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.fleet import Fleet
 
-SUMMARY_SCHEMA = 4
+SUMMARY_SCHEMA = 5
 SUMMARY_INTERVAL_SECONDS = 5.0
 TIMELINE_POINTS = 256
 TIMELINE_SECONDS = 900.0
@@ -64,10 +67,13 @@ def add_point(timeline: list[list[float]], now: float, version: int) -> None:
 def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                     volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
                     evals: list[dict], timeline: list[list[float]], now: float,
-                    next_number: Callable[[str], int] = lambda vid: 0) -> dict:
+                    next_number: Callable[[str], int] = lambda vid: 0,
+                    balance: tuple[dict, dict[str, dict]] | None = None) -> dict:
     """The JSON object of fleet.json (schema in docs/PROTOCOL.md). `next_number`: one past
-    the highest group number received from a volunteer (withheld.GroupNumbers.next_number)."""
-    ids = set(volunteers) | set(fleet.counts) | set(fleet.denied)
+    the highest group number received from a volunteer (withheld.GroupNumbers.next_number);
+    `balance`: Balance.summary (None: a window with nothing in it)."""
+    fleet_balance, recent = balance or Balance(1).summary(now)
+    ids = set(volunteers) | set(fleet.counts) | set(fleet.denied) | set(recent)
     rows = {}
     for vid in sorted(ids):
         c = fleet.counts.get(vid)
@@ -81,11 +87,13 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                      "next_group_number": next_number(vid),
                      "groups_trained": v.get("groups_trained", 0), "last_version": last,
                      "version_lag": None if last is None else version - last,
-                     "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied}
+                     "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied,
+                     **recent.get(vid, {"groups_received_recent": 0, "groups_trained_recent": 0,
+                                        "useful_fraction": None})}
     return {"schema_version": SUMMARY_SCHEMA, "run_id": run_id, "updated_at": now,
             "trainer": {"version": version, "step": step, "max_staleness": max_staleness},
             "last_step": last_step, "evals": evals[-EVALS_KEPT:], "timeline": timeline,
-            "volunteers": rows}
+            "balance": fleet_balance, "volunteers": rows}
 
 
 class FleetSummary:
@@ -123,7 +131,8 @@ class FleetSummary:
 
     def after_publish(self, manifest: Manifest, step: int, records: list[Record], fleet: Fleet,
                       final: bool = False,
-                      next_number: Callable[[str], int] = lambda vid: 0) -> None:
+                      next_number: Callable[[str], int] = lambda vid: 0,
+                      balance: Balance | None = None) -> None:
         """Take in the metric records of the steps that led to `manifest`; write fleet.json if
         due."""
         if not self.loaded:
@@ -143,7 +152,7 @@ class FleetSummary:
             self.write(summary_payload(manifest.run_id, manifest.version, step,
                                        manifest.max_staleness, self.volunteers, fleet,
                                        self.last_step, self.evals, self.timeline, now,
-                                       next_number))
+                                       next_number, balance.summary(now) if balance else None))
 
     def write(self, payload: dict) -> None:
         try:

@@ -41,6 +41,7 @@ from volunteer_rl.storage.base import AlreadyExists, StorageError
 from volunteer_rl.task.curriculum import PromptPicker
 from volunteer_rl.task.dataset import Problem, file_sha256, load_csv
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
+from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
@@ -128,6 +129,8 @@ class Trainer:
         self.pools: dict[int, tuple[int, ...]] = {}  # the window's published prompt pools
         self.numbers = GroupNumbers()  # group numbers received; restored by _resume
         self.waiting = Every()  # why the loop waits for groups: at most one line per interval
+        # What each version asks of each volunteer (the manifest's quota) and the useful fraction.
+        self.balance = Balance(cfg.groups_per_step, cfg.publish_every, cfg.quota_headroom)
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -181,7 +184,8 @@ class Trainer:
             self.ledger = Ledger()
             self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
                                                self.dataset, None, self.key, self.chain,
-                                               lambda: self._save(0), self._next_pool())
+                                               lambda: self._save(0), self._next_pool(),
+                                               self.balance.quota(time.time(), 0))
             self._sync_published()
             self._keep_window_weights()
             self.pools = {0: self.manifest.prompt_pool}
@@ -404,6 +408,9 @@ class Trainer:
             unpublished += 1
             self.steps += 1
             self._record(batch, "trained", self.steps)
+            self.balance.after_step(time.time(), self.fleet.take_received(),
+                                    Counter(g.volunteer_id for g in batch), stats.groups,
+                                    stats.zero_variance + stats.duplicates, waited)
             timing = {"train/step_time": time.time() - t0, "time/ingest": t_ingest,
                       "time/waiting_for_rollouts": waited, "time/last_publish": last_publish,
                       "time/dashboard": self.dashboard.take_seconds()}
@@ -412,7 +419,7 @@ class Trainer:
             due = time.time() - self.last_publish_start >= cfg.publish_min_seconds
             if unpublished >= cfg.publish_every and due and not self._done(steps, started):
                 t0 = time.time()
-                self.publish_next()
+                self.publish_next(buffered=buffer)
                 last_publish = time.time() - t0
                 unpublished = 0
         self._finish(unpublished)
@@ -462,17 +469,21 @@ class Trainer:
         return bool(self.stop.is_set() or (cfg.max_steps and steps >= cfg.max_steps)
                     or (cfg.max_seconds and time.time() - started >= cfg.max_seconds))
 
-    def publish_next(self, final: bool = False) -> None:
+    def publish_next(self, final: bool = False, buffered: list[ScoredGroup] = ()) -> None:
         """Publish the weights in hand as the next version (trainer.publish.publish), then what
         follows each publish: retention, ledger and state pruning, evaluation on its cadence,
-        fleet.json and dashboard/, and the metrics of the steps that led to it."""
+        fleet.json and dashboard/, and the metrics of the steps that led to it. `buffered`:
+        the usable groups in hand, which the version's quota need not ask for again."""
         self.last_used += 1
         version = self.last_used
         self.last_publish_start = time.time()
+        fresh_after = sum(g.policy_version > self.version - self.cfg.max_staleness for g in buffered)
         self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
                                            self.chain, lambda: self._save(version),
-                                           self._next_pool())
+                                           self._next_pool(),
+                                           self.balance.quota(time.time(), fresh_after))
+        self.balance.after_publish(time.time())
         self._sync_published()
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)
@@ -492,7 +503,7 @@ class Trainer:
         at the end. Neither can fail the trainer."""
         records = metrics.parse_lines(self.metrics_buffer)  # once, for both
         self.fleet_summary.after_publish(self.manifest, self.steps, records, self.fleet, final,
-                                         self.numbers.next_number)
+                                         self.numbers.next_number, self.balance)
         self.dashboard.after_publish(records, final)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,
@@ -514,6 +525,8 @@ class Trainer:
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
             "ingest/over_cap": stats.over_cap, "ingest/trainer_errors": stats.trainer_errors,
             "ingest/by_volunteer": stats.by_volunteer,
+            metrics.USEFUL_FRACTION: self.balance.useful_fraction(time.time()),
+            metrics.USABLE_FRACTION: self.balance.usable_fraction(time.time()),
             "audit/shards": stats.audit.audited, "audit/skipped": stats.audit.skipped,
             "audit/deferred": stats.audit.deferred, "audit/seconds": stats.audit.seconds,
             "audit/by_volunteer": stats.audit.by_volunteer,

@@ -28,6 +28,7 @@ from volunteer_rl.protocol.manifest import (
     Keyframe,
     Link,
     Manifest,
+    Quota,
     Sampling,
     Weights,
     WeightsEntry,
@@ -140,7 +141,7 @@ class WeightsChain:
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
             dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
             before_commit: Callable[[], None] = lambda: None,
-            prompt_pool: tuple[int, ...] = ()) -> tuple[Manifest, str]:
+            prompt_pool: tuple[int, ...] = (), quota: Quota | None = None) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
@@ -150,7 +151,8 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     (checkpoints/vN/weights.vrlpatch), or both, as `chain` decides.
 
     `etag` is the manifest this trainer last saw, `key` signs the manifest, `prompt_pool`
-    is the version's prompt pool (empty: the dataset's first MAX_POOL rows); returns the new
+    is the version's prompt pool (empty: the dataset's first MAX_POOL rows), `quota` what
+    each volunteer should sample of it (trainer.balance; None: no quota); returns the new
     manifest and its etag."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
     buf = byte_buffer(weights_size(policy.model, dtype), chain.spare)
@@ -198,7 +200,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
         weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
         prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),
-        weights=weights)
+        quota=quota, weights=weights)
     before_commit()
     crash_point("before_manifest")
     try:

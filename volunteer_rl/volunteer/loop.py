@@ -47,6 +47,7 @@ from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import GroupNumbers
+from volunteer_rl.volunteer.quota import Allowance
 from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
@@ -105,8 +106,9 @@ class Volunteer:
         self.warned: dict[str, str] = {}
         self.manifest_etag: str | None = None
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
-        self.extra_groups = 0  # groups allowed past the per-version cap (see at_cap)
-        self.capped_since: float | None = None
+        # The manifest's quota and --max-groups-per-version: how much of a version to sample.
+        self.allowance = Allowance(cfg.max_groups_per_version, cfg.prompts_per_batch,
+                                   cfg.cap_patience_seconds, log)
         self.tally = Tally(started_at=time.time())
         self.summary = Every()  # the upload summary line's interval
         self.last_summary = (self.tally.started_at, 0, 0)  # (time, shards, groups) at the last one
@@ -200,7 +202,6 @@ class Volunteer:
                 self.log(f"sampling with {threads} torch thread{'s' * (threads != 1)} ({how})")
                 self.threads = threads
         self.manifest = m
-        self.extra_groups, self.capped_since = 0, None
         self.log(f"now on v{m.version} of {m.run_id} ({fetched_text(fetched, m)})")
 
     @staticmethod
@@ -212,14 +213,13 @@ class Volunteer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _generate(self) -> list[Group]:
-        """One batch of groups, each numbered, for the prompt its number draws from the
-        version's pool, and sampled with its committed noise."""
+    def _generate(self, count: int) -> list[Group]:
+        """One batch of `count` groups, each numbered, for the prompt its number draws from
+        the version's pool, and sampled with its committed noise."""
         m, policy = self.manifest, self.policy
-        first = self.numbers.take(m.run_id, self.cfg.prompts_per_batch,
-                                  lambda: self._reached(m.run_id))
+        first = self.numbers.take(m.run_id, count, lambda: self._reached(m.run_id))
         picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, first + i)]
-                  for i in range(self.cfg.prompts_per_batch)]
+                  for i in range(count)]
         prompts = encode_prompts(policy, [p.prompt for p in picked])
         s = m.sampling
         keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
@@ -295,8 +295,9 @@ class Volunteer:
     def _heartbeat_payload(self, state: str, now: float) -> dict:
         """What the heartbeat thread writes: counters plus the version in use."""
         m = self.manifest
-        return heartbeat_payload(self.id, state, self.host, self.tally, self.cfg.heartbeat_seconds,
-                                 m.run_id if m else None, m.version if m else None, now)
+        return {**heartbeat_payload(self.id, state, self.host, self.tally, self.cfg.heartbeat_seconds,
+                                    m.run_id if m else None, m.version if m else None, now),
+                "waiting": self.allowance.waiting}
 
     def _warn(self, topic: str, message: str) -> None:
         """Log a problem once, not once per poll, until it changes or goes away."""
@@ -315,22 +316,14 @@ class Volunteer:
         return (m.run_id == self.manifest.run_id
                 and self.manifest.version >= layout.window(m.version, m.max_staleness).start)
 
+    def room(self, writer: ShardWriter) -> int:
+        """Groups of the version in hand it may sample now (volunteer.quota: the manifest's
+        quota and --max-groups-per-version pause it, never for good); 0: wait."""
+        return self.allowance.room(self.manifest, writer.version_groups(self.manifest), time.time())
+
     def at_cap(self, writer: ShardWriter) -> bool:
-        """Has this version had its share of groups? The cap pauses, it never stops: if no
-        new version comes within cap_patience_seconds, the trainer may need more groups than
-        the cap allows (too few with reward variance, say), so one more batch is made."""
-        cap = self.cfg.max_groups_per_version
-        if not cap or writer.version_groups(self.manifest) < cap + self.extra_groups:
-            self.capped_since = None
-            return False
-        now = time.time()
-        if self.capped_since is None:
-            self.capped_since = now
-        if now - self.capped_since < self.cfg.cap_patience_seconds:
-            return True
-        self.extra_groups += self.cfg.prompts_per_batch
-        self.capped_since = None
-        return False
+        """Has this version had its share of groups for now?"""
+        return self.room(writer) == 0
 
     def run(self) -> int:
         """Generate until stopped; returns the number of groups uploaded."""
@@ -356,13 +349,17 @@ class Volunteer:
                                       or m.run_id != self.manifest.run_id):
                     writer.flush()  # its groups belong to the version we are leaving
                     self.try_switch(m)
-                if not self.usable(m) or self.at_cap(writer):
+                room = self.room(writer) if self.usable(m) else 0
+                if not room:
                     # Nothing published yet, our weights fell out of the staleness window and
                     # the new ones did not load, or this version has had its share of groups:
-                    # groups made now would only be dropped.
+                    # groups made now would only be dropped. At the manifest's quota the
+                    # trainer is waiting for what we hold: it goes out now.
+                    if self.usable(m) and self.allowance.quota_reached:
+                        writer.flush()
                     self.stop.wait(cfg.poll_seconds)
                     continue
-                groups = self._generate()
+                groups = self._generate(min(cfg.prompts_per_batch, room))
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
