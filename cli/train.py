@@ -80,8 +80,8 @@ def trainer(
 
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
+    from volunteer_rl.stopping import Stopped, StopSignal
     from volunteer_rl.storage import check_bucket
-    from volunteer_rl.trainer.stopping import Stopped, StopSignal
 
     with usage_errors():
         cfg = TrainerConfig(**ctx.params)
@@ -89,11 +89,16 @@ def trainer(
     # by the time volunteers started beside the trainer look for it.
     check_bucket(cfg.bucket, cfg.endpoint_url)
     # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
-    # importing torch takes seconds, and a signal then must stop the process too.
+    # importing torch takes seconds, and a signal then must stop the process too. Then
+    # --threads, before any torch work: the model build and the warm start obey it too.
     stop = StopSignal(log).install()
     trainer_ = None
     try:
         with stop.abortable():
+            if cfg.threads > 0:
+                from volunteer_rl.model.devices import set_process_threads
+
+                set_process_threads(cfg.threads)
             from volunteer_rl.trainer.loop import Trainer
 
             trainer_ = Trainer(cfg, log=log, stop=stop)

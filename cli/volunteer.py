@@ -53,15 +53,27 @@ def volunteer(
 
     Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
     """
+    from volunteer_rl.stopping import Stopped, StopSignal
     from volunteer_rl.storage import check_bucket
 
     with usage_errors():
         cfg = VolunteerConfig(**ctx.params)
     check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
-    from volunteer_rl.volunteer.loop import Volunteer
+    # Handlers first, then --threads, as for the trainer (cli/train.py): a signal during the
+    # imports stops the process at once, and loading obeys --threads too.
+    stop = StopSignal(log).install()
+    try:
+        with stop.abortable():
+            if cfg.threads > 0:
+                from volunteer_rl.model.devices import set_process_threads
 
-    v = Volunteer(cfg, log=log)
-    v.install_signal_handlers()
+                set_process_threads(cfg.threads)
+            from volunteer_rl.volunteer.loop import Volunteer
+
+            v = Volunteer(cfg, log=log, stop=stop)
+    except Stopped as exc:
+        log(f"volunteer stopped by signal {exc.signum} before it started")
+        return
     groups = v.run()
     log(f"volunteer {v.id} stopped after uploading {groups} groups")
 

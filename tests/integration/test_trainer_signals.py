@@ -23,7 +23,7 @@ from helpers.bucket_objects import assert_manifest_complete
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.storage import open_storage
-from volunteer_rl.trainer.stopping import Stopped, StopSignal
+from volunteer_rl.stopping import Stopped, StopSignal
 
 STOP_SECONDS = 10.0
 VERSIONED = (layout.CHECKPOINTS, layout.MANIFESTS, layout.METRICS, layout.LEDGER,
@@ -155,7 +155,7 @@ def test_signal_in_an_abortable_phase_raises_there_and_a_second_one_exits(monkey
 
     def exit_now(code):
         raise SystemExit(code)
-    monkeypatch.setattr("volunteer_rl.trainer.stopping.os._exit", exit_now)
+    monkeypatch.setattr("volunteer_rl.stopping.os._exit", exit_now)
     with pytest.raises(SystemExit) as exc:
         stop._handle(signal.SIGINT, None)
     assert exc.value.code == 128 + signal.SIGINT

@@ -14,7 +14,7 @@ import volunteer_rl.protocol.fleet
 from volunteer_rl.config import TrainerConfig, VolunteerConfig
 from volunteer_rl.demo import DemoSettings
 from volunteer_rl.storage.base import StorageError
-from volunteer_rl.trainer.stopping import StopSignal
+from volunteer_rl.stopping import StopSignal
 from volunteer_rl_cli.main import app, main
 
 
@@ -48,11 +48,8 @@ def built(monkeypatch) -> list:
     class Volunteer:
         id = "vol-1"
 
-        def __init__(self, cfg, log):
+        def __init__(self, cfg, log, stop):
             seen.append(cfg)
-
-        def install_signal_handlers(self):
-            pass
 
         def run(self):
             return 7

@@ -57,6 +57,21 @@ TORCH_DEFAULT_THREADS = torch.get_num_threads()
 """torch's own thread count at start (its default, or what OMP_NUM_THREADS asked for)."""
 
 
+def set_process_threads(threads: int) -> None:
+    """`--threads` for the whole process, applied before any torch work: torch's intra-op
+    threads and its inter-op pool. Unset (0), torch keeps its default of one thread per
+    core, and two processes starting up side by side on a small machine then fight over
+    every core (bench/startup.py). The inter-op pool can only be sized before its first
+    use; a process that already used it keeps it as it is."""
+    if threads <= 0:
+        return
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # "cannot set number of interop threads after parallel work has started"
+        pass
+
+
 def sampling_threads(policy: Policy, threads: int = 0) -> int:
     """torch CPU threads to sample with: `threads` when > 0, else (auto) one for a model of
     fewer than SMALL_MODEL_PARAMS parameters on the CPU and torch's default otherwise.

@@ -36,6 +36,7 @@ from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, poll_manifest, read_manifest
 from volunteer_rl.protocol.signing import Trust, public_key_text
+from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import AlreadyExists, StorageError
 from volunteer_rl.task.curriculum import PromptPicker
@@ -57,7 +58,6 @@ from volunteer_rl.trainer.publish import (
 from volunteer_rl.trainer.retention import TrainerRetention
 from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
 from volunteer_rl.trainer.step import StepResult, audit_groups, non_finite_groups, train_step
-from volunteer_rl.trainer.stopping import Stopped, StopSignal
 from volunteer_rl.trainer.warmstart import warm_start
 from volunteer_rl.trainer.withheld import GroupNumbers
 

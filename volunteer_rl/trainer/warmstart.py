@@ -14,6 +14,7 @@ import torch
 from volunteer_rl.model.policy import Policy, encode_prompts
 from volunteer_rl.model.scoring import right_pad
 from volunteer_rl.progress import progress
+from volunteer_rl.stopping import check_stop
 from volunteer_rl.task.dataset import Problem
 
 
@@ -74,6 +75,7 @@ def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: 
     # bar on a terminal, else a status line with the loss every STATUS_SECONDS.
     with progress("warm start", steps, log=log, unit="steps") as advance:
         for step in range(steps):
+            check_stop()  # a stop signal whose Stopped was swallowed on the way ends it here
             idx = next(batches)
             loss = _step(policy, opt, [prompts[i] for i in idx], [targets[i] for i in idx],
                          lr_at(step, steps, lr, warmup))

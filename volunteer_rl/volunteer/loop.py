@@ -18,8 +18,6 @@ old manifest back, and the volunteer keeps the version it holds.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,8 +38,9 @@ from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
 from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
+from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
-from volunteer_rl.storage.base import Storage, StorageError, is_missing
+from volunteer_rl.storage.base import Storage, StorageError, Transient, is_missing
 from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
 from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
@@ -49,6 +48,10 @@ from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # no
 from volunteer_rl.volunteer.numbering import GroupNumbers
 from volunteer_rl.volunteer.quota import Allowance
 from volunteer_rl.volunteer.shard_writer import ShardWriter
+
+
+OUTAGE_MAX_WAIT = 60.0
+"""Longest wait between two polls of a bucket that does not answer."""
 
 
 def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
@@ -85,10 +88,17 @@ def upload_summary(shards: int, groups: int, seconds: float, version: int, total
 
 
 class Volunteer:
-    def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print):
+    def __init__(self, cfg: VolunteerConfig, log: Callable[[str], None] = print,
+                 stop: StopSignal | None = None):
         self.cfg = cfg
         self.log = log
-        self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
+        # Set by SIGINT/SIGTERM once handlers are installed (the CLI does that first of all).
+        # Loading a version and sampling a batch are abortable: they write nothing to the
+        # bucket, and a stop cuts them short; the shard in hand is still flushed.
+        self.stop = stop or StopSignal(log)
+        self.stop.then = "flushing the partial shard and stopping"
+        with self.stop.shielded():  # a line added to the work dir's ids file: never half of it
+            self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
         self.id = self.claim.id
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
@@ -96,7 +106,6 @@ class Volunteer:
         self.device = pick_device(cfg.device)
         self.host = host_facts(str(self.device))
         self.work = Path(cfg.work_dir) / self.id
-        self.stop = threading.Event()
         self.policy: Policy | None = None
         self.held: Held | None = None  # the weights file of the version loaded, verified
         self.weights_buffer: memoryview | None = None  # reused by every fetch
@@ -104,6 +113,7 @@ class Volunteer:
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
+        self.outage_wait = 0.0  # seconds to the next poll while the bucket is unreachable
         self.manifest_etag: str | None = None
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
         # The manifest's quota and --max-groups-per-version: how much of a version to sample.
@@ -119,9 +129,19 @@ class Volunteer:
     # -- following the manifest ---------------------------------------------------------------
 
     def poll(self) -> Manifest | None:
-        """The newest manifest (the one already held when unchanged); None if none is readable."""
+        """The newest manifest (the one already held when unchanged); None if none is readable.
+
+        An unreachable bucket (Transient, once storage/retry.py gave up) is ridden out: a line
+        per failed poll with the wait before the next, which doubles from --poll-seconds up to
+        OUTAGE_MAX_WAIT while it lasts."""
         try:
             m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
+        except Transient as exc:
+            if self.stop.is_set():
+                return None  # the retry's wait was cut short by the stop: nothing to say
+            self.outage_wait = min(OUTAGE_MAX_WAIT, max(self.cfg.poll_seconds, 2 * self.outage_wait))
+            self.log(f"warning: {exc}; polling again in {self.outage_wait:.0f}s")
+            return None
         except Rollback as exc:
             # As for an unreadable manifest: keep what we hold (generating for the grace
             # period), never load what this one names, and read it in full again next time
@@ -141,6 +161,7 @@ class Volunteer:
             self._warn("manifest", f"{exc}; waiting for a valid one")
             return None
         self.warned.pop("manifest", None)
+        self.outage_wait = 0.0
         if m is not None:
             self.latest = m
         if self.manifest_etag is None:  # nothing published yet
@@ -224,7 +245,8 @@ class Volunteer:
         s = m.sampling
         keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
                 for i, p in enumerate(picked)]
-        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
+        with self.stop.abortable():  # a stop drops this batch; its numbers stay unused
+            out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
         groups = []
         for i, (p, samples) in enumerate(zip(picked, out)):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
@@ -259,7 +281,8 @@ class Volunteer:
         fatal: the bucket names nothing this volunteer will ever load."""
         while True:
             try:
-                self.switch(m)
+                with self.stop.abortable():  # writes only local caches, fetched again next time
+                    self.switch(m)
             except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
                 if isinstance(exc, CheckpointRefused) and self.policy is None:
                     raise
@@ -357,12 +380,14 @@ class Volunteer:
                     # trainer is waiting for what we hold: it goes out now.
                     if self.usable(m) and self.allowance.quota_reached:
                         writer.flush()
-                    self.stop.wait(cfg.poll_seconds)
+                    self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
                 groups = self._generate(min(cfg.prompts_per_batch, room))
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
+        except Stopped:
+            pass  # it cut short a load or a batch, neither of which wrote to the bucket
         finally:
             try:
                 writer.flush()
@@ -371,9 +396,7 @@ class Volunteer:
         return writer.uploaded_groups
 
     def install_signal_handlers(self) -> None:
-        """Ctrl-C and SIGTERM finish the current batch, flush the partial shard, exit 0."""
-        def handler(signum, frame):
-            self.log(f"signal {signum}: flushing and stopping")
-            self.stop.set()
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        """Ctrl-C and SIGTERM cut short a load or a batch, flush the partial shard, exit 0
+        (stopping.py). `vrl volunteer` installs them itself before it imports torch; this is
+        for programs that build a Volunteer."""
+        self.stop.install()

@@ -1,0 +1,184 @@
+"""SIGINT and SIGTERM for the trainer and the volunteer: stop at a point where nothing is
+half-made, and within seconds whatever the process is doing.
+
+Installed explicitly, because neither default will do: a job a script starts with `&`
+inherits SIGINT set to SIG_IGN (bash does that to background jobs, so Python never installs
+its KeyboardInterrupt handler and `kill -INT` does nothing), and SIGTERM's default ends the
+process wherever it is, mid-step. Installing a handler overrides the inherited SIG_IGN on
+purpose: a user who sends SIGINT to a process means it, however the shell started it. The
+CLI installs the handlers first, before it imports torch or transformers (seconds in which a
+signal must count too), which is why this module is stdlib only and sits below every room.
+
+The first signal sets an event. Where the process is only reading or computing (imports,
+building or loading a model, the warm start, an evaluation, sampling a batch), code runs
+inside `abortable()` and the handler also raises `Stopped` there and then: nothing is lost by
+cutting that short. Everywhere else (the loop, a publish, any write to the bucket), the code
+sees the event at its next check and finishes what it was doing first. A second signal
+while stopping ends the process at once (exit 128 + signal), as `kill -9` would: the
+manifest is the commit point, so even that leaves no half-made version visible.
+
+An exception raised from a signal handler lands wherever the main thread happens to be, and
+some places swallow it: a `__del__` (Python prints "Exception ignored in: ...__del__" and
+goes on; the regex module's Group.__del__ runs while transformers compiles its patterns at
+import), or a library's `except BaseException`. So the handler does not raise inside a
+finalizer, and while an abortable phase still runs after a stop, the stop is delivered again
+every REDELIVER_SECONDS until it lands (`_redeliver`); long loops of our own also call
+`check()` between their steps.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+REDELIVER_SECONDS = 0.5
+"""How often a stop is raised again in an abortable phase that is still running after it."""
+
+_installed: StopSignal | None = None  # the process's, once install() ran (signals are per process)
+
+
+class Stopped(BaseException):
+    """A signal cut short a phase that writes nothing. A BaseException, like
+    KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class StopSignal:
+    """The stop request (an event), the handlers that set it, and the abortable phases.
+    `then` is what the process says it does when a signal finds it outside such a phase."""
+
+    def __init__(self, log: Callable[[str], None] = print,
+                 then: str = "finishing the current step and stopping"):
+        self.log = log
+        self.then = then
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._abortable = False
+        self._under_abortable = False  # a write inside an abortable phase: Stopped comes after it
+        self._again = False  # the next call of the handler is _redeliver's, not a new signal
+        self._redeliverer: threading.Thread | None = None
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking at once when a stop is requested."""
+        return self.event.wait(seconds)
+
+    def install(self) -> StopSignal:
+        """SIGINT and SIGTERM to `_handle`, whatever the process inherited (SIG_IGN
+        included). Main thread only."""
+        global _installed
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        _installed = self
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self._again:  # _redeliver's call: the stop again, not a second signal
+            self._again = False
+            if self._abortable and not _in_finalizer(frame):
+                raise Stopped(self.signum)
+            return
+        if self.event.is_set():
+            self._say(f"signal {signum} again: exiting now")
+            os._exit(128 + signum)
+        self.signum = signum
+        self.event.set()
+        if self._abortable:
+            self._start_redelivery()
+            if not _in_finalizer(frame):
+                raise Stopped(signum)  # whoever catches it says what was cut short, in one line
+            return
+        if not self._under_abortable:  # else the same: Stopped at the end of the write
+            self._say(f"signal {signum}: {self.then}")
+
+    def _start_redelivery(self) -> None:
+        if self._redeliverer is None:
+            self._redeliverer = threading.Thread(target=self._redeliver, daemon=True,
+                                                 name="stop-redelivery")
+            self._redeliverer.start()
+
+    def _redeliver(self) -> None:
+        """While the main thread is still in an abortable phase after the stop (the Stopped
+        raised there was swallowed, or deferred out of a finalizer), raise it again."""
+        while True:
+            time.sleep(REDELIVER_SECONDS)
+            if self._abortable and not self._again:
+                self._again = True
+                _thread.interrupt_main(self.signum)  # runs _handle in the main thread
+
+    def _say(self, line: str) -> None:
+        # The handler runs between two bytecodes of the main thread, which may be inside a
+        # print of its own: the buffered stdout then refuses a reentrant write.
+        try:
+            self.log(line)
+        except RuntimeError:
+            os.write(2, (line + "\n").encode())
+
+    @contextmanager
+    def _mode(self, abortable: bool) -> Iterator[None]:
+        outer, under = self._abortable, self._under_abortable
+        self._abortable, self._under_abortable = abortable, outer or under
+        try:
+            if abortable and self.event.is_set():
+                raise Stopped(self.signum)  # it came before this phase began
+            yield
+        finally:
+            self._abortable, self._under_abortable = outer, under
+        if (outer or abortable) and self.event.is_set():
+            # It came while shielded: stop as soon as it is safe. Or this abortable phase
+            # ran to its end although a stop came during it (swallowed on the way).
+            raise Stopped(self.signum)
+
+    def abortable(self):
+        """A phase that writes nothing: a signal (or an earlier one) raises Stopped here."""
+        return self._mode(True)
+
+    def shielded(self):
+        """A phase that writes, inside an abortable one: a signal waits for its end."""
+        return self._mode(False)
+
+    def check(self) -> None:
+        """Raise Stopped if a stop was requested and this is an abortable phase: for a long
+        loop of our own, between its steps, in case the handler's Stopped was swallowed."""
+        if self._abortable and self.event.is_set():
+            raise Stopped(self.signum)
+
+
+def _in_finalizer(frame) -> bool:
+    """Is the main thread inside a `__del__`? An exception raised there is printed as
+    "Exception ignored" and lost."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def check_stop() -> None:
+    """StopSignal.check of the process's installed handlers (nothing if none is installed)."""
+    if _installed is not None:
+        _installed.check()
+
+
+def stop_requested() -> bool:
+    """Has the process been asked to stop (a signal to its installed handlers)?"""
+    return _installed is not None and _installed.is_set()
+
+
+def sleep(seconds: float) -> bool:
+    """Sleep up to `seconds`, at once cut short by a stop request; True if one came. In an
+    abortable phase the signal raises Stopped out of it instead."""
+    if _installed is None:
+        time.sleep(seconds)
+        return False
+    return _installed.wait(seconds)
