@@ -2,46 +2,98 @@
 
 Which faults are transient is decided by each backend where it still knows what happened
 (an HTTP status, an S3 error code, an OSError type) and raised as base.Transient; this
-module only spaces the tries out.
+module only spaces the tries out, says so, and knows when to give up:
+
+- every failed try that will be tried again is one line (the error, which names the object,
+  the bucket and for S3 the endpoint, then the wait), from the first one on;
+- a call gets `attempts` tries, but a bucket that has never answered gets `patience`
+  seconds in all (PATIENCE_SECONDS): a wrong or unreachable endpoint is a one-line error
+  within that time, for a one-shot command (status, eval, gc, volunteers) as for the first
+  call of a trainer or volunteer, instead of minutes of silence. Once it has answered, a
+  later outage gets the full `attempts` per call, as it always did;
+- the waits end at once on a stop signal (stopping.sleep): the call then fails with its last
+  error, and in an abortable phase the signal's Stopped ends it instead.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 from typing import BinaryIO, Callable, Sequence, TypeVar
 
+from volunteer_rl.stopping import sleep as stop_sleep
 from volunteer_rl.storage.base import Storage, StorageError, Transient, one_line
 
 T = TypeVar("T")
 
+ATTEMPTS = 5
+"""Tries per call (of Retrying; the S3 client's own retries come on top: storage/s3.py)."""
+
+PATIENCE_SECONDS = 30.0
+"""Seconds of failed tries a bucket that has never answered gets before calls stop being
+tried again."""
+
+
+def warn(line: str) -> None:
+    """Where retry lines go: stderr, as a warning, flushed (stdout is the command's output)."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
 
 class Retrying:
-    """Wraps a Storage: Transient failures are retried with jittered exponential backoff;
-    other storage errors are raised at once, and any other exception once, as StorageError
-    naming the object."""
+    """Wraps a Storage: Transient failures are retried with jittered exponential backoff
+    (see the module docstring for when it gives up); other storage errors are raised at
+    once, and any other exception once, as StorageError naming the object."""
 
-    def __init__(self, inner: Storage, attempts: int = 5, base_delay: float = 0.2,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, inner: Storage, attempts: int = ATTEMPTS, base_delay: float = 0.2,
+                 sleep: Callable[[float], bool | None] = stop_sleep,
+                 patience: float = PATIENCE_SECONDS, log: Callable[[str], None] = warn,
+                 clock: Callable[[], float] = time.monotonic):
         self.inner = inner
         self.uri = inner.uri
         self.attempts = attempts
         self.base_delay = base_delay
+        self.patience = patience
+        self.log = log
         self._sleep = sleep
+        self._clock = clock
+        self._answered = False  # has any call succeeded (or failed with a real answer)?
+        self._first_failure: float | None = None  # when the never-answered bucket first failed
 
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         for attempt in range(self.attempts):
             try:
-                return fn()
+                result = fn()
             except Transient as exc:
-                if attempt == self.attempts - 1:
-                    raise Transient(f"{exc} (gave up after {self.attempts} tries)") from exc
-                self._sleep(self.base_delay * 2**attempt * (0.5 + random.random()))
+                wait = self.base_delay * 2**attempt * (0.5 + random.random())
+                give_up = self._give_up(attempt, wait)
+                if give_up:
+                    raise Transient(f"{exc} ({give_up})") from exc
+                self.log(f"{exc}; try {attempt + 2} of {self.attempts} in {wait:.1f}s")
+                if self._sleep(wait):
+                    raise Transient(f"{exc} (stopping: not tried again)") from exc
+                continue
             except StorageError:
+                self._answered = True  # an answer (not found, refused, ...): the bucket is there
                 raise
             except Exception as exc:  # noqa: BLE001 - unclassified: the backend's or a writer's
                 raise StorageError(f"{key}: {what} failed in {self.uri}: {one_line(exc)}") from exc
+            self._answered = True
+            return result
         raise AssertionError("unreachable")
+
+    def _give_up(self, attempt: int, wait: float) -> str | None:
+        """Why no further try is made after this failed one, or None to try again."""
+        if attempt == self.attempts - 1:
+            return f"gave up after {self.attempts} tries"
+        if self._answered:
+            return None
+        now = self._clock()
+        if self._first_failure is None:
+            self._first_failure = now
+        if now + wait - self._first_failure > self.patience:
+            return f"no answer from the bucket in {now - self._first_failure:.0f}s; gave up"
+        return None
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         return self._call("read", key, lambda: self.inner.read(key, max_bytes))

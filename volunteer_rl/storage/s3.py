@@ -39,8 +39,11 @@ from volunteer_rl.storage.s3_errors import (
     was_retried,
 )
 
-CONNECT_TIMEOUT = 10
+CONNECT_TIMEOUT = 5  # each of botocore's tries; an unreachable host costs this per try
 READ_TIMEOUT = 120
+BOTO_ATTEMPTS = 3
+"""botocore's own tries per request (its waits are silent and not cut short by a signal);
+Retrying (retry.py) makes the further tries, each one said and interruptible."""
 
 
 def _parse_uri(uri: str) -> tuple[str, str]:
@@ -94,7 +97,7 @@ class S3Storage:
         from botocore.config import Config
 
         options = dict(
-            retries={"mode": "adaptive", "max_attempts": 8},
+            retries={"mode": "adaptive", "max_attempts": BOTO_ATTEMPTS},
             connect_timeout=CONNECT_TIMEOUT,
             read_timeout=READ_TIMEOUT,
             max_pool_connections=max(10, 2 * s3_transfer.CONCURRENCY),

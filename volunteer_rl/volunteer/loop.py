@@ -131,17 +131,9 @@ class Volunteer:
     def poll(self) -> Manifest | None:
         """The newest manifest (the one already held when unchanged); None if none is readable.
 
-        An unreachable bucket (Transient, once storage/retry.py gave up) is ridden out: a line
-        per failed poll with the wait before the next, which doubles from --poll-seconds up to
-        OUTAGE_MAX_WAIT while it lasts."""
+        An unreachable bucket is ridden out (`_outage`)."""
         try:
             m, self.manifest_etag = poll_manifest(self.storage, self.manifest_etag, trust=self.trust)
-        except Transient as exc:
-            if self.stop.is_set():
-                return None  # the retry's wait was cut short by the stop: nothing to say
-            self.outage_wait = min(OUTAGE_MAX_WAIT, max(self.cfg.poll_seconds, 2 * self.outage_wait))
-            self.log(f"warning: {exc}; polling again in {self.outage_wait:.0f}s")
-            return None
         except Rollback as exc:
             # As for an unreadable manifest: keep what we hold (generating for the grace
             # period), never load what this one names, and read it in full again next time
@@ -157,6 +149,8 @@ class Volunteer:
             self._warn("manifest", f"{exc}; refused (nothing it names is loaded), still polling")
             return None
         except ManifestError as exc:
+            if isinstance(exc.__context__, Transient):  # poll_manifest's word for "unreachable"
+                return self._outage(exc)
             self.manifest_etag = None  # read it in full again next time
             self._warn("manifest", f"{exc}; waiting for a valid one")
             return None
@@ -168,6 +162,14 @@ class Volunteer:
             return None
         self.last_manifest_ok = time.time()
         return self.latest
+
+    def _outage(self, exc: Exception) -> None:
+        """The bucket did not answer (storage/retry.py gave up): say so, with the wait before
+        the next poll, which doubles from --poll-seconds to OUTAGE_MAX_WAIT while it lasts."""
+        if not self.stop.is_set():  # else the retry's wait was cut short by the stop
+            self.outage_wait = min(OUTAGE_MAX_WAIT, max(self.cfg.poll_seconds, 2 * self.outage_wait))
+            self.log(f"warning: {exc}; polling again in {self.outage_wait:.0f}s")
+        return None
 
     def _load_dataset(self, m: Manifest) -> list[Problem]:
         data = self.storage.read(m.dataset.key, max_bytes=m.dataset.size)
