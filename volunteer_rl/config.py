@@ -173,7 +173,8 @@ class TrainerConfig(Checked):
     """Seconds between bucket listings while waiting for rollouts (one LIST per window
     version)."""
     threads: int = setting(0, at_least=0)
-    """torch CPU threads during RL (0: torch's default); the warm start uses all cores."""
+    """torch CPU threads of the whole process, from its start: model build, warm start and RL
+    (0: torch's default, one per core)."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
     work_dir: str = ".vrl/trainer"
@@ -268,8 +269,9 @@ class VolunteerConfig(Checked):
     """Log one line per shard uploaded (its key, groups, mean reward). Without it a volunteer
     logs one summary line per progress.STATUS_SECONDS."""
     threads: int = setting(0, at_least=0)
-    """torch CPU threads for sampling (0: auto, one for a model of under 5 M parameters on the
-    CPU, torch's default otherwise; see devices.sampling_threads)."""
+    """torch CPU threads of the whole process, from its start: loading and sampling (0: auto,
+    torch's default while loading, then for sampling one thread for a model of under 5 M
+    parameters on the CPU and torch's default otherwise; see devices.sampling_threads)."""
     nice: int = setting(10, at_least=0, at_most=19)
     """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.

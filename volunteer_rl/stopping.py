@@ -102,7 +102,8 @@ class StopSignal:
             self._say(f"signal {signum}: {self.then}")
 
     def _start_redelivery(self) -> None:
-        if self._redeliverer is None:
+        # Only for the installed handlers: interrupt_main reaches whatever handles the signal.
+        if self._redeliverer is None and _installed is self:
             self._redeliverer = threading.Thread(target=self._redeliver, daemon=True,
                                                  name="stop-redelivery")
             self._redeliverer.start()
