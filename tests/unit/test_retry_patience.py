@@ -75,3 +75,16 @@ def test_a_stop_ends_the_wait_and_the_call():
     with pytest.raises(Transient, match=r"\(stopping: not tried again\)"):
         r.read("manifest.json")
     assert down.calls == 1 and len(lines) == 1
+
+
+def test_a_bucket_that_answered_keeps_its_tries_after_a_stop():
+    """The trainer's last publish after a SIGTERM still gets its retries."""
+    down = Down()
+    r = Retrying(down, attempts=3, sleep=lambda seconds: True, log=lambda line: None)
+    down.up = True
+    with pytest.raises(NotFound):
+        r.read("manifest.json")
+    down.up, down.calls = False, 0
+    with pytest.raises(Transient, match="gave up after 3 tries"):
+        r.read("manifest.json")
+    assert down.calls == 3

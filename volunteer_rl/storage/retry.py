@@ -11,8 +11,10 @@ module only spaces the tries out, says so, and knows when to give up:
   within that time, for a one-shot command (status, eval, gc, volunteers) as for the first
   call of a trainer or volunteer, instead of minutes of silence. Once it has answered, a
   later outage gets the full `attempts` per call, as it always did;
-- the waits end at once on a stop signal (stopping.sleep): the call then fails with its last
-  error, and in an abortable phase the signal's Stopped ends it instead.
+- for a bucket that never answered, a stop signal ends the wait at once (stopping.sleep) and
+  the call fails with its last error; one that answered keeps its tries after a stop, for
+  the writes a stopping process still makes (the trainer's last publish, a volunteer's last
+  shard). In an abortable phase the signal's Stopped ends any wait.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Retrying:
     once, and any other exception once, as StorageError naming the object."""
 
     def __init__(self, inner: Storage, attempts: int = ATTEMPTS, base_delay: float = 0.2,
-                 sleep: Callable[[float], bool | None] = stop_sleep,
+                 sleep: Callable[[float], bool | None] | None = None,
                  patience: float = PATIENCE_SECONDS, log: Callable[[str], None] = warn,
                  clock: Callable[[], float] = time.monotonic):
         self.inner = inner
@@ -70,7 +72,7 @@ class Retrying:
                 if give_up:
                     raise Transient(f"{exc} ({give_up})") from exc
                 self.log(f"{exc}; try {attempt + 2} of {self.attempts} in {wait:.1f}s")
-                if self._sleep(wait):
+                if self._wait(wait):
                     raise Transient(f"{exc} (stopping: not tried again)") from exc
                 continue
             except StorageError:
@@ -81,6 +83,17 @@ class Retrying:
             self._answered = True
             return result
         raise AssertionError("unreachable")
+
+    def _wait(self, seconds: float) -> bool:
+        """Wait before the next try; True if a stop signal ended it and the call gives up,
+        which only a bucket that never answered does (see the module docstring). `sleep`,
+        when given (tests), stands in for the wait and says whether a stop came."""
+        if self._sleep is not None:
+            return bool(self._sleep(seconds)) and not self._answered
+        if self._answered:
+            time.sleep(seconds)
+            return False
+        return stop_sleep(seconds)
 
     def _give_up(self, attempt: int, wait: float) -> str | None:
         """Why no further try is made after this failed one, or None to try again."""
