@@ -57,6 +57,8 @@ def built(monkeypatch) -> list:
     fake_module(monkeypatch, "volunteer_rl.trainer.loop", Trainer=Trainer)
     fake_module(monkeypatch, "volunteer_rl.volunteer.loop", Volunteer=Volunteer)
     monkeypatch.setattr(StopSignal, "install", lambda self: self)
+    # --threads is applied at once by the command: not to this test process's torch
+    monkeypatch.setattr("volunteer_rl.model.devices.set_process_threads", lambda n: None)
     monkeypatch.setattr("volunteer_rl_cli.demo.run_demo", seen.append)
     return seen
 

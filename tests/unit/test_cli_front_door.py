@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from volunteer_rl.protocol.signing import private_key_pem
 from volunteer_rl.storage import local_folder
 from volunteer_rl.storage.base import StorageError
-from volunteer_rl.trainer.stopping import StopSignal
+from volunteer_rl.stopping import StopSignal
 from volunteer_rl_cli.main import app
 from volunteer_rl_cli.options import PANELS
 
@@ -66,11 +66,8 @@ def built(monkeypatch) -> list:
     class Volunteer:
         id = "v"
 
-        def __init__(self, cfg, log):
+        def __init__(self, cfg, log, stop):
             seen.append(cfg)
-
-        def install_signal_handlers(self):
-            pass
 
         def run(self):
             return 0
@@ -78,6 +75,8 @@ def built(monkeypatch) -> list:
     fake_module(monkeypatch, "volunteer_rl.trainer.loop", Trainer=Trainer)
     fake_module(monkeypatch, "volunteer_rl.volunteer.loop", Volunteer=Volunteer)
     monkeypatch.setattr(StopSignal, "install", lambda self: self)
+    # --threads is applied at once by the command: not to this test process's torch
+    monkeypatch.setattr("volunteer_rl.model.devices.set_process_threads", lambda n: None)
     monkeypatch.setattr("volunteer_rl_cli.demo.run_demo", seen.append)
     return seen
 
