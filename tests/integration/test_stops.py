@@ -31,7 +31,8 @@ def stopped_in_time(proc: Proc, signum: int) -> float:
                  f"a line saying it stopped after signal {signum}", interval=0.1)
     except AssertionError:
         proc.kill()
-        raise AssertionError(f"no stop {STOP_SECONDS}s after signal {signum}:\n{proc.text()[-3000:]}")
+        raise AssertionError(
+            f"no stop {STOP_SECONDS}s after signal {signum}:\n{proc.text()[-3000:]}") from None
     said = time.time() - sent
     code = proc.wait(EXIT_SECONDS)
     log = proc.text()
@@ -80,7 +81,8 @@ def test_sigterm_while_the_trainer_imports_and_builds_stops_it(tmp_path):
     finally:
         trainer.kill()
     last = trainer.text().strip().splitlines()[-1]
-    assert last == f"trainer stopped by signal {signal.SIGTERM} before its first step; nothing published"
+    assert last == (f"trainer stopped by signal {signal.SIGTERM} before its first step; "
+                    "nothing published")
     assert not bucket.exists() or [p for p in bucket.rglob("*") if p.is_file()] == []
 
 
@@ -126,5 +128,6 @@ def test_sigterm_swallowed_by_a_finalizer_still_stops_the_warm_start(tmp_path):
         trainer.kill()
     print(f"trainer stopped {seconds:.1f}s after SIGTERM in the warm start")
     last = trainer.text().strip().splitlines()[-1]
-    assert last == f"trainer stopped by signal {signal.SIGTERM} before its first step; nothing published"
+    assert last == (f"trainer stopped by signal {signal.SIGTERM} before its first step; "
+                    "nothing published")
 

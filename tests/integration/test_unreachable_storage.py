@@ -16,7 +16,7 @@ from pathlib import Path
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, wait_for
 
 FIRST_LINE_SECONDS = 30.0  # start-up, then botocore's own tries of the first request
-STOP_SECONDS = 45.0  # the request in flight finishes botocore's tries, then the last heartbeat's try
+STOP_SECONDS = 45.0  # the request in flight ends its botocore tries; the last heartbeat gets one
 
 
 def closed_port() -> int:
