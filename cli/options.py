@@ -37,7 +37,7 @@ PANELS = {
     "Data": ("dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
            "groups_per_step"),
-    "Publishing": ("publish_every", "publish_min_seconds", "keyframe_every",
+    "Publishing": ("publish_every", "publish_min_seconds", "quota_headroom", "keyframe_every",
                    "patch_max_fraction", "keep_versions", "gc_every"),
     "Audits and denylist": ("audit_tolerance", "replay_tolerance", "audit_share",
                             "audit_full_groups", "audit_floor", "deny_after", "deny_rate"),
