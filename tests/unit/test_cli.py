@@ -3,8 +3,6 @@ known failures end in one `error:` line, bugs keep their traceback, the denylist
 from __future__ import annotations
 
 import json
-import sys
-import types
 from importlib import metadata
 
 import pytest
@@ -14,7 +12,7 @@ import volunteer_rl.protocol.fleet
 from volunteer_rl.config import TrainerConfig, VolunteerConfig
 from volunteer_rl.demo import DemoSettings
 from volunteer_rl.storage.base import StorageError
-from volunteer_rl.stopping import StopSignal
+from helpers.cli_stand_ins import stand_ins
 from volunteer_rl_cli.main import app, main
 
 
@@ -22,45 +20,12 @@ def vrl(*args: str, **env: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "250", **env})
 
 
-def fake_module(monkeypatch, name: str, **attrs) -> None:
-    """Put a stand-in for the module `name` where the command's deferred import finds it, so
-    the test needs neither torch nor a run."""
-    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
-
 
 @pytest.fixture
 def built(monkeypatch) -> list:
     """The settings each command hands the library, from stand-in Trainer and Volunteer
     classes that do nothing; the trainer's signal handlers stay out of the test process."""
-    seen = []
-
-    class Trainer:
-        def __init__(self, cfg, log, stop):
-            seen.append(cfg)
-            self.manifest = types.SimpleNamespace(version=3)
-
-        def start(self):
-            pass
-
-        def run(self):
-            return self.manifest
-
-    class Volunteer:
-        id = "vol-1"
-
-        def __init__(self, cfg, log, stop):
-            seen.append(cfg)
-
-        def run(self):
-            return 7
-
-    fake_module(monkeypatch, "volunteer_rl.trainer.loop", Trainer=Trainer)
-    fake_module(monkeypatch, "volunteer_rl.volunteer.loop", Volunteer=Volunteer)
-    monkeypatch.setattr(StopSignal, "install", lambda self: self)
-    # --threads is applied at once by the command: not to this test process's torch
-    monkeypatch.setattr("volunteer_rl.model.devices.set_process_threads", lambda n: None)
-    monkeypatch.setattr("volunteer_rl_cli.demo.run_demo", seen.append)
-    return seen
+    return stand_ins(monkeypatch)
 
 
 def test_vrl_is_the_installed_entry_point():

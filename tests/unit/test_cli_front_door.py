@@ -5,8 +5,6 @@ that read at 80 columns; `--config FILE.toml`."""
 from __future__ import annotations
 
 import importlib.util
-import sys
-import types
 from dataclasses import fields
 from importlib import metadata
 from pathlib import Path
@@ -24,15 +22,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from volunteer_rl.protocol.signing import private_key_pem
 from volunteer_rl.storage import local_folder
 from volunteer_rl.storage.base import StorageError
-from volunteer_rl.stopping import StopSignal
+from helpers.cli_stand_ins import stand_ins
 from volunteer_rl_cli.main import app
 from volunteer_rl_cli.options import PANELS
 
 
-
-def fake_module(monkeypatch, name: str, **attrs) -> None:
-    """A stand-in for the module `name`, where the command's deferred import finds it."""
-    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
 
 
 def vrl(*args: str, columns: int = 250, **env: str):
@@ -51,34 +45,7 @@ def one_line(r) -> str:
 def built(monkeypatch) -> list:
     """The settings `vrl trainer`, `vrl volunteer` and `vrl demo` hand the library, from
     stand-ins that do nothing (as in test_cli)."""
-    seen: list = []
-
-    class Trainer:
-        def __init__(self, cfg, log, stop):
-            seen.append(cfg)
-
-        def start(self):
-            pass
-
-        def run(self):
-            return type("M", (), {"version": 0})
-
-    class Volunteer:
-        id = "v"
-
-        def __init__(self, cfg, log, stop):
-            seen.append(cfg)
-
-        def run(self):
-            return 0
-
-    fake_module(monkeypatch, "volunteer_rl.trainer.loop", Trainer=Trainer)
-    fake_module(monkeypatch, "volunteer_rl.volunteer.loop", Volunteer=Volunteer)
-    monkeypatch.setattr(StopSignal, "install", lambda self: self)
-    # --threads is applied at once by the command: not to this test process's torch
-    monkeypatch.setattr("volunteer_rl.model.devices.set_process_threads", lambda n: None)
-    monkeypatch.setattr("volunteer_rl_cli.demo.run_demo", seen.append)
-    return seen
+    return stand_ins(monkeypatch)
 
 
 # --- 1. known errors are one line naming the flag ---------------------------------------------
