@@ -91,8 +91,14 @@ def trainer(
     # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
     # importing torch takes seconds, and a signal then must stop the process too. Then
     # --threads, before any torch work: the model build and the warm start obey it too.
-    stop = StopSignal(log).install()
     trainer_ = None
+
+    def stopped_early(signum: int) -> str:
+        published = getattr(trainer_, "manifest", None)
+        return (f"trainer stopped by signal {signum} before its first step; "
+                + (f"the bucket stands at v{published.version}" if published else "nothing published"))
+
+    stop = StopSignal(log, last_words=stopped_early).install()
     try:
         with stop.abortable():
             if cfg.threads > 0:
@@ -105,8 +111,6 @@ def trainer(
         trainer_.start()
         manifest = trainer_.run()
     except Stopped as exc:
-        published = getattr(trainer_, "manifest", None)
-        log(f"trainer stopped by signal {exc.signum} before its first step; "
-             + (f"the bucket stands at v{published.version}" if published else "nothing published"))
+        log(stopped_early(exc.signum))
         return
     log(f"trainer stopped at v{manifest.version}")

@@ -61,7 +61,10 @@ def volunteer(
     check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
     # Handlers first, then --threads, as for the trainer (cli/train.py): a signal during the
     # imports stops the process at once, and loading obeys --threads too.
-    stop = StopSignal(log).install()
+    def stopped_early(signum: int) -> str:
+        return f"volunteer stopped by signal {signum} before it started"
+
+    stop = StopSignal(log, last_words=stopped_early).install()
     try:
         with stop.abortable():
             if cfg.threads > 0:
@@ -72,7 +75,7 @@ def volunteer(
 
             v = Volunteer(cfg, log=log, stop=stop)
     except Stopped as exc:
-        log(f"volunteer stopped by signal {exc.signum} before it started")
+        log(stopped_early(exc.signum))
         return
     groups = v.run()
     log(f"volunteer {v.id} stopped after uploading {groups} groups")

@@ -13,7 +13,9 @@ The first signal sets an event. Where the process is only reading or computing (
 building or loading a model, the warm start, an evaluation, sampling a batch), code runs
 inside `abortable()` and the handler also raises `Stopped` there and then: nothing is lost by
 cutting that short. Everywhere else (the loop, a publish, any write to the bucket), the code
-sees the event at its next check and finishes what it was doing first. A second signal
+sees the event at its next check and finishes what it was doing first. A signal that finds
+an abortable phase inside an import ends the process there (exit 0): an exception raised
+into a C extension's initialisation cannot be undone (`_stop_here`). A second signal
 while stopping ends the process at once (exit 128 + signal), as `kill -9` would: the
 manifest is the commit point, so even that leaves no half-made version visible.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import _thread
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -56,9 +59,13 @@ class StopSignal:
     `then` is what the process says it does when a signal finds it outside such a phase."""
 
     def __init__(self, log: Callable[[str], None] = print,
-                 then: str = "finishing the current step and stopping"):
+                 then: str = "finishing the current step and stopping",
+                 last_words: Callable[[int], str] | None = None):
         self.log = log
         self.then = then
+        self.last_words = last_words or (
+            lambda signum: f"stopped by signal {signum} while loading libraries; nothing written")
+        """The line the process ends with when a stop finds it inside an import (_stop_here)."""
         self.event = threading.Event()
         self.signum: int | None = None
         self._abortable = False
@@ -86,7 +93,7 @@ class StopSignal:
         if self._again:  # _redeliver's call: the stop again, not a second signal
             self._again = False
             if self._abortable and not _in_finalizer(frame):
-                raise Stopped(self.signum)
+                self._stop_here(frame)
             return
         if self.event.is_set():
             self._say(f"signal {signum} again: exiting now")
@@ -96,10 +103,27 @@ class StopSignal:
         if self._abortable:
             self._start_redelivery()
             if not _in_finalizer(frame):
-                raise Stopped(signum)  # whoever catches it says what was cut short, in one line
+                self._stop_here(frame)
             return
         if not self._under_abortable:  # else the same: Stopped at the end of the write
             self._say(f"signal {signum}: {self.then}")
+
+    def _stop_here(self, frame) -> None:
+        """Cut the abortable phase short: raise Stopped, whose catcher says what was cut short
+        in one line. Inside an import the process ends at once instead (exit 0): an exception
+        raised while a C extension initialises leaves it half-made, and the next import of it
+        fails ("cannot load module more than once per process", numpy's), a traceback where a
+        stop was asked for; an abortable phase has written nothing, so there is nothing to
+        finish."""
+        if _in_import(frame):
+            self._say(self.last_words(self.signum))
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, RuntimeError):
+                    pass
+            os._exit(0)
+        raise Stopped(self.signum)
 
     def _start_redelivery(self) -> None:
         # Only for the installed handlers: interrupt_main reaches whatever handles the signal.
@@ -160,6 +184,15 @@ def _in_finalizer(frame) -> bool:
     "Exception ignored" and lost."""
     while frame is not None:
         if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _in_import(frame) -> bool:
+    """Is the main thread inside an import (importlib's frozen bootstrap on its stack)?"""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
             return True
         frame = frame.f_back
     return False
