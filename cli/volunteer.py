@@ -59,11 +59,12 @@ def volunteer(
     with usage_errors():
         cfg = VolunteerConfig(**ctx.params)
     check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
-    # Handlers first, then --threads, as for the trainer (cli/train.py): a signal during the
-    # imports stops the process at once, and loading obeys --threads too.
+
     def stopped_early(signum: int) -> str:
         return f"volunteer stopped by signal {signum} before it started"
 
+    # Handlers first, then --threads, as for the trainer (cli/train.py): a signal during the
+    # imports stops the process at once, and loading obeys --threads too.
     stop = StopSignal(log, last_words=stopped_early).install()
     try:
         with stop.abortable():
