@@ -136,19 +136,19 @@ class Balance:
         while self.steps and self.steps[0].time < now - self.window:
             self.steps.popleft()
 
-    def received(self, now: float) -> Counter:
+    def _summed(self, now: float, field: str) -> Counter:
+        """Groups per volunteer of the window's steps, `received` or `trained`."""
         self._expire(now)
         out: Counter = Counter()
         for s in self.steps:
-            out.update(s.received)
+            out.update(getattr(s, field))
         return out
 
+    def received(self, now: float) -> Counter:
+        return self._summed(now, "received")
+
     def trained(self, now: float) -> Counter:
-        self._expire(now)
-        out: Counter = Counter()
-        for s in self.steps:
-            out.update(s.trained)
-        return out
+        return self._summed(now, "trained")
 
     def usable_fraction(self, now: float) -> float | None:
         """Share of the window's received groups with reward variance, no duplicates."""
