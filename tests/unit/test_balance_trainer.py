@@ -19,18 +19,23 @@ from volunteer_rl.protocol.shards import Completion, Group, decode_shard, encode
 from volunteer_rl.protocol.signing import Trust, public_key_text
 from volunteer_rl.trainer.balance import WAIT_BOUNDS, participation, quota_groups
 
-SETTINGS = {"k": 2, "max_new_tokens": 16, "audit_tolerance": 0.0, "groups_per_step": 2,
+SETTINGS = {"k": 2, "max_new_tokens": 48, "audit_tolerance": 0.0, "groups_per_step": 2,
             "max_steps": 2, "quota_headroom": 1.5}
 
 
 def varied_group(t, volunteer: str, seq: int) -> Group:
     """Group `seq` of `volunteer` under v0 with one right and one wrong completion: reward
-    variance, so the trainer can use it."""
+    variance, so the trainer can use it. The wrong one is off by a number no other group uses,
+    so two groups that drew the same prompt are still no duplicates (the ledger's digest is of
+    the prompt and the tokens, not of who sent them)."""
     pid = drawn_prompt(t, 0, volunteer, seq)
     p = t.published_policy
-    right = p.tokenizer.encode(t.problems[pid].expression, add_special_tokens=False) + [p.eos_id]
+    expression = t.problems[pid].expression
+    off_by = 1 + seq + 4 * ("vol-a", "vol-b").index(volunteer)
+    right, wrong = (p.tokenizer.encode(text, add_special_tokens=False) + [p.eos_id]
+                    for text in (expression, f"({expression})+{off_by}"))
     return Group(pid, 0, volunteer, seq, [Completion(right, [-1.0] * len(right), "", 1.0),
-                                          Completion([p.eos_id], [-1.0], "", 0.0)])
+                                          Completion(wrong, [-1.0] * len(wrong), "", 0.0)])
 
 
 @pytest.fixture(scope="module")
