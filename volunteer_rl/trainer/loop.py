@@ -122,6 +122,8 @@ class Trainer:
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
         self.window_weights = WindowWeights()  # published weights of the window, for audits
+        self.audit_policy: Policy | None = None  # the model audits replay with (start)
+        self._second: Policy | None = None  # _second_model's
         self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction)
         self.last_publish_start = 0.0
         # The curriculum: fed with every group taken, it fills each version's prompt pool.
@@ -166,8 +168,7 @@ class Trainer:
             if cfg.audit_tolerance > 0:
                 auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
                                   cfg.audit_floor)
-                self.audit_policy = Policy(copy.deepcopy(policy.model).eval(), policy.tokenizer,
-                                           policy.prompt_format, policy.device)
+                self.audit_policy = self._second_model()
                 self._recover_window_weights(trust)
             self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
                                  self.log, cfg.log_shards, numbers=self.numbers,
@@ -186,7 +187,6 @@ class Trainer:
                                                self.dataset, None, self.key, self.chain,
                                                lambda: self._save(0), self._next_pool(),
                                                self.balance.quota(time.time(), 0))
-            self._sync_published()
             self._keep_window_weights()
             self.pools = {0: self.manifest.prompt_pool}
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
@@ -227,7 +227,6 @@ class Trainer:
             master = master_weights(self.state_root, manifest.version)
             if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
                 load_weights(self.policy, master)
-        self._sync_published()
         self._keep_window_weights()
         self._recover_pools(manifest)
         self.log(f"resuming {self.run_id} at v{manifest.version} (step {self.steps})")
@@ -284,34 +283,43 @@ class Trainer:
                     "group_numbers": self.numbers.to_json()},
                    master=master)
 
-    def _sync_published(self) -> None:
-        """Make `published_policy` hold the weights volunteers run, just published.
+    @property
+    def published_policy(self) -> Policy:
+        """The weights volunteers run, of the version just published; evals and tests use it.
 
-        fp32: the trainer's own model. bf16: a second fp32 model holding the master rounded
-        to bf16 exactly as the checkpoint was written, and upcast as volunteers upcast it;
-        audits and evals use it, so an honest volunteer's logprobs match (the fp32 master
-        differs from its weights by up to ~0.4 % per weight, far more than the audit's
-        tolerance allows at the logprob level) and `eval vN` measures what vN is. Costs one
-        more fp32 copy of the weights in memory, and one copy per publish."""
+        fp32: the trainer's own model (evals run right after a publish, before the next step).
+        bf16: an fp32 model holding that version's bf16 tensors upcast, exactly as
+        volunteers upcast them, so an honest volunteer's logprobs match and `eval vN` measures
+        what vN is (the fp32 master differs from its weights by up to ~0.4 % per weight). That
+        model is also the audit model (_second_model; audits load other versions into it, this
+        loads the current one back, a copy of the weights), so the trainer holds one such copy,
+        not two."""
         if self.cfg.weights_dtype == "fp32":
-            self.published_policy = self.policy
-            return
-        dtype = WEIGHTS_DTYPES[self.cfg.weights_dtype]
-        published = getattr(self, "published_policy", None)
-        if published is None or published is self.policy:
-            model = copy.deepcopy(self.policy.model).eval()
-            self.published_policy = Policy(model, self.policy.tokenizer, self.policy.prompt_format,
-                                           self.policy.device)
-        with torch.no_grad():
-            for dst, src in zip(self.published_policy.model.parameters(),
-                                self.policy.model.parameters()):
-                dst.copy_(src.to(dtype))
+            return self.policy
+        held = self._second_model()
+        if not self.window_weights.load_into(self.version, held.model):
+            raise RuntimeError(f"v{self.version}'s published weights are not held")  # a bug
+        return held
+
+    def _second_model(self) -> Policy:
+        """The trainer's one model besides its master, made on first use: audits replay with
+        it (fp32 or bf16), and with bf16 weights evals run on it (published_policy)."""
+        if self._second is None:
+            p = self.policy
+            self._second = Policy(copy.deepcopy(p.model).eval(), p.tokenizer, p.prompt_format, p.device)
+        return self._second
 
     def _keep_window_weights(self) -> None:
-        """Hold the version just published, as volunteers load it, for audits; drop the
-        versions that left the window."""
+        """Hold the version just published, as volunteers load it: for audits, every version
+        of the window; without audits, that version only (published_policy's), and with fp32
+        weights without audits none (published_policy is the trainer's own model)."""
+        auditing = self.cfg.audit_tolerance > 0
+        if not auditing and self.cfg.weights_dtype == "fp32":
+            return
         self.window_weights.add(self.version, self.policy.model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
-        self.window_weights.drop_below(layout.window(self.version, self.cfg.max_staleness).start)
+        low = (layout.window(self.version, self.cfg.max_staleness).start
+               if auditing else self.version)
+        self.window_weights.drop_below(low)
 
     def _recover_window_weights(self, trust: Trust) -> None:
         """After a resume: the published weights of the window's older versions, read back
@@ -484,7 +492,6 @@ class Trainer:
                                            self._next_pool(),
                                            self.balance.quota(time.time(), fresh_after))
         self.balance.after_publish(time.time())
-        self._sync_published()
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)
         self.published = {v for v in self.published | {version} if v >= self.window().low}
