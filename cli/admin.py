@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from volunteer_rl.config import VolunteerConfig
+from volunteer_rl.config import TrainerConfig, VolunteerConfig
+from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.options import (
     ALLOW_UNSIGNED,
     BUCKET,
@@ -33,6 +34,7 @@ GC_TRUST_KEY = option(
 
 @app.command()
 def gc(
+    config: Optional[str] = config_option(TrainerConfig, VolunteerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     keep_versions: int = KEEP_VERSIONS,
@@ -69,7 +71,8 @@ def gc(
 
 
 @app.command("public-key")
-def public_key(signing_key: Optional[str] = SIGNING_KEY, work_dir: str = TRAINER_WORK_DIR):
+def public_key(config: Optional[str] = config_option(TrainerConfig),
+               signing_key: Optional[str] = SIGNING_KEY, work_dir: str = TRAINER_WORK_DIR):
     """Print the trainer's manifest signing key (public half), creating the key pair if there
     is none yet, so it can be handed to volunteers before the trainer starts.
 

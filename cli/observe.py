@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from volunteer_rl.config import TrainerConfig
+from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.options import (
     ALLOW_UNSIGNED,
     BUCKET,
@@ -22,6 +23,7 @@ app = typer.Typer()
 
 @app.command("eval")
 def eval_(
+    config: Optional[str] = config_option(TrainerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     version: Optional[int] = typer.Option(
@@ -58,6 +60,7 @@ def eval_(
 
 @app.command()
 def status(
+    config: Optional[str] = config_option(TrainerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     json_: bool = typer.Option(
@@ -92,7 +95,8 @@ def status(
 
 
 @app.command()
-def dashboard(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
+def dashboard(config: Optional[str] = config_option(TrainerConfig), bucket: str = BUCKET,
+              endpoint_url: Optional[str] = ENDPOINT_URL):
     """Write dashboard/index.html and its plots (held-out accuracy and reward against version
     and time, fleet throughput, staleness) into the bucket, from all of metrics/ and the
     fleet's heartbeats. Open dashboard/index.html of a folder bucket in a browser.

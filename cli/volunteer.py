@@ -89,7 +89,8 @@ VolunteerId = Annotated[str, typer.Argument(metavar="ID")]
 
 
 @denylist.command("list")
-def volunteers_list(bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
+def volunteers_list(config: Optional[str] = config_option(VolunteerConfig), bucket: str = BUCKET,
+                    endpoint_url: Optional[str] = ENDPOINT_URL):
     """Print the denied volunteers, why and since when.
 
     Example: vrl volunteers list --bucket s3://my-bucket/run1
@@ -131,8 +132,8 @@ def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, den
 
 
 @denylist.command("allow")
-def volunteers_allow(volunteer_id: VolunteerId, bucket: str = BUCKET,
-                     endpoint_url: Optional[str] = ENDPOINT_URL):
+def volunteers_allow(volunteer_id: VolunteerId, config: Optional[str] = config_option(VolunteerConfig),
+                     bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
     """Lift a denial: the trainer reads this volunteer's shards again, counts reset.
 
     Example: vrl volunteers allow laptop-3f2a --bucket s3://my-bucket/run1
@@ -144,6 +145,7 @@ def volunteers_allow(volunteer_id: VolunteerId, bucket: str = BUCKET,
 @denylist.command("deny")
 def volunteers_deny(
     volunteer_id: VolunteerId,
+    config: Optional[str] = config_option(VolunteerConfig),
     bucket: str = BUCKET,
     endpoint_url: Optional[str] = ENDPOINT_URL,
     reason: str = typer.Option("denied by an operator", help="Why, for the record."),

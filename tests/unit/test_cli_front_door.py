@@ -348,3 +348,24 @@ def test_an_unreadable_or_malformed_file_is_one_line(built, tmp_path):
     assert one_line(vrl("volunteer", "--config", str(bad), "--bucket", str(tmp_path))).startswith(
         f"error: {bad}: not valid TOML (")
     assert built == []
+
+
+def test_every_command_with_options_takes_a_config_file(tmp_path):
+    """--config on the observing and operating commands too: a file naming the bucket is
+    enough, and a bad key is one line naming the file and the command."""
+    bucket = tmp_path / "b"
+    bucket.mkdir()
+    path = tmp_path / "ops.toml"
+    path.write_text(f'bucket = "{bucket}"\n')
+    r = vrl("volunteers", "list", "--config", str(path))
+    assert (r.exit_code, r.stdout) == (0, "no volunteer is denied\n"), r.output
+    r = vrl("volunteers", "deny", "bob", "--config", str(path))
+    assert (r.exit_code, r.stdout) == (0, "bob: denied\n"), r.output
+    r = vrl("gc", "--config", str(path), "--dry-run")
+    assert one_line(r) == (f"error: manifest.json: not found in {bucket}; without it nothing is "
+                           "known to be safe to delete")  # it read the bucket the file names
+    path.write_text("zzz = 1\n")
+    for name, *args in (("eval",), ("status",), ("dashboard",), ("gc",), ("public-key",),
+                        ("list", "volunteers", "list"), ("allow", "volunteers", "allow", "bob")):
+        assert one_line(vrl(*(args or [name]), "--config", str(path))).startswith(
+            f"error: {path}: zzz: not an option of `vrl {name}`"), name
