@@ -19,6 +19,7 @@ from volunteer_rl_cli.options import (
     log,
     option,
 )
+from volunteer_rl_cli.starting import start_stoppable
 
 app = typer.Typer()
 T = partial(option, TrainerConfig)  # T("lr"): the --lr option, from TrainerConfig.lr
@@ -80,7 +81,7 @@ def trainer(
 
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
     """
-    from volunteer_rl.stopping import Stopped, StopSignal
+    from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage import check_bucket
 
     with usage_errors():
@@ -88,9 +89,6 @@ def trainer(
     # Before seconds of imports: a bad --bucket fails at once, and a new folder bucket exists
     # by the time volunteers started beside the trainer look for it.
     check_bucket(cfg.bucket, cfg.endpoint_url)
-    # Handlers first (the library's, as Trainer.install_signal_handlers would install them):
-    # importing torch takes seconds, and a signal then must stop the process too. Then
-    # --threads, before any torch work: the model build and the warm start obey it too.
     trainer_ = None
 
     def stopped_early(signum: int) -> str:
@@ -98,16 +96,13 @@ def trainer(
         return (f"trainer stopped by signal {signum} before its first step; "
                 + (f"the bucket stands at v{published.version}" if published else "nothing published"))
 
-    stop = StopSignal(log, last_words=stopped_early).install()
+    def build(stop):
+        from volunteer_rl.trainer.loop import Trainer
+
+        return Trainer(cfg, log=log, stop=stop)
+
     try:
-        with stop.abortable():
-            if cfg.threads > 0:
-                from volunteer_rl.model.devices import set_process_threads
-
-                set_process_threads(cfg.threads)
-            from volunteer_rl.trainer.loop import Trainer
-
-            trainer_ = Trainer(cfg, log=log, stop=stop)
+        _, trainer_ = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
         trainer_.start()
         manifest = trainer_.run()
     except Stopped as exc:

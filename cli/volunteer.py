@@ -20,6 +20,7 @@ from volunteer_rl_cli.options import (
     log,
     option,
 )
+from volunteer_rl_cli.starting import start_stoppable
 
 app = typer.Typer()
 V = partial(option, VolunteerConfig)  # V("nice"): the --nice option, from VolunteerConfig.nice
@@ -53,7 +54,7 @@ def volunteer(
 
     Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
     """
-    from volunteer_rl.stopping import Stopped, StopSignal
+    from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage import check_bucket
 
     with usage_errors():
@@ -63,18 +64,13 @@ def volunteer(
     def stopped_early(signum: int) -> str:
         return f"volunteer stopped by signal {signum} before it started"
 
-    # Handlers first, then --threads, as for the trainer (cli/train.py): a signal during the
-    # imports stops the process at once, and loading obeys --threads too.
-    stop = StopSignal(log, last_words=stopped_early).install()
+    def build(stop):
+        from volunteer_rl.volunteer.loop import Volunteer
+
+        return Volunteer(cfg, log=log, stop=stop)
+
     try:
-        with stop.abortable():
-            if cfg.threads > 0:
-                from volunteer_rl.model.devices import set_process_threads
-
-                set_process_threads(cfg.threads)
-            from volunteer_rl.volunteer.loop import Volunteer
-
-            v = Volunteer(cfg, log=log, stop=stop)
+        _, v = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
     except Stopped as exc:
         log(stopped_early(exc.signum))
         return
