@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
-from helpers.vrlproc import one_line_error, run_vrl
+from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 
 
 def test_a_volunteer_on_a_mistyped_or_missing_bucket_exits_at_once_and_makes_nothing(tmp_path):
@@ -34,3 +34,17 @@ def test_version_and_a_cuda_mistake_as_processes(tmp_path):
                  "--id", "v", "--work-dir", str(tmp_path / "vw")], cwd=tmp_path, timeout=120)
     assert one_line_error(r).startswith("error: --device cuda: this torch ")
     assert "cuda" not in r.stdout  # nothing said "on cuda" first
+
+
+def test_a_volunteer_on_a_bucket_with_nothing_published_says_it_waits_for_the_first_version(tmp_path):
+    (tmp_path / "bucket").mkdir()
+    p = Proc(["volunteer", "--bucket", str(tmp_path / "bucket"), "--id", "v",
+              "--work-dir", str(tmp_path / "vw")], tmp_path / "v.log", tmp_path)
+    try:
+        wait_for(lambda: "waiting for the trainer's first version" in p.text(), 120,
+                 "the volunteer's waiting line")
+    finally:
+        code = p.terminate()
+    line = next(x for x in p.text().splitlines() if "first version" in x)
+    assert line.startswith("waiting for the trainer's first version: no manifest.json in "), line
+    assert code == 0

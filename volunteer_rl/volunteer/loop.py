@@ -121,6 +121,7 @@ class Volunteer:
                                    cfg.cap_patience_seconds, log)
         self.tally = Tally(started_at=time.time())
         self.summary = Every()  # the upload summary line's interval
+        self.unpublished = Every()  # the "no manifest yet" line's interval
         self.last_summary = (self.tally.started_at, 0, 0)  # (time, shards, groups) at the last one
         self.numbers = GroupNumbers(self.work / "group-numbers.json")
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
@@ -162,6 +163,11 @@ class Volunteer:
             return None
         self.last_manifest_ok = time.time()
         return self.latest
+
+    def _nothing_published(self) -> bool:
+        """The last poll found no manifest: the bucket answered, nothing there was refused."""
+        return (self.latest is None and self.manifest_etag is None and not self.outage_wait
+                and "manifest" not in self.warned)
 
     def _outage(self, exc: Exception) -> None:
         """The bucket did not answer (storage/retry.py gave up): say so, with the wait before
@@ -370,6 +376,9 @@ class Volunteer:
                 if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
                     break
                 m = self.poll()
+                if m is None and self._nothing_published() and self.unpublished.due():
+                    self.log(f"waiting for the trainer's first version: no {layout.MANIFEST} in "
+                             f"{self.storage.uri} yet ({time.time() - started:.0f}s so far)")
                 if m is not None and (self.manifest is None or m.version != self.manifest.version
                                       or m.run_id != self.manifest.run_id):
                     writer.flush()  # its groups belong to the version we are leaving
