@@ -28,16 +28,17 @@ from volunteer_rl.volunteer.loop import swap_weights
 
 
 @pytest.fixture(scope="module")
-def bf16_trainer(tmp_path_factory):
-    """A trainer that warm-started briefly and published v0 with bf16 weights."""
+def bf16_trainer(template, tmp_path_factory):
+    """A trainer that published v0 with bf16 weights, started from the template's
+    warm-started model (its own warm start took 35 s of the suite in CI)."""
     root = tmp_path_factory.mktemp("bf16")
     eval_csv = root / "eval10.csv"
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:11]))
-    cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=150, eval_every=0,
-                        eval_dataset=str(eval_csv), work_dir=str(root / "work"),
+    cfg = TrainerConfig(bucket=str(root / "bucket"), model=str(template.model(root / "model")),
+                        eval_every=0, eval_dataset=str(eval_csv), work_dir=str(root / "work"),
                         weights_dtype="bf16", signing_key=str(root / "key.pem"))
     trainer = Trainer(cfg, log=lambda m: None)
-    with one_thread():  # the warm start on one torch thread: conftest.one_thread says why
+    with one_thread():  # v0's eval on one torch thread: conftest.one_thread says why
         trainer.start()
     return trainer, root
 
