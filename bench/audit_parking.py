@@ -25,7 +25,7 @@ prompt) and seven are 32 random non-EOS tokens, cut off at max_new_tokens (rewar
 any prompt), every reward as the trainer recomputes it. Its behavior logprobs are made up, so each shard fails its replay
 (`logprob_mismatch` or a token the committed draw does not select): an id this new has every
 shard drawn for audit (fewer than `--audit-full-groups` clean groups), so all its shards wait
-for the audit budget (`--audit-share`, 10 % of the trainer's time), unfetched, and each one the
+for the audit budget (`--audit-share` of the trainer's time), unfetched, and each one the
 budget admits is fetched, parsed, rescored and replayed up to its first failing group (the
 first: trainer.audit replays in growing chunks) before it is refused. Which prompt and
 which number a group gets is `parked_group` alone (see there).

@@ -20,8 +20,9 @@ defaults: K = 8, temperature 1.0, max_new_tokens 32.
 
 Both sides get the same prompts, in rounds that alternate which side goes first; a figure is
 the median of its per-round rates, so a burst of other work on the machine moves one round,
-not the figure. Tokens are generated tokens up to and including EOS, counted alike on both
-sides. Extra rows: vrl with 1 and with PROMPTS_BIG prompts per call (how batching scales),
+not the figure. The whole measurement runs RUNS (3) times in the same process; the rows are
+those of the run whose completions/s ratio is the median, and their note lists every run's
+ratio. Tokens are generated tokens up to and including EOS, counted alike on both sides. Extra rows: vrl with 1 and with PROMPTS_BIG prompts per call (how batching scales),
 and vrl under torch's default threads (what the thread setting is worth on its own).
 """
 
@@ -55,6 +56,7 @@ COMMAND = "python -m bench.generation"
 WARM_STEPS, QUICK_WARM_STEPS = 250, 10
 PROMPTS, QUICK_PROMPTS = 64, 4            # prompts per round, the same on every side
 ROUNDS, QUICK_ROUNDS = 4, 1
+RUNS, QUICK_RUNS = 3, 1                    # whole measurements; the rows are the median run's
 PROMPTS_BIG = 64                           # prompts per sample() call in the batching row
 
 
@@ -179,14 +181,28 @@ def results(quick: bool) -> list[Row]:
         "vrl default threads": lambda qs: vrl_round(policy, qs, k, temperature, max_new, ppb,
                                                     TORCH_DEFAULT_THREADS),
     }
-    sides: dict[str, list[Tally]] = {side: [] for side in runs}
-    for r in range(rounds):
-        qs = questions[r * n_prompts:(r + 1) * n_prompts]
-        for side in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            tally = runs[side](qs)
-            sides[side].append(tally)
-            print(f"round {r + 1}/{rounds} {side}: {tally.completions / tally.seconds:.1f} completions/s, "
-                  f"{tally.tokens / tally.seconds:.0f} tokens/s", file=sys.stderr, flush=True)
+
+    def measured(run: int) -> dict[str, list[Tally]]:
+        sides: dict[str, list[Tally]] = {side: [] for side in runs}
+        for r in range(rounds):
+            qs = questions[r * n_prompts:(r + 1) * n_prompts]
+            for side in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                tally = runs[side](qs)
+                sides[side].append(tally)
+                print(f"run {run + 1} round {r + 1}/{rounds} {side}: "
+                      f"{tally.completions / tally.seconds:.1f} completions/s, "
+                      f"{tally.tokens / tally.seconds:.0f} tokens/s", file=sys.stderr, flush=True)
+        return sides
+
+    # RUNS whole measurements one after the other; the rows are the run whose completions/s
+    # ratio is the median, and the note gives every run's, so no best run is picked.
+    every = [measured(run) for run in range(QUICK_RUNS if quick else RUNS)]
+
+    def ratio(sides: dict[str, list[Tally]]) -> float:
+        return median_rate(sides["vrl"], "completions") / median_rate(sides["naive"], "completions")
+
+    ratios = [ratio(sides) for sides in every]
+    sides = sorted(every, key=ratio)[len(every) // 2]
     # The baseline must yield what a volunteer uploads: check its logprobs (outside the timing).
     torch.set_num_threads(TORCH_DEFAULT_THREADS)
     _, groups = naive_round(policy, questions[:4], k, temperature, max_new)
@@ -201,6 +217,8 @@ def results(quick: bool) -> list[Row]:
     setting = (f"tiny model {n_params / 1e6:.2f} M params, {WARM_STEPS if not quick else QUICK_WARM_STEPS} "
                f"warm-start steps; K={k}, T={temperature}, max {max_new} new tokens; "
                f"{n_prompts} train.csv prompts x {rounds} rounds, median round; "
+               f"completions/s ratio of each of {len(every)} runs "
+               f"{', '.join(f'{x:.2f}' for x in ratios)} (the median run shown); "
                f"mean completion {mean_len('vrl'):.1f} tokens vrl / {mean_len('naive'):.1f} naive; "
                f"load avg {load_before:.1f} -> {load_after:.1f}")
     naive_note = (f"naive: one generate() per prompt, {TORCH_DEFAULT_THREADS} threads (torch default), "
