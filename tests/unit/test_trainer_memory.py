@@ -22,8 +22,9 @@ def rounded(t) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16).float() for k, v in t.policy.model.state_dict().items()}
 
 
-def test_bf16_with_audits_evaluates_on_the_audit_model_loaded_back_with_the_current_version(tmp_path):
-    t = started_trainer(tmp_path, weights_dtype="bf16")
+def test_bf16_with_audits_evaluates_on_the_audit_model_loaded_back_with_the_current_version(
+        template, tmp_path):
+    t = started_trainer(tmp_path, weights_dtype="bf16", model=str(template.model(tmp_path / "m")))
     assert t.cfg.audit_tolerance > 0
     moved_on(t)
     assert t.version == 1 and set(t.window_weights.versions) == {0, 1}
@@ -34,15 +35,16 @@ def test_bf16_with_audits_evaluates_on_the_audit_model_loaded_back_with_the_curr
         assert torch.equal(v, rounded(t)[k]), k
 
 
-def test_without_audits_only_the_current_version_is_kept(tmp_path):
+def test_without_audits_only_the_current_version_is_kept(template, tmp_path):
+    model = str(template.model(tmp_path / "m"))  # the template's: no tokenizer to train
     (tmp_path / "bf16").mkdir(), (tmp_path / "fp32").mkdir()
-    t = started_trainer(tmp_path / "bf16", weights_dtype="bf16", audit_tolerance=0.0)
+    t = started_trainer(tmp_path / "bf16", weights_dtype="bf16", audit_tolerance=0.0, model=model)
     moved_on(t)
     moved_on(t)
     assert t.audit_policy is None and set(t.window_weights.versions) == {2}
     for k, v in t.published_policy.model.state_dict().items():
         assert torch.equal(v, rounded(t)[k]), k
 
-    t = started_trainer(tmp_path / "fp32", audit_tolerance=0.0)
+    t = started_trainer(tmp_path / "fp32", audit_tolerance=0.0, model=model)
     moved_on(t)
     assert t.window_weights.versions == {} and t.published_policy is t.policy
