@@ -52,6 +52,10 @@ from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 OUTAGE_MAX_WAIT = 60.0
 """Longest wait between two polls of a bucket that does not answer."""
+UNPUBLISHED_LINE_SECONDS = 60.0
+"""While nothing is published, the "waiting for the trainer's first version" line comes at
+once and then once a minute: a trainer's warm start takes minutes, and a line every status
+interval from each volunteer beside it buried the trainer's progress (vrl demo)."""
 
 
 def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
@@ -121,7 +125,7 @@ class Volunteer:
                                    cfg.cap_patience_seconds, log)
         self.tally = Tally(started_at=time.time())
         self.summary = Every()  # the upload summary line's interval
-        self.unpublished = Every()  # the "no manifest yet" line's interval
+        self.unpublished = Every(UNPUBLISHED_LINE_SECONDS)
         self.last_summary = (self.tally.started_at, 0, 0)  # (time, shards, groups) at the last one
         self.numbers = GroupNumbers(self.work / "group-numbers.json")
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
