@@ -18,8 +18,8 @@ Built = TypeVar("Built")
 
 
 def start_stoppable(threads: int, last_words: Callable[[int], str],
-                    build: Callable[[StopSignal], Built]) -> tuple[StopSignal, Built]:
-    """(the installed stop signal, `build(stop)`): handlers, then `threads` torch threads
+                    build: Callable[[StopSignal], Built]) -> Built:
+    """`build(stop)`, given the installed stop signal: handlers, then `threads` torch threads
     (0: torch's default), then `build`, which imports what it needs. A stop before `build`
     returns raises Stopped (or, inside an import, ends the process with `last_words`)."""
     stop = StopSignal(log, last_words=last_words).install()
@@ -28,4 +28,4 @@ def start_stoppable(threads: int, last_words: Callable[[int], str],
             from volunteer_rl.model.devices import set_process_threads
 
             set_process_threads(threads)
-        return stop, build(stop)
+        return build(stop)

@@ -102,7 +102,7 @@ def trainer(
         return Trainer(cfg, log=log, stop=stop)
 
     try:
-        _, trainer_ = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
+        trainer_ = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
         trainer_.start()
         manifest = trainer_.run()
     except Stopped as exc:

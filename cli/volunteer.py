@@ -70,7 +70,7 @@ def volunteer(
         return Volunteer(cfg, log=log, stop=stop)
 
     try:
-        _, v = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
+        v = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
     except Stopped as exc:
         log(stopped_early(exc.signum))
         return
