@@ -122,7 +122,6 @@ class Trainer:
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
         self.window_weights = WindowWeights()  # published weights of the window, for audits
-        self.audit_policy: Policy | None = None  # the model audits replay with (start)
         self._second: Policy | None = None  # _second_model's
         self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction)
         self.last_publish_start = 0.0
@@ -168,7 +167,6 @@ class Trainer:
             if cfg.audit_tolerance > 0:
                 auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
                                   cfg.audit_floor)
-                self.audit_policy = self._second_model()
                 self._recover_window_weights(trust)
             self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
                                  self.log, cfg.log_shards, numbers=self.numbers,
@@ -300,6 +298,11 @@ class Trainer:
         if not self.window_weights.load_into(self.version, held.model):
             raise RuntimeError(f"v{self.version}'s published weights are not held")  # a bug
         return held
+
+    @property
+    def audit_policy(self) -> Policy | None:
+        """The model audits replay with (_second_model); None with audits off."""
+        return self._second_model() if self.cfg.audit_tolerance > 0 else None
 
     def _second_model(self) -> Policy:
         """The trainer's one model besides its master, made on first use: audits replay with
