@@ -132,8 +132,8 @@ def test_a_trusted_volunteer_is_audited_at_its_rate_and_a_draw_found_due_stays_d
     assert all(a.due(skipped, 1000, 1) is False for _ in range(50))
     drawn = next(f"k{i}" for i, d in enumerate(due) if d)
     assert a.due(drawn, 10**9, 1)  # more trust since cannot undo a draw
-    a.force(skipped)
-    assert a.surely_due(skipped, 10**9)
+    assert a.surely_due(skipped, 0)  # a caught volunteer's rate is 1: due, and it stays so
+    assert a.due(skipped, 10**9, 1)
 
 
 def test_the_budget_is_reserved_at_admission_and_settled_after_the_audit():
@@ -150,6 +150,8 @@ def test_the_budget_is_reserved_at_admission_and_settled_after_the_audit():
     before = a.budget.tokens
     a.settle()  # k2 was never audited: its reservation comes back
     assert a.budget.tokens == pytest.approx(before + 2.56)
+    before = a.budget.tokens
+    assert a.admit("k3", 256, replaying=3) and a.budget.tokens == pytest.approx(before - 0.03)
 
 
 def test_a_version_whose_weights_are_not_held_defers_the_shard():

@@ -579,6 +579,68 @@ def test_a_copy_under_another_id_never_trains_and_never_costs_its_author():
     assert stats.rejected == {"replay_mismatch": 1} and charged(ing) == {"abe": 1}
 
 
+def test_a_contest_replays_only_the_shared_groups_and_a_copied_group_still_fails():
+    """Two trusted volunteers (never drawn) send 8-group shards sharing one identical group,
+    as honest volunteers sampling one prompt from a confident policy do: only that group is
+    replayed, once per shard, not both shards whole, and both are taken. A third volunteer
+    hides one group copied from a fresh shard among seven of its own: that group is replayed
+    under the copier's id and fails, so the copier's shard is rejected and charged to it,
+    and the original's groups are all taken. Later, a copy of a group taken before without
+    an audit has only the shared group replayed in the original's shard too."""
+    sampler: dict[str, set[str]] = {}  # digest -> the volunteers that sampled it
+    replayed: list[tuple[str, int]] = []  # (volunteer, groups) per replay call
+
+    def replay(version, groups):
+        replayed.append((groups[0].volunteer_id, len(groups)))
+        bad = [x for x in groups if x.volunteer_id not in sampler.get(x.digest, {x.volunteer_id})]
+        return ("replay_mismatch", "not sampled by its volunteer") if bad else None
+
+    def digest(x):
+        return group_digest(x.prompt_id, x.policy_version, [c.token_ids for c in x.completions])
+
+    def shard(s, vol, groups, name):
+        for x in groups:
+            sampler.setdefault(digest(x), set()).add(vol)
+        return put(s, 3, vol, groups, name=name)
+
+    def as_(vol, x):
+        return Group(x.prompt_id, x.policy_version, vol, next(SEQ), x.completions)
+
+    s = fresh_storage("contest")
+    shared = g(1, 3, "ann", [[8], [77, 7]])
+    ann = shard(s, "ann", [shared, *honest_groups("ann", 7, 3000)], "s1")
+    bob = shard(s, "bob", [as_("bob", shared), *honest_groups("bob", 7, 3100)], "s1")
+    trusted = {v: Counts(accepted=10**4, clean=10**4, accepted_groups=10**4) for v in ("ann", "bob", "cat")}
+    fleet = Fleet(deny_after=0, counts=trusted)
+    ing = make(s, fleet=fleet, audit=Auditor(replay, Budget(1.0), 10, 0.005, Uniforms([], rest=0.99)))
+    stats = IngestStats()
+    out = ing.poll(win(3), stats)
+    assert sorted(replayed) == [("ann", 1), ("bob", 1)]
+    assert {x.key for x in out} == {ann, bob} and len(out) == 15 and not stats.rejected
+    assert stats.duplicates == 1 and stats.audit.audited == 2
+
+    replayed.clear()
+    fresh = honest_groups("ann", 8, 3200)
+    ann2 = shard(s, "ann", fresh, "s2")
+    cat = put(s, 3, "cat", [as_("cat", fresh[3]), *honest_groups("cat", 7, 3300)], name="s2")
+    for x in honest_groups("cat", 7, 3300):
+        sampler.setdefault(digest(x), set()).add("cat")
+    stats = IngestStats()
+    out = ing.poll(win(3), stats)
+    assert {x.key for x in out} == {ann2} and len(out) == 8
+    assert stats.rejected == {"replay_mismatch": 1} and ing.ledger.rejected[cat] == "replay_mismatch"
+    assert fleet.counts["cat"].rejected == 1 and fleet.counts["ann"].rejected == 0
+    assert ("cat", 1) in replayed and ("cat", 8) not in replayed
+
+    # ann's s2 was taken without an audit and is not trained: bob now sends one of its groups
+    replayed.clear()
+    bob2 = shard(s, "bob", [as_("bob", fresh[5]), *honest_groups("bob", 7, 3400)], "s2")
+    stats = IngestStats()
+    out = ing.poll(win(3), stats)
+    assert {x.key for x in out} == {bob2} and not stats.rejected
+    assert sorted(replayed) == [("ann", 1), ("bob", 1)]  # ann's shard re-checked on that group
+
+
 def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded_small():
     """Objects that are no shard used to be free: never counted, never denied, and each left a
     ledger record holding its whole key. Now each is a rejection of the id in its path, with a

@@ -15,6 +15,10 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   growing chunks (1, 4, 16, ... groups) and stops at the first failure, so its lying shards
   cost the audit budget little; a trusted volunteer's shard is replayed in one call (three
   calls for a 16-group shard cost the demo's trainer 12 s more audit time in 300 s).
+- **A contested group is replayed on its own.** A group whose content is also under another
+  volunteer's id (trainer.ingest `_contest`) is replayed whatever its shard's draw: the noise
+  is keyed by the volunteer, so a copy fails. A shard not due by its draw has only those groups
+  replayed, as honest volunteers often send identical groups (a confident policy, one prompt).
 - **Budget, reserved before a byte is fetched.** Audits may take `share` of the trainer's wall
   time (a token bucket holding at most BURST_SECONDS of audit time). A shard known to be due
   for an audit when it is listed is fetched only if the bucket has room, and then the
@@ -188,21 +192,18 @@ class Auditor:
         self._draw(key).groups = groups
         return self.surely_due(key, clean_groups)
 
-    def force(self, key: str) -> None:
-        """Make `key` due, whatever its rate (its volunteer was caught, or its content is
-        claimed by another volunteer)."""
-        self._draw(key).due = True
-
-    def admit(self, key: str, max_groups: int) -> bool:
+    def admit(self, key: str, max_groups: int, replaying: int = 0) -> bool:
         """Take the estimated cost of `key`'s audit from the budget, if the budget has room;
-        False if not (the shard is not to be fetched, or not taken, this poll). Unparsed shards
-        are costed at `max_groups`; before any audit was timed, one audit at a time."""
+        False if not (the shard is not to be fetched, or not taken, this poll). The audit is
+        costed at `replaying` groups if given (a contest replays only some), else at the
+        shard's groups, or at `max_groups` while it is unparsed; before any audit was timed,
+        one audit at a time."""
         d = self._draw(key)
         if d.reserved:
             return True
         if not self.budget.allows():
             return False
-        groups = d.groups or max_groups
+        groups = replaying or d.groups or max_groups
         d.reserved = BURST_SECONDS if self.per_group is None else self.per_group * groups
         self.budget.spend(d.reserved)
         return True
