@@ -69,15 +69,18 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """mix32(i) and mix32(0x10000 | i) for i < 2**16: the tabulation of protocol.draws."""
+    """mix32(i) and mix32(0x10000 | i) for i < 2**16 (the tabulation of protocol.draws), as
+    int32 holding the same 32 bits: gathers from 256 KB tables with index_select run about
+    four times faster than int64 advanced indexing on CPU, and noise is most of a replay's
+    time outside the forward."""
     i = torch.arange(1 << 16, dtype=torch.int64, device=device)
-    return mix32(i), mix32(i | 0x10000)
+    return mix32(i).to(torch.int32), mix32(i | 0x10000).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=8)
 def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
-    """mix32(t) for every token id t < vocab."""
-    return mix32(torch.arange(vocab, dtype=torch.int64, device=device))
+    """mix32(t) for every token id t < vocab, as int32 holding the same 32 bits."""
+    return mix32(torch.arange(vocab, dtype=torch.int64, device=device)).to(torch.int32)
 
 
 def key_words(keys: list[bytes], device: torch.device) -> torch.Tensor:
@@ -90,12 +93,12 @@ def noise_bits(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torc
     """[rows, vocab] int64: protocol.draws.noise_bits of every token at `positions` [rows]
     (int64) of the completions whose key words are `words` [rows, 2] (`key_words`)."""
     dev = words.device
-    b = mix32(words[:, 0] ^ mix32(words[:, 1] ^ positions.to(dev)))
-    x = b[:, None] ^ _token_words(vocab, dev)[None, :]
+    b = mix32(words[:, 0] ^ mix32(words[:, 1] ^ positions.to(dev))).to(torch.int32)
+    x = (b[:, None] ^ _token_words(vocab, dev)[None, :]).reshape(-1)
     low, high = _tables(dev)
-    h = low[x & 0xFFFF]
-    h ^= high[x >> 16]
-    return h
+    # int32 shifts are arithmetic: mask the high half after shifting it down
+    h = low.index_select(0, x & 0xFFFF) ^ high.index_select(0, (x >> 16) & 0xFFFF)
+    return (h.long() & draws.MASK32).view(len(b), vocab)
 
 
 def gumbel_noise(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
