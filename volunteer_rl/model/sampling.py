@@ -152,6 +152,10 @@ def committed_words(draw_keys: list[list[bytes]], n_prompts: int, k: int,
     return key_words([key for g in draw_keys for key in g], device)
 
 
+COMPACT_SHARE = 4
+"""Finished rows stay in a sampling batch until they are 1 / COMPACT_SHARE of it."""
+
+
 @torch.inference_mode()
 def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
                     max_new_tokens: int,
@@ -179,6 +183,7 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
     tokens = torch.full((rows, max_new_tokens), eos, dtype=torch.long, device=dev)
     logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)
     live = torch.arange(rows, device=dev)  # original row of each batch row
+    done = torch.zeros(rows, dtype=torch.bool, device=dev)  # batch rows that emitted EOS
     steps = 0
     for step in range(max_new_tokens):
         logp = logprobs_of(logits, temperature if temperature > 0 else 1.0)
@@ -188,16 +193,20 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
             at = live.to(words.device)
             noise = gumbel_noise(words[at], torch.full_like(at, step), vocab)
             nxt = draw(perturbed(logits, temperature, noise)).to(dev)
+        # A finished row still in the batch writes past its EOS: cut off below, like padding.
         tokens[live, step] = nxt
         logps[live, step] = logp.gather(-1, nxt[:, None])[:, 0]
         steps = step + 1
-        going = nxt != eos
-        if step == max_new_tokens - 1 or not going.any():
+        done |= nxt == eos
+        if step == max_new_tokens - 1 or done.all():
             break
-        if not going.all():  # finished rows leave the batch: no compute spent on padding
-            keep = going.nonzero()[:, 0]
+        # Finished rows leave the batch once they are COMPACT_SHARE of it: each compaction
+        # copies the whole KV cache, and doing it whenever one row ends cost more than the
+        # rows it saved.
+        if done.sum() * COMPACT_SHARE >= len(live):
+            keep = (~done).nonzero()[:, 0]
             cache.batch_select_indices(keep)
-            live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
+            live, nxt, mask, pos, done = live[keep], nxt[keep], mask[keep], pos[keep], done[keep]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         out = policy.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                            past_key_values=cache)
