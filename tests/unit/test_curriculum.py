@@ -3,6 +3,7 @@ logic, no model."""
 import random
 
 from volunteer_rl.task.dataset import Problem
+from volunteer_rl.task import curriculum
 from volunteer_rl.task.curriculum import FLOOR, PromptPicker, stratum
 
 
@@ -66,3 +67,25 @@ def test_a_pool_is_sorted_distinct_rows_leaning_to_the_useful_stratum():
     assert list(pool) == sorted(set(pool)) and len(pool) == 40
     assert sum(stratum(pk.problems[i]) == 3 for i in pool) > 20
     assert len(pk.pool(10_000)) == len(pk.problems)  # never more rows than the dataset has
+
+
+def test_a_pool_revisits_prompts_whose_last_group_had_reward_variance(monkeypatch):
+    """Half of each pool comes from the prompts whose last group had reward variance (their
+    pass rate is neither 0 nor 1: the likeliest to have it again); one that turns uniform
+    leaves that list, and the list is bounded."""
+    pk = PromptPicker(problems(per_stratum=500), random.Random(0))  # 2,000 prompts
+    useful = [p for p in pk.problems if p.id % 50 == 0]  # 40 of them, every stratum
+    for p in pk.problems:
+        pk.observe(p, [1.0, 0.0] if p in useful else [1.0, 1.0])
+    ids = {p.id for p in useful}
+    pools = [pk.pool(64) for _ in range(50)]
+    share = sum(i in ids for pool in pools for i in pool) / (64 * 50)
+    assert share >= 0.45  # REVISIT 0.5; without revisits: about 0.08 (uniform ones skipped 3 in 4)
+    assert all(len(set(pool)) == 64 for pool in pools)
+    turned = useful[0]
+    pk.observe(turned, [0.0, 0.0])
+    assert pk.index[turned.id] not in pk.revisits
+    monkeypatch.setattr(curriculum, "MAX_REVISITS", 100)
+    for p in pk.problems:
+        pk.observe(p, [1.0, 0.0])
+    assert list(pk.revisits) == [pk.index[p.id] for p in pk.problems[-100:]]  # the latest

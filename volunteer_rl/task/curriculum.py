@@ -22,6 +22,11 @@ square of their useful rate, with a floor so that no stratum starves and every e
 current as the policy learns. It also remembers prompts whose last group was uniform and
 skips them three times in four: most stay uniform for a while.
 
+Half of each pool (REVISIT) comes from the prompts whose last group had reward variance: a
+prompt the policy solves some of the time is the likeliest to do so again, far likelier than
+its stratum's average (in the demo about half of all groups had no variance, which bounds the
+share of sampled groups that can ever be trained; issue 27's useful fraction).
+
 This only changes which prompts get sampled, never how: groups are still sampled from the
 published policy, rewards are still recomputed by the trainer, and a prompt no stratum
 weight favours is still drawn now and then. (Before schema 6 each volunteer ran this on its
@@ -45,6 +50,11 @@ FLOOR = 0.05
 """Smallest share of draws any stratum gets."""
 RETRY_UNIFORM = 0.25
 """Chance that a prompt whose last group was uniform is drawn again when it comes up."""
+REVISIT = 0.5
+"""Share of a pool drawn from the prompts whose last group had reward variance (most likely
+to have it again: their pass rate is neither 0 nor 1), the rest by stratum as before."""
+MAX_REVISITS = 4096
+"""Prompts remembered as last useful: the most recent ones, as a bound."""
 
 
 def stratum(problem: Problem) -> int:
@@ -74,6 +84,7 @@ class PromptPicker:
         self.tally = {s: _Tally() for s in self.by_stratum}
         self.index = {p.id: i for i, p in enumerate(problems)}
         self.uniform: set[int] = set()  # indices whose last group had one reward for all K
+        self.revisits: dict[int, None] = {}  # indices whose last group had variance, oldest first
 
     def shares(self) -> dict[int, float]:
         """Probability of drawing each stratum next: size x rate^2, then floored, summing to 1."""
@@ -90,7 +101,8 @@ class PromptPicker:
             return self.rng.sample(self.problems, n)
         shares = self.shares()
         strata, weights = list(shares), list(shares.values())
-        chosen: set[int] = set()
+        revisits = list(self.revisits)
+        chosen: set[int] = set(self.rng.sample(revisits, min(len(revisits), int(REVISIT * n))))
         for _ in range(50 * n):  # bounded: a tiny dataset of uniform prompts still returns
             if len(chosen) == n:
                 break
@@ -116,5 +128,10 @@ class PromptPicker:
         t.useful = t.useful * DECAY + (1.0 if useful else 0.0)
         if useful:
             self.uniform.discard(i)
+            self.revisits.pop(i, None)
+            self.revisits[i] = None
+            if len(self.revisits) > MAX_REVISITS:
+                del self.revisits[next(iter(self.revisits))]
         else:
             self.uniform.add(i)
+            self.revisits.pop(i, None)
