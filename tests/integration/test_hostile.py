@@ -282,13 +282,13 @@ def run(backend: str, template, root: Path, name: str, hostile: bool, endpoint: 
             for vid, body in HEARTBEATS.items():
                 bucket.put(layout.heartbeat_key(vid), body)
             shards = hostile_shards(g1, spare(template), drifter(template), template)
+            for what in kinds(backend):  # all at once: the trainer meets them in its polls
+                bucket.put(*shards[what])
             for what in kinds(backend):
-                k, data = shards[what]
-                bucket.put(k, data)
-                shown = re.escape(printable(k))
+                shown = re.escape(printable(shards[what][0]))
                 wait_for(lambda: re.search(rf"(rejected|took) {shown}:", proc.text()),
                          60, f"the trainer to deal with {what}")
-                assert proc.p.poll() is None, proc.text()[-3000:]  # never stops the trainer
+            assert proc.p.poll() is None, proc.text()[-3000:]  # never stops the trainer
         bucket.put(key("good-b", "g2"), gz_lines(g2))
         assert proc.wait(120) == 0, proc.text()[-3000:]
     finally:
