@@ -1,4 +1,4 @@
-"""Patches for real: `vrl trainer --weights-dtype bf16` publishes 200 versions, most of them as
+"""Patches for real: `vrl trainer --weights-dtype bf16` publishes 120 versions, most of them as
 patches, while a `vrl volunteer` follows along patching the weights it holds; afterwards every
 version rebuilds bit for bit from the bucket, from its keyframe and from the version before.
 
@@ -18,7 +18,7 @@ from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE
 
-VERSIONS = 200
+VERSIONS = 120
 KEYFRAME_EVERY = 20
 
 
