@@ -639,6 +639,8 @@ def test_a_contest_replays_only_the_shared_groups_and_a_copied_group_still_fails
     out = ing.poll(win(3), stats)
     assert {x.key for x in out} == {bob2} and not stats.rejected
     assert sorted(replayed) == [("ann", 1), ("bob", 1)]  # ann's shard re-checked on that group
+    # groups that passed a replay (the one cat copied, this one) leave ann's unaudited rest
+    assert [x.seq for x in ing.unaudited["ann"][ann2]] == [x.seq for i, x in enumerate(fresh) if i not in (3, 5)]
 
 
 def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded_small():

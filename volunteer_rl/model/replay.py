@@ -118,10 +118,11 @@ def _replay_rows(policy: Policy, prompts: list[list[int]],
             used.append(prompts[g])
             groups.append([])
             last = g
-        if (g, tuple(tokens)) not in index:
-            index[g, tuple(tokens)] = len(index)
+        seen = (g, tuple(tokens))
+        if seen not in index:
+            index[seen] = len(index)
             groups[-1].append(tokens)
-        of_row.append(index[g, tuple(tokens)])
+        of_row.append(index[seen])
     logits, ids, _ = completion_logits(policy, used, groups)
     # Every row's positions, in (row, position) order, as indices into the forward's rows.
     width = logits.shape[1]

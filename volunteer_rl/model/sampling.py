@@ -200,7 +200,7 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
         done |= nxt == eos
         if step == max_new_tokens - 1 or done.all():
             break
-        # Finished rows leave the batch once they are COMPACT_SHARE of it: each compaction
+        # Finished rows leave the batch once they are 1 / COMPACT_SHARE of it: each compaction
         # copies the whole KV cache, and doing it whenever one row ends cost more than the
         # rows it saved.
         if done.sum() * COMPACT_SHARE >= len(live):

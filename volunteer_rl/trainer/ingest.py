@@ -622,13 +622,16 @@ class Ingest:
                  only: frozenset[str] | None = None) -> None:
         """Audit now, whatever the budget, the untrained groups of `key`, taken without an
         audit (with `only`: those of its untrained groups whose digest is in it; the rest stay
-        unaudited). Failed: the shard is rejected and all its untrained groups withdrawn; not
-        auditable (weights not held, a fault of the trainer): withdrawn, charged to nobody."""
+        unaudited, as in _take). Failed: the shard is rejected and all its untrained groups
+        withdrawn; not auditable (weights not held, a fault of the trainer): withdrawn,
+        charged to nobody."""
         shards = self.unaudited.get(volunteer, {})
-        untrained = [g for g in shards.get(key, []) if not self.ledger.is_done(key, g.line)]
+        untrained = [g for g in shards.pop(key, []) if not self.ledger.is_done(key, g.line)]
         groups = untrained if only is None else [g for g in untrained if g.digest in only]
-        if only is None or not untrained:
-            shards.pop(key, None)
+        lines = {g.line for g in groups}
+        rest = [g for g in untrained if g.line not in lines]
+        if rest:
+            shards[key] = rest
         if not groups or self.auditor is None:
             return
         try:
@@ -642,7 +645,7 @@ class Ingest:
             self.fleet.count_audit(volunteer)
         if outcome == "passed":
             return
-        shards.pop(key, None)
+        shards.pop(key, None)  # rejected or left whole: nothing of it stays unaudited
         self.withdrawn.add(key)
         self.ledger.release([g.digest for g in untrained])
         if problem:
