@@ -1,7 +1,8 @@
 """The central trainer: the loop, intake of rollout shards (ingest) and its replay audits
 (audit, withheld), the losses, the optimizer
 state between publishes, the warm start, held-out evaluation, the per-volunteer counts and
-denials, retention, and stopping on a signal.
+denials, retention, stopping on a signal, and the ranks of a trainer under torchrun (ranks:
+the process group, FSDP2 sharding and the writer's full weights; not yet used by the loop).
 
 May import: observe, model, task, protocol, storage and the shared modules.
 """

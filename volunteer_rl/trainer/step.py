@@ -2,7 +2,10 @@
 (losses.py, pure), gradients accumulated over the step's rows, and no update at all if the
 loss or a gradient is not finite (the step is refused and its groups blamed). Also the audit
 of a shard's groups: every token replayed against its committed draw, every behavior logprob
-recomputed (trainer.audit decides which shards, and with which version's weights)."""
+recomputed (trainer.audit decides which shards, and with which version's weights).
+
+train_step also runs as one of N ranks (trainer.ranks): each computes its share of the batch
+and FSDP2 reduces the gradients; nothing calls it that way yet but tests."""
 
 from __future__ import annotations
 
@@ -25,6 +28,18 @@ from volunteer_rl.trainer.losses import (
     reinforce_advantages,
     reinforce_loss,
 )
+from volunteer_rl.trainer.ranks import (
+    Ranks,
+    clip_grad_norm,
+    gradient_scale,
+    rank_share,
+    single,
+    sum_over_ranks,
+)
+
+
+SINGLE = single()
+"""The plain trainer's Ranks: one process; the default of every function here."""
 
 
 @dataclass
@@ -45,12 +60,20 @@ def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tenso
 
 
 def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-              version: int, cfg: TrainerConfig) -> tuple[float, int, Counter]:
-    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics)."""
+              version: int, cfg: TrainerConfig, ranks: Ranks = SINGLE) -> tuple[float, int, Counter]:
+    """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics).
+
+    With several ranks (trainer.ranks) every rank holds all of `groups` and computes only its
+    share of the rows: the token count the loss is a mean over is the whole step's, so the
+    ranks' parts sum to the single process's loss, and each part is scaled so that FSDP2's
+    mean of the ranks' gradients is their sum. The loss and statistics returned are this
+    rank's part (train_step sums them over the ranks)."""
+    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
+    groups = groups[rank_share(len(groups), ranks)]
+    scale = gradient_scale(ranks)  # 1.0 in a single process
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     adv_fn = grpo_advantages if cfg.algo == "grpo" else reinforce_advantages
-    adv = adv_fn(rewards).to(policy.device)  # [G, K]
-    total_tokens = sum(len(c) for g in groups for c in g.token_ids)
+    adv = adv_fn(rewards).to(policy.device)  # [G, K]: each group's own, so a share's are the same
     per_micro = max(1, cfg.micro_batch // len(groups[0].token_ids))
     loss_sum, stats = 0.0, Counter()
     for s in range(0, len(groups), per_micro):
@@ -69,13 +92,14 @@ def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, l
             stats.update({k: v.item() * share for k, v in st.items()})
         else:
             loss = reinforce_loss(logp, mask, a)
-        (loss * share).backward()
+        (loss * (share * scale)).backward()
         loss_sum += loss.item() * share
     return loss_sum, total_tokens, stats
 
 
 def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
-               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig) -> StepResult:
+               prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig,
+               ranks: Ranks = SINGLE) -> StepResult:
     """One update on `groups` (all with reward variance), accumulating over micro-batches.
 
     The update is not applied when the loss or the gradient norm is not finite: intake floors
@@ -86,11 +110,20 @@ def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGr
     One group's weight in an applied step is bounded by construction: every token's weight is
     |A| x min(ratio, RATIO_CAP) (GRPO) or |A| (REINFORCE), |A| <= (K-1)/sqrt(K) for rewards in
     [0, 1], the loss is a token mean over the step, and the whole gradient is clipped to norm 1.
+
+    Several ranks (`ranks`, trainer.ranks; policy.model sharded by shard_model and `opt` built
+    on its shards): every rank calls this with the same `groups` and computes its share; the
+    loss, the statistics and the gradient norm are the whole step's on every rank, so all
+    ranks apply the update or all refuse it.
     """
     policy.model.train()
     opt.zero_grad(set_to_none=True)
-    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0).item()
+    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg, ranks)
+    if ranks.joined:
+        names = sorted(stats)
+        loss_sum, *summed = sum_over_ranks([loss_sum, *(stats[k] for k in names)], ranks)
+        stats = Counter(dict(zip(names, summed)))
+    grad_norm = clip_grad_norm(policy.model.parameters(), 1.0)
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
         opt.zero_grad(set_to_none=True)
         policy.model.eval()

@@ -1,0 +1,222 @@
+"""The trainer as N ranks under torchrun (issue 28): which rank this process is, the process
+group it joined, the policy sharded with FSDP2, its share of a step's batch, and the full
+weights gathered for the one writer. Nothing else: intake, audits, publishing and resume do
+not use it yet (docs/SCALE.md, "Ranks: what is built so far", names what is missing).
+
+Every collective and every piece of process management is PyTorch's own: torchrun starts and
+restarts the ranks and sets their environment, `torch.distributed` joins them, `fully_shard`
+(FSDP2) shards parameters, gradients and AdamW state and reduces gradients, and
+`torch.distributed.checkpoint.state_dict` gathers the full state dict.
+
+Without torchrun's environment every function here is the single process it always was:
+`join` returns `SINGLE` and joins no group, `shard_model` leaves the model alone,
+`rank_share` is the whole batch, `gradient_scale` is 1 and `sum_over_ranks` returns its input.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from volunteer_rl.errors import VrlError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for every rank it starts. All of them present: this process is a rank;
+none: a single process; some: a broken launch (RankJoinError)."""
+
+JOIN_TIMEOUT_SECONDS = 300.0
+"""Default limit on joining the group and on every collective after it (init_process_group's
+`timeout`, which gloo applies to each collective and NCCL's watchdog enforces): a rank whose
+peers never arrive, or one that waits on a collective its peers never enter, fails with an
+error instead of hanging. Long enough for the slowest rank to load a large checkpoint."""
+
+
+class RankJoinError(VrlError):
+    """This rank could not join the process group torchrun's environment describes."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands among the trainer's ranks."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    """This rank's device: cuda:LOCAL_RANK for CUDA ranks, else the device asked for."""
+    joined: bool
+    """A process group was joined (torchrun's environment was present); only then does
+    `shard_model` shard, even for a world of one."""
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 alone publishes (and, later, writes the ledger's commits)."""
+        return self.rank == 0
+
+
+def single(device: torch.device | str = "cpu") -> Ranks:
+    """The plain `vrl trainer`: one process, rank 0 of 1, no process group."""
+    return Ranks(rank=0, world_size=1, device=torch.device(device), joined=False)
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backend, from the device the ranks train on.
+
+    CUDA: NCCL for the CUDA tensors and gloo beside it for any CPU tensor a collective meets
+    (grail and torchtitan launch the same way). CPU: gloo. Nothing else has a backend here:
+    MPS has no collective library in torch."""
+    if device.type == "cuda":
+        return "cuda:nccl,cpu:gloo"
+    if device.type == "cpu":
+        return "gloo"
+    raise RankJoinError(f"--device {device}: a trainer of several ranks runs on cuda (NCCL) or "
+                        f"cpu (gloo); use one of those or launch without torchrun")
+
+
+def join(device: torch.device | str = "cpu",
+         timeout_seconds: float = JOIN_TIMEOUT_SECONDS) -> Ranks:
+    """This process's Ranks: joined to the process group when torchrun started it, else
+    `single(device)` with no group and nothing else done.
+
+    Under torchrun a CUDA rank trains on cuda:LOCAL_RANK (one GPU per rank, as torchrun's
+    --nproc-per-node counts them). Every collective of the group, the join included, fails
+    after `timeout_seconds`. RankJoinError (one line) for an incomplete torchrun environment,
+    a device with no backend, or a group not joined within the timeout."""
+    device = torch.device(device)
+    present = [k for k in TORCHRUN_ENV if k in os.environ]
+    if not present:
+        return single(device)
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise RankJoinError(f"{', '.join(present)} set but {', '.join(missing)} not: launch "
+                            f"the trainer with torchrun, or unset {', '.join(present)}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend_for(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds),
+                                device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError) as e:  # torch's DistError and its store errors are RuntimeErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RankJoinError(f"rank {rank} of {world} did not join the {backend} group at {where} "
+                            f"within {timeout_seconds:g}s: {first}") from e
+    return Ranks(rank=rank, world_size=world, device=device, joined=True)
+
+
+def leave(ranks: Ranks) -> None:
+    """Destroy the process group `join` made (nothing for a single process)."""
+    if ranks.joined and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, found by class name in its `_no_split_modules`.
+
+    transformers gathers that set over the model and its sub-models at construction; it names
+    the blocks an accelerate device map must not split, which are exactly the units to shard:
+    LlamaDecoderLayer, Qwen3DecoderLayer, Gemma3DecoderLayer, GPT2Block. A model without the
+    attribute (not a transformers PreTrainedModel) has no layers found and is sharded at the
+    root only. Order: children before their parents (fully_shard must go bottom-up)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    return list(reversed(found))
+
+
+def shard_model(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+    """Shard `model` in place with FSDP2 across the group: `fully_shard` on every decoder
+    layer (`decoder_layers`), then at the root, which takes what is left (embeddings, the
+    final norm, a tied or untied LM head). Each layer's parameters are all-gathered for its
+    forward and backward and freed after; gradients are reduce-scattered, averaged over the
+    ranks (FSDP2's default: see `gradient_scale`); an optimizer built after this holds only
+    this rank's shard of every parameter and of AdamW's moments.
+
+    Parameters stay in their dtype (no MixedPrecisionPolicy: the single process trains in
+    fp32 and the ranks must match it). A single process (`ranks.joined` false): the model
+    is returned untouched."""
+    if not ranks.joined:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def rank_share(n: int, ranks: Ranks) -> slice:
+    """The rows of a step's batch of `n` groups that this rank computes the loss on: a
+    contiguous 1/world_size of them.
+
+    Every rank holds the whole batch (the ranks agree on it before the step) and takes its own
+    slice. `n` must divide evenly: FSDP2 runs collectives in every forward and backward, so
+    ranks with different micro-batch counts would wait on each other until the timeout
+    (ValueError, a bug in the caller, not a user's mistake)."""
+    if n % ranks.world_size:
+        raise ValueError(f"a batch of {n} groups does not split evenly over "
+                         f"{ranks.world_size} ranks")
+    size = n // ranks.world_size
+    return slice(ranks.rank * size, (ranks.rank + 1) * size)
+
+
+def gradient_scale(ranks: Ranks) -> float:
+    """What each rank multiplies its part of the step's loss by.
+
+    A rank's part is its rows' token losses over the whole step's token count, so the parts
+    sum to the single process's loss. FSDP2 reduce-scatters gradients as a mean over the
+    ranks; scaling every part by world_size makes that mean the sum, the single process's
+    gradient. (A power of two for 2, 4, 8 ranks: the scaling and FSDP's division are exact.)"""
+    return float(ranks.world_size)
+
+
+def sum_over_ranks(values: list[float], ranks: Ranks) -> list[float]:
+    """`values` summed element-wise over the ranks, the same result on every rank (one
+    all-reduce on this rank's device); a single process gets them back. Used for the step's
+    loss and statistics, so every rank takes the same apply-or-refuse decision."""
+    if not ranks.joined:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=ranks.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Clip the whole gradient to `max_norm`; returns its norm before the clip, the same on
+    every rank.
+
+    torch.nn.utils.clip_grad_norm_ split in its own two halves (it is exactly these two
+    calls): with FSDP2's DTensor gradients the total norm comes back as a DTensor whose local
+    value is this rank's shard's part, so it is made whole (`full_tensor`, an all-reduce)
+    before it scales the gradients and before `.item()`. Plain tensors pass straight through."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
+
+
+def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
+    """The model's full, unsharded state dict on the CPU, for the writer to publish exactly
+    what a single process would; every rank must call it (it all-gathers), and the other
+    ranks get an empty dict.
+
+    torch.distributed.checkpoint's get_model_state_dict with full_state_dict and cpu_offload:
+    each parameter is gathered and copied to the CPU on rank 0 alone, one at a time, so only
+    the writer ever holds the whole model, and in CPU memory. A single process: its own
+    state dict, on the CPU (shared with the live model where it already is on the CPU)."""
+    if not ranks.joined:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    return full if ranks.is_writer else {}
