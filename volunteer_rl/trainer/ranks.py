@@ -16,6 +16,7 @@ Without torchrun's environment every function here is the single process it alwa
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -102,8 +103,10 @@ def join(device: torch.device | str = "cpu",
     try:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds),
                                 device_id=device if device.type == "cuda" else None)
-    except (RuntimeError, ValueError) as e:  # torch's DistError and its store errors are RuntimeErrors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (RuntimeError, ValueError) as e:  # torch's DistError (store, network) is a RuntimeError
+        # torch's message runs on into its C++ log lines ("...).[E1126 20:50:18.77 socket.cpp:..")
+        # and a stack trace: keep the sentence before them.
+        first = re.split(r"\[[EWI]\d{4} ", str(e).strip() + "\n")[0].splitlines()[0].strip()
         raise RankJoinError(f"rank {rank} of {world} did not join the {backend} group at {where} "
                             f"within {timeout_seconds:g}s: {first}") from e
     return Ranks(rank=rank, world_size=world, device=device, joined=True)

@@ -60,7 +60,8 @@ def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tenso
 
 
 def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-              version: int, cfg: TrainerConfig, ranks: Ranks = SINGLE) -> tuple[float, int, Counter]:
+              version: int, cfg: TrainerConfig,
+              ranks: Ranks = SINGLE) -> tuple[float, int, Counter]:
     """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics).
 
     With several ranks (trainer.ranks) every rank holds all of `groups` and computes only its
