@@ -33,7 +33,7 @@ _ENVVARS = {"endpoint_url": "VRL_ENDPOINT_URL", "trust_key": "VRL_TRUST_KEY"}
 PANELS = {
     "Storage": ("bucket", "endpoint_url", "work_dir"),
     "Model": ("model", "weights_dtype", "warm_start_steps", "seed"),
-    "Machine": ("device", "threads", "nice"),
+    "Machine": ("device", "threads", "nice", "rank_timeout"),
     "Data": ("dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
            "groups_per_step"),

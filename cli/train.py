@@ -55,6 +55,7 @@ def trainer(
     poll_seconds: float = T("poll_seconds"),
     threads: int = T("threads"),
     device: str = DEVICE,
+    rank_timeout: float = T("rank_timeout"),
     work_dir: str = TRAINER_WORK_DIR,
     signing_key: Optional[str] = SIGNING_KEY,
     allow_unsigned: bool = T("allow_unsigned"),
@@ -80,6 +81,9 @@ def trainer(
     leaving no half-made version. A second signal while stopping exits at once.
 
     Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
+
+    As N ranks sharing the model (FSDP2): torchrun --nproc-per-node N -m volunteer_rl_cli
+    trainer --bucket ... (docs/SCALE.md)
     """
     from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage import check_bucket

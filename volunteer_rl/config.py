@@ -177,6 +177,11 @@ class TrainerConfig(Checked):
     (0: torch's default, one per core)."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
+    rank_timeout: float = setting(600.0, above=0)
+    """Under torchrun (several ranks): seconds a rank waits to join the others, and for any
+    collective after that, before it fails with an error instead of hanging. The other ranks
+    wait in a collective while the writer (rank 0) warm-starts, publishes, evaluates or reads
+    shards, so it must cover the longest of those. A single process ignores it."""
     work_dir: str = ".vrl/trainer"
     """Local scratch folder: checkpoint staging, and in its state/ the optimizer between
     publishes."""

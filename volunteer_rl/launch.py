@@ -19,6 +19,15 @@ def vrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "volunteer_rl_cli", *args]
 
 
+def vrl_ranks_command(ranks: int, *args: str, restarts: int = 0) -> list[str]:
+    """`vrl <args>` as `ranks` processes on this machine under torch's own launcher (torchrun,
+    here `python -m torch.distributed.run`, which is the same program): the trainer as ranks.
+    `restarts`: how often torchrun starts all ranks again after one fails."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
+            "-m", "volunteer_rl_cli", *args]
+
+
 def vrl_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment plus what every `vrl` child needs, plus `extra`."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from volunteer_rl.launch import vrl_command, vrl_env
+from volunteer_rl.launch import vrl_command, vrl_env, vrl_ranks_command
 
 
 def as_background_job() -> None:
@@ -19,10 +19,13 @@ def as_background_job() -> None:
 
 class Proc:
     def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None,
-                 background_job: bool = False):
+                 background_job: bool = False, ranks: int = 0, restarts: int = 0):
+        """`vrl <args>`, or with `ranks` that many ranks under torchrun (`restarts`: its
+        --max-restarts)."""
         self.log = log
         self._f = open(log, "w")
-        self.p = subprocess.Popen(vrl_command(*args), cwd=cwd, env=vrl_env(env),
+        command = vrl_ranks_command(ranks, *args, restarts=restarts) if ranks else vrl_command(*args)
+        self.p = subprocess.Popen(command, cwd=cwd, env=vrl_env(env),
                                   stdout=self._f, stderr=subprocess.STDOUT,
                                   preexec_fn=as_background_job if background_job else None)
 

@@ -1,6 +1,6 @@
 """trainer.ranks without torchrun: a plain process joins no group and nothing is sharded;
 decoder_layers finds the blocks of every architecture the project loads; rank_share splits a
-batch into disjoint, complete shares. (Two real ranks: tests/integration/test_ranks.py.)"""
+batch into disjoint, complete shares. (Two real ranks: tests/integration/test_ranks_same_weights.py.)"""
 from __future__ import annotations
 
 import pytest

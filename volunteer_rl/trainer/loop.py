@@ -7,11 +7,20 @@ under the rollout prefixes of the versions inside the staleness window.
 SIGINT and SIGTERM (stopping.py) end it with exit 0 and nothing half-made: the loop finishes
 the step in hand, publishes the steps not yet published (without the final evaluation) and
 writes their metrics, fleet.json and dashboard/ one last time.
+
+Under torchrun it is one of N ranks (trainer.ranks, docs/SCALE.md). Rank 0, the writer, runs
+this loop as a single process would: it reads the bucket, audits, decides every step and
+publishes. The model, its gradients and AdamW's moments are sharded over all ranks (FSDP2),
+so every step and every gathering of the full weights is collective: the writer tells the
+other ranks (the followers, `_follow`) what to do next through `_tell`, one small JSON
+message at a time, and they do it with it. The writer keeps one unsharded copy of the model
+(`_second`), filled by each gather, to publish, evaluate and audit from.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import time
@@ -47,6 +56,16 @@ from volunteer_rl.trainer.evaluate import greedy_and_sampled
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.trainer.ranks import (
+    barrier,
+    broadcast_bytes,
+    collective_errors,
+    full_state_dict,
+    join,
+    leave,
+    load_full_state_dict,
+    shard_model,
+)
 from volunteer_rl.trainer.publish import (
     TrainerError,
     WeightsChain,
@@ -110,13 +129,27 @@ class Trainer:
         # Passes run on their own thread (a stop signal cuts them short): never on the publish path.
         self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log,
                                           stopping=self.stop.is_set)
-        self.device = pick_device(cfg.device)
+        # Under torchrun this process is one rank of several (trainer.ranks); else ranks is
+        # a single process's and none of the rank code below runs.
+        self.ranks = join(pick_device(cfg.device), cfg.rank_timeout)
+        self.device = self.ranks.device
+        self._sharded = False  # the policy sharded over the ranks (_share_model)
+        if cfg.groups_per_step % self.ranks.world_size:
+            leave(self.ranks)
+            raise TrainerError(f"--groups-per-step {cfg.groups_per_step}: not a multiple of the "
+                               f"{self.ranks.world_size} ranks (each computes an equal share)")
         train_path, eval_path = dataset_paths(cfg)
         self.train_path = train_path
         self.problems = load_csv(train_path)
         self.held_out = load_csv(eval_path)
         self.metrics_buffer: list[dict] = []
         self.state_root = Path(cfg.work_dir) / "state"
+        self.scratch = Path(cfg.work_dir)  # checkpoint downloads
+        if self.ranks.joined:  # each rank's optimizer shard, by world size: resume with as many
+            r, n = self.ranks.rank, self.ranks.world_size
+            self.state_root = self.state_root / f"ranks-{n}" / f"rank-{r}"
+            if not self.ranks.is_writer:
+                self.scratch = Path(cfg.work_dir) / f"rank-{r}"
         self.steps = 0  # optimizer steps of the whole run, restored on resume
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
@@ -146,8 +179,14 @@ class Trainer:
         A stop signal raises Stopped here: at once where start only reads or computes
         (loading, the warm start, v0's evaluation), after the write in hand where it writes
         (the signing key, the dataset, v0 and its metrics, a repaired manifest copy). What it
-        leaves is whole: the bucket as it was, or v0 with its metrics."""
+        leaves is whole: the bucket as it was, or v0 with its metrics.
+
+        A follower rank reads what the writer published once it has started, and takes its
+        shard of the writer's weights (_start_follower)."""
         cfg = self.cfg
+        if self.ranks.joined and not self.ranks.is_writer:
+            with collective_errors(self.ranks, "while starting"):
+                return self._start_follower()
         with self.stop.abortable():
             with self.stop.shielded():
                 self.key = signing_key(cfg, self.storage.uri, self.log)
@@ -171,6 +210,89 @@ class Trainer:
             self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
                                  self.log, cfg.log_shards, numbers=self.numbers,
                                  observe=lambda pid, rewards: self.picker.observe(self.problems[pid], rewards))
+        if self.ranks.joined:
+            with collective_errors(self.ranks, "while starting"):
+                self._share_model(public_key_text(self.key))
+
+    # -----------------------------------------------------------------------------------------
+    # Ranks (torchrun): how the model is shared, and what the followers do.
+
+    def _share_model(self, trust_key: str) -> None:
+        """Writer, after it started as a single process would (built or resumed, v0 out):
+        tell the followers whose manifests to trust, keep an unsharded copy of the model
+        (_second), then shard the model with the followers and give them its weights."""
+        broadcast_bytes(json.dumps({"trust_key": trust_key}).encode(), self.ranks)
+        self._second_model()
+        full = {k: v.detach().cpu() for k, v in self.policy.model.state_dict().items()}
+        self._shard_and_load(full)
+
+    def _start_follower(self) -> None:
+        """A follower: the writer's trust key (once the writer has started), the model the
+        manifest names as its skeleton (architecture and tokenizer; any weights), then its
+        shard of the writer's own weights (fp32 master included)."""
+        cfg = self.cfg
+        message = json.loads(broadcast_bytes(None, self.ranks))
+        self.trust = Trust(message["trust_key"], cfg.allow_unsigned, origin="the writer rank's key")
+        self.manifest, _ = poll_manifest(self.storage, None, trust=self.trust)
+        if self.manifest is None:  # the writer told us it published: a bug, or a second trainer
+            raise TrainerError(f"{layout.MANIFEST}: missing after the writer rank started")
+        self.run_id = self.manifest.run_id
+        folder = fetch_checkpoint(self.storage, self.manifest, self.scratch / "model",
+                                  require_model=True)
+        self.policy = load_policy(folder, self.device)
+        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
+        self._shard_and_load({})
+
+    def _shard_and_load(self, full: dict[str, torch.Tensor]) -> None:
+        """Every rank: FSDP2 over the policy, the writer's `full` weights broadcast into the
+        shards, the optimizer built on them, and this rank's optimizer shard of the manifest's
+        version if it saved one (the writer's meta was read by _resume already)."""
+        shard_model(self.policy.model, self.ranks)
+        load_full_state_dict(self.policy.model, full, self.ranks)
+        self._sharded = True
+        self._make_optimizer()
+        meta = load_state(self.state_root, self.manifest.version, self.opt)
+        if self.manifest.version and (meta is None or meta.get("run_id") != self.run_id):
+            self.log(f"rank {self.ranks.rank}: warning: no saved optimizer shard for "
+                     f"v{self.manifest.version} in {self.state_root}: fresh optimizer moments")
+
+    def _tell(self, do: str, **fields) -> None:
+        """Writer: the followers' next action (see _follow). A single process: nothing."""
+        if self.ranks.joined:
+            broadcast_bytes(json.dumps({"do": do, **fields}).encode(), self.ranks)
+
+    def _gather(self) -> None:
+        """Writer: the current weights, gathered from every rank, into _second (which then
+        holds no published version: audits and evals load theirs back)."""
+        self._tell("gather")
+        full = full_state_dict(self.policy.model, self.ranks)
+        self._second.model.load_state_dict(full)
+        self.window_weights.loaded = None
+
+    def _follow(self) -> Manifest:
+        """A follower's loop: do what the writer tells, until it says stop. Returns the
+        manifest the writer left (as read from the bucket)."""
+        cfg = self.cfg
+        saved: list[int] = []
+        while True:
+            message = json.loads(broadcast_bytes(None, self.ranks))
+            do = message["do"]
+            if do == "step":
+                batch = [ScoredGroup(**g) for g in message["groups"]]
+                train_step(self.policy, self.opt, batch, self.prompt_ids, message["version"], cfg,
+                           ranks=self.ranks)
+            elif do == "gather":
+                full_state_dict(self.policy.model, self.ranks)
+            elif do == "save":  # before the writer commits the version: our shard of its state
+                version = message["version"]
+                save_state(self.state_root, version, self.opt,
+                           {"run_id": self.run_id, "rank": self.ranks.rank})
+                saved = saved[-1:] + [version]  # the last committed one stays until the next
+                prune_states(self.state_root, set(saved))
+                barrier(self.ranks)
+            elif do == "stop":
+                manifest, _ = poll_manifest(self.storage, None, trust=self.trust)
+                return manifest or self.manifest
 
     def _start_fresh(self) -> None:
         cfg = self.cfg
@@ -269,13 +391,19 @@ class Trainer:
         return {v for v in win.versions()
                 if v == win.version or self.storage.exists(layout.manifest_history_key(v))}
 
+    @property
+    def full_policy(self) -> Policy:
+        """The whole current weights: the trainer's own model, or once it is sharded over
+        ranks the writer's copy that the last _gather filled."""
+        return self._second if self._sharded else self.policy
+
     def _make_optimizer(self) -> None:
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
 
     def _save(self, version: int) -> None:
         """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
         self.ledger.flush(self.storage, version)
-        master = self.policy.model if self.cfg.weights_dtype != "fp32" else None
+        master = self.full_policy.model if self.cfg.weights_dtype != "fp32" else None
         save_state(self.state_root, version, self.opt,
                    {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json(),
                     "group_numbers": self.numbers.to_json()},
@@ -292,7 +420,7 @@ class Trainer:
         model is also the audit model (_second_model; audits load other versions into it, this
         loads the current one back, a copy of the weights), so the trainer holds one such copy,
         not two."""
-        if self.cfg.weights_dtype == "fp32":
+        if self.cfg.weights_dtype == "fp32" and not self._sharded:
             return self.policy
         held = self._second_model()
         if not self.window_weights.load_into(self.version, held.model):
@@ -317,9 +445,10 @@ class Trainer:
         of the window; without audits, that version only (published_policy's), and with fp32
         weights without audits none (published_policy is the trainer's own model)."""
         auditing = self.cfg.audit_tolerance > 0
-        if not auditing and self.cfg.weights_dtype == "fp32":
+        if not auditing and self.cfg.weights_dtype == "fp32" and not self.ranks.joined:
             return
-        self.window_weights.add(self.version, self.policy.model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
+        self.window_weights.add(self.version, self.full_policy.model,
+                                WEIGHTS_DTYPES[self.cfg.weights_dtype])
         low = (layout.window(self.version, self.cfg.max_staleness).start
                if auditing else self.version)
         self.window_weights.drop_below(low)
@@ -388,9 +517,25 @@ class Trainer:
         self.metrics_buffer = []
 
     def run(self) -> Manifest:
+        """The loop (a follower rank: _follow); every rank leaves the process group after it."""
+        if self.cfg.threads > 0:
+            torch.set_num_threads(self.cfg.threads)
+        try:
+            with collective_errors(self.ranks, "while training"):
+                if self.ranks.joined and not self.ranks.is_writer:
+                    return self._follow()
+                try:
+                    manifest = self._run()
+                except (VrlError, StorageError):
+                    self._tell("stop")  # failed outside a collective (the bucket): let them go
+                    raise
+                self._tell("stop")
+                return manifest
+        finally:
+            leave(self.ranks)
+
+    def _run(self) -> Manifest:
         cfg = self.cfg
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
         started = time.time()
         buffer: list[ScoredGroup] = []
         steps, unpublished, stats = 0, 0, IngestStats()
@@ -408,10 +553,13 @@ class Trainer:
                     self.log(waiting_line(len(fresh), stats, cfg.groups_per_step, self.steps))
                 self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
                 waited += cfg.poll_seconds
+                self._tell("wait")  # followers wait in this message's collective meanwhile
                 continue
             batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
             t0 = time.time()
-            result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg)
+            self._tell("step", version=self.version, groups=[dataclasses.asdict(g) for g in batch])
+            result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg,
+                                ranks=self.ranks)
             if not result.applied:
                 buffer = self.refuse_step(batch + buffer, batch, result, stats)
                 continue
@@ -441,7 +589,9 @@ class Trainer:
         """After a step on `batch` with a non-finite loss or gradient was not applied: reject
         (quarantine, ledger, charge) the shards of the groups to blame, or of the whole batch
         if no single group is; return the groups of `waiting` from other shards."""
-        bad = non_finite_groups(self.policy, batch, self.prompt_ids, self.version, self.cfg) or batch
+        if self._sharded:
+            self._gather()  # each group's own backward runs on the writer's whole copy
+        bad = non_finite_groups(self.full_policy, batch, self.prompt_ids, self.version, self.cfg) or batch
         keys = sorted({g.key for g in bad})
         self.log(f"warning: step not applied: loss {result.loss}, gradient norm {result.grad_norm}; "
                  f"rejecting {len(keys)} shard(s)")
@@ -489,7 +639,11 @@ class Trainer:
         version = self.last_used
         self.last_publish_start = time.time()
         fresh_after = sum(g.policy_version > self.version - self.cfg.max_staleness for g in buffered)
-        self.manifest, self.etag = publish(self.storage, self.policy, version, self.cfg,
+        if self._sharded:  # the followers' optimizer shards are saved before the manifest
+            self._gather()
+            self._tell("save", version=version)
+            barrier(self.ranks)
+        self.manifest, self.etag = publish(self.storage, self.full_policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
                                            self.chain, lambda: self._save(version),
                                            self._next_pool(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,6 +39,36 @@ error instead of hanging. Long enough for the slowest rank to load a large check
 
 class RankJoinError(VrlError):
     """This rank could not join the process group torchrun's environment describes."""
+
+
+class RankLostError(VrlError):
+    """A collective failed after the join: another rank died (torchrun then restarts them all,
+    given --max-restarts), hung past the timeout, or the network between them broke."""
+
+
+_COLLECTIVE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Connection (reset|closed)|timed? ?out", re.I)
+"""What torch's errors from a failed collective say (its RuntimeError names the backend or
+the broken connection), as against a bug of ours that happens to raise a RuntimeError."""
+
+
+def _first_sentence(e: Exception) -> str:
+    """torch's message without the C++ log lines and stack trace it runs on into
+    ("...).[E1126 20:50:18.77 socket.cpp:.."), and without the source path gloo puts first."""
+    first = re.split(r"\[[EWI]\d{4} ", str(e).strip() + "\n")[0].splitlines()[0].strip()
+    return re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first)
+
+
+@contextmanager
+def collective_errors(ranks: "Ranks", during: str):
+    """Turn torch's error from a failed collective into RankLostError (one line, naming this
+    rank and what it was doing); any other exception passes unchanged, traceback and all."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not ranks.joined or not _COLLECTIVE.search(str(e)):
+            raise
+        raise RankLostError(f"rank {ranks.rank} of {ranks.world_size} lost the other ranks "
+                            f"{during}: {_first_sentence(e)}") from e
 
 
 @dataclass(frozen=True)
@@ -102,14 +133,33 @@ def join(device: torch.device | str = "cpu",
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None,
+                                store=_attempt_store(rank, world, timeout_seconds),
+                                rank=rank, world_size=world)
     except (RuntimeError, ValueError) as e:  # torch's DistError (store, network) is a RuntimeError
-        # torch's message runs on into its C++ log lines ("...).[E1126 20:50:18.77 socket.cpp:..")
-        # and a stack trace: keep the sentence before them.
-        first = re.split(r"\[[EWI]\d{4} ", str(e).strip() + "\n")[0].splitlines()[0].strip()
         raise RankJoinError(f"rank {rank} of {world} did not join the {backend} group at {where} "
-                            f"within {timeout_seconds:g}s: {first}") from e
+                            f"within {timeout_seconds:g}s: {_first_sentence(e)}") from e
     return Ranks(rank=rank, world_size=world, device=device, joined=True)
+
+
+def _attempt_store(rank: int, world: int, timeout_seconds: float) -> dist.Store:
+    """The store the ranks meet in, as init_process_group's env:// would make it (a client of
+    the TCPStore that torchrun's agent hosts, or rank 0's own without the agent's), under a
+    prefix of torchrun's restart count.
+
+    Why the prefix: torchrun keeps one store across the restarts of its ranks (its default
+    since torch 2.5), and the ranks' addresses are kept there under the same names every
+    time, so a restarted rank could read a dead rank's address from the attempt before and
+    fail to connect (seen here: `Gloo connectFullMesh failed ... Connection refused` after
+    `kill -9` of one rank, one run in two; pytorch/pytorch#135712, whose workaround is
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun). A prefix per attempt works with
+    either setting."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent,
+                          timeout=timedelta(seconds=timeout_seconds), multi_tenant=not agent)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"vrl/attempt-{attempt}", store)
 
 
 def leave(ranks: Ranks) -> None:
@@ -223,3 +273,40 @@ def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Ten
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
     return full if ranks.is_writer else {}
+
+
+def broadcast_bytes(data: bytes | None, ranks: Ranks) -> bytes:
+    """The writer's `data` on every rank (the others pass None): its length, then its bytes,
+    as two broadcasts of CPU tensors (gloo on CPU, the gloo half of cuda:nccl,cpu:gloo on
+    CUDA). The writer's step decisions travel this way, as JSON of its own making: nothing a
+    rank receives is unpickled. A single process gets `data` back."""
+    if not ranks.joined:
+        return data or b""
+    size = torch.tensor([len(data) if ranks.is_writer else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if ranks.is_writer and size.item()
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    if size.item():
+        dist.broadcast(buf, src=0)
+    return bytes(buf.numpy()) if size.item() else b""
+
+
+def barrier(ranks: Ranks) -> None:
+    """Every rank waits for the others here (nothing for a single process)."""
+    if ranks.joined:
+        dist.barrier()
+
+
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
+                         ranks: Ranks) -> None:
+    """The writer's full state dict `full` into the sharded `model` of every rank (the others
+    pass {}): torch.distributed.checkpoint's set_model_state_dict broadcasts it from rank 0
+    and each rank keeps its shard. The ranks start from the writer's weights this way, whether
+    it built, warm-started or resumed them. A single process: load_state_dict."""
+    if not ranks.joined:
+        model.load_state_dict(full)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))

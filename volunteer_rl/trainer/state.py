@@ -30,14 +30,33 @@ def state_dir(root: Path, version: int) -> Path:
     return Path(root) / layout.version_dir(version)
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's own part: an FSDP2 rank's shard of a DTensor (trainer.ranks), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved moment back into the form of its parameter: this rank's shard made a DTensor
+    again for an FSDP2 parameter (AdamW's scalar `step` stays a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or value.dim() == 0:
+        return value
+    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())
+
+
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Flatten an optimizer state_dict into named tensors + JSON-able rest."""
+    """Flatten an optimizer state_dict into named tensors + JSON-able rest (of a sharded
+    optimizer: this rank's shards)."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for idx, slots in sd["state"].items():
         for name, value in slots.items():
             if torch.is_tensor(value):
-                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+                tensors[f"{idx}.{name}"] = _local(value).detach().cpu().contiguous()
             else:
                 scalars[f"{idx}.{name}"] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -80,10 +99,11 @@ def load_state(root: Path, version: int, opt: torch.optim.Optimizer) -> dict | N
     tensors = load_file(str(folder / OPTIMIZER_FILE))
     torch.set_rng_state(tensors.pop("__rng__"))
     rest = meta.pop("optimizer")
+    params = [p for group in opt.param_groups for p in group["params"]]
     state: dict[int, dict] = {}
     for name, value in tensors.items():
         idx, slot = name.split(".", 1)
-        state.setdefault(int(idx), {})[slot] = value
+        state.setdefault(int(idx), {})[slot] = _like_param(value, params[int(idx)])
     for name, value in rest["scalars"].items():
         idx, slot = name.split(".", 1)
         state.setdefault(int(idx), {})[slot] = value
