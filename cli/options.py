@@ -36,7 +36,7 @@ PANELS = {
     "Machine": ("device", "threads", "nice", "rank_timeout"),
     "Data": ("dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
-           "groups_per_step"),
+           "groups_per_step", "micro_batch"),
     "Publishing": ("publish_every", "publish_min_seconds", "quota_headroom", "keyframe_every",
                    "patch_max_fraction", "keep_versions", "gc_every"),
     "Audits and denylist": ("audit_tolerance", "replay_tolerance", "audit_share",

@@ -73,4 +73,4 @@ def test_readme_commands_install_from_the_lock():
         assert "-c requirements.lock" in line and "python3 -m venv .venv" in line
     assert demo[0].split("#")[0].rstrip().endswith("vrl demo")
     # .ci/run splits the test line at its last `&&`: set-up before, test command after.
-    assert tests[0].split("#")[0].rstrip().rsplit(" && ", 1)[1] == ".venv/bin/python -m pytest -q"
+    assert tests[0].split("#")[0].rstrip().rsplit(" && ", 1)[1] == ".venv/bin/python -m pytest -q -n 2 --dist loadfile"

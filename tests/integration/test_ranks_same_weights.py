@@ -5,9 +5,11 @@ v3: the two v3s agree within 1e-5 on every weight, and every step's loss and gra
 agree too (they name the step that went wrong). Audits are off, so nothing but the listing
 order decides which groups make each step, the same in both runs.
 
-Seen 2026-11-27: intact, the largest weight difference was 1.8e-6 and gradient norms agreed
-within 3e-6 relative; with trainer.ranks' gradient_scale returning 1 instead of N (FSDP2 then
-halves every gradient) it was 1.8e-3, and step 1's gradient norm was the first to differ."""
+Seen 2026-11-27: intact, the largest weight difference was 7.7e-7 (MICRO_BATCH says why the
+micro-batches match) and gradient norms agreed within 5e-7 relative; with trainer.ranks'
+gradient_scale returning 1 instead of N (FSDP2 then halves every gradient), run before the
+micro-batches matched, the difference was 1.8e-3 and step 1's gradient norm the first to
+differ."""
 from __future__ import annotations
 
 import json
@@ -32,6 +34,13 @@ LOSS_FLOOR = 1e-6
 """...and absolute on the loss: a GRPO loss is a sum of terms of both signs that nearly
 cancel (-0.0038 at one step, where the two runs differed by 5.4e-8: 1.4e-5 relative)."""
 STEPS, GROUPS = 10, 4
+MICRO_BATCH = GROUPS // 2 * 8
+"""Rows per forward and backward: a rank's share of a step (2 groups of K = 8), so the single
+process computes the same two micro-batches, one after the other, that the two ranks compute
+side by side. With the default (256 rows: the whole step at once) the matrix products have
+other shapes and round differently, and AdamW, which divides each element's step by its own
+gradient's size, turns a rounding difference on an element whose gradient nearly cancels
+into a visible one: on three sets of groups the gap was 1.8e-6, 6.1e-6 and 2.1e-5."""
 TIMEOUT = 120
 
 
@@ -54,7 +63,7 @@ def train(template, root: Path, ranks: int) -> dict:
             shelf.put(key(vid, f"s{j:02d}"), gz_lines(as_dicts(groups[j: j + GROUPS], vid)))
     proc = Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", str(GROUPS),
                  "--max-steps", str(STEPS), "--publish-every", str(STEPS), "--max-staleness", "4",
-                 "--audit-tolerance", "0", "--eval-every", "0",
+                 "--audit-tolerance", "0", "--eval-every", "0", "--micro-batch", str(MICRO_BATCH),
                  "--eval-dataset", str(template.eval_csv), "--threads", "1", "--poll-seconds", "0.05",
                  "--signing-key", str(template.key), "--work-dir", str(root / "work")],
                 root / "trainer.log", root, env={"OMP_NUM_THREADS": "1"}, ranks=ranks)
