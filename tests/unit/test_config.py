@@ -132,7 +132,7 @@ def test_every_setting_has_a_docstring_whose_first_sentence_is_the_help():
 
 # --- the flags of `vrl trainer` and `vrl volunteer` are the dataclasses' fields --------------
 
-NOT_FLAGS = {T: {"eval_prompts", "eval_samples", "micro_batch"},
+NOT_FLAGS = {T: {"eval_prompts", "eval_samples"},
              V: {"cap_patience_seconds", "manifest_grace_seconds"}}
 SHARED = {"bucket", "endpoint_url", "device"}  # one option on every command, from TrainerConfig
 
