@@ -11,10 +11,11 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from volunteer_rl.config import Checked, TrainerConfig, check, setting
-from volunteer_rl.launch import stop, vrl_command, vrl_env
+from volunteer_rl.launch import stop, vrl_command, vrl_env, vrl_ranks_command
 
 
 @dataclass
@@ -57,11 +58,15 @@ def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
     return t
 
 
-def start_processes(s: DemoSettings, bucket: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
-    env = vrl_env()
+def start_processes(s: DemoSettings, bucket: Path,
+                    trainer_ranks: int = 0) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    """The demo's trainer and volunteers, started; with `trainer_ranks`, the trainer as that
+    many torchrun ranks (bench.rank_steps)."""
+    env = vrl_env({"OMP_NUM_THREADS": str(s.threads or 1)} if trainer_ranks else None)
     work = bucket.parent / "work"
+    command = partial(vrl_ranks_command, trainer_ranks) if trainer_ranks else vrl_command
     trainer = subprocess.Popen(
-        vrl_command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
+        command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
                     "--groups-per-step", str(s.groups_per_step), "--eval-every", "100",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,6 +53,15 @@ def key(volunteer: str, name: str, version: int = TEMPLATE_VERSION) -> str:
     return f"rollouts/{layout.version_dir(version)}/{volunteer}/{name}.jsonl.gz"
 
 
+def honest_shards(template, bucket: Path, count: int) -> list[str]:
+    """`count` shards of 4 real groups into a copy of the template's bucket, one from each of
+    vol-0, vol-1, ... (volunteer i's groups 4i to 4i + 3, so no two shards share a group);
+    their keys."""
+    return [FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(
+                template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
+            for i in range(count)]
+
+
 def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
     """The version the bucket's manifest names, after checking its signature and fetching
     every file of its checkpoint (which raises on any missing or altered file)."""
@@ -59,3 +69,26 @@ def assert_manifest_complete(bucket: Path, tmp: Path) -> int:
     m = read_manifest(storage, trust=Trust(allow_unsigned=False))
     fetch_checkpoint(storage, m, tmp / f"check-v{m.version}")
     return m.version
+
+
+def published_versions(bucket: Path) -> list[int]:
+    """The versions whose manifest copy is in a folder bucket, in order."""
+    return sorted(layout.parse_version_dir(p.stem) for p in (bucket / "manifests").glob("v*.json"))
+
+
+def committed(bucket: Path) -> list[int]:
+    """The committed versions of a folder bucket: its manifest copies and manifest.json's."""
+    history = {layout.parse_version_dir(p.stem) for p in (bucket / "manifests").glob("v*.json")}
+    return sorted(history | {json.loads((bucket / "manifest.json").read_text())["version"]})
+
+
+def trained_lines(bucket: Path) -> Counter:
+    """(shard key, line) -> how often committed ledger records say it was trained."""
+    seen: Counter = Counter()
+    for v in committed(bucket):
+        path = bucket / layout.ledger_key(v)
+        if path.exists():
+            for rec in map(json.loads, path.read_text().splitlines()):
+                assert rec["outcome"] == "trained", rec
+                seen.update((rec["key"], line) for line in rec["lines"])
+    return seen

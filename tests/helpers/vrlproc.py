@@ -51,6 +51,14 @@ class Proc:
             self.p.wait()
 
 
+def stop_on_version(vols: list[Proc], version: int, timeout: float) -> list[int]:
+    """Wait until each volunteer says it is on `version` (it rebuilt and checked it), then
+    stop them all with SIGTERM; their exit codes."""
+    for v in vols:
+        wait_for(lambda: f"now on v{version} " in v.text(), timeout, f"{v.log.name} on v{version}")
+    return [v.terminate() for v in vols]
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -10,13 +10,11 @@ exactly once: none twice, none lost.
 """
 from __future__ import annotations
 
-import json
-from collections import Counter
 from pathlib import Path
 
 from conftest import TEMPLATE_VERSION
 
-from helpers.bucket_objects import FolderBucket, as_dicts, assert_manifest_complete, gz_lines, key
+from helpers.bucket_objects import assert_manifest_complete, committed, honest_shards, trained_lines
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.storage import open_storage
@@ -36,28 +34,9 @@ def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, crash: str | No
                 root / f"{name}.log", root, env)
 
 
-def committed(bucket: Path) -> list[int]:
-    history = {layout.parse_version_dir(p.stem) for p in (bucket / "manifests").glob("v*.json")}
-    return sorted(history | {json.loads((bucket / "manifest.json").read_text())["version"]})
-
-
-def trained_lines(bucket: Path) -> Counter:
-    """(shard key, line) -> how often committed ledger records say it was trained."""
-    seen: Counter = Counter()
-    for v in committed(bucket):
-        path = bucket / layout.ledger_key(v)
-        if path.exists():
-            for rec in map(json.loads, path.read_text().splitlines()):
-                assert rec["outcome"] == "trained", rec
-                seen.update((rec["key"], line) for line in rec["lines"])
-    return seen
-
-
 def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path):
     bucket = template.copy(tmp_path / "bucket")
-    keys = [FolderBucket(bucket).put(key(f"vol-{i}", "s"),
-                                     gz_lines(as_dicts(template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
-            for i in range(SHARDS)]
+    keys = honest_shards(template, bucket, SHARDS)
     expected = {(k, line) for k in keys for line in range(4)}
     versions = [TEMPLATE_VERSION]
     for point, nth in CRASHES:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
+from helpers.bucket_objects import honest_shards
 from helpers.vrlproc import Proc
 from volunteer_rl.protocol import layout
 
 
 def short_run(template, root: Path, *args: str) -> tuple[Path, str]:
     bucket = template.copy(root / "bucket")
-    for i in range(2):
-        FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
+    honest_shards(template, bucket, 2)
     trainer = Proc(["trainer", "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
                     "--eval-dataset", str(template.eval_csv), "--threads", "1",
                     "--poll-seconds", "0.05", "--work-dir", str(root / "tw"),

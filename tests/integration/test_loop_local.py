@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
+from helpers.bucket_objects import published_versions
+from helpers.vrlproc import Proc, one_line_error, run_vrl, stop_on_version, wait_for
 from volunteer_rl.protocol import layout
 
 MAX_STALENESS = 2
@@ -26,10 +27,6 @@ def metrics(bucket: Path) -> list[dict]:
     for f in sorted((bucket / "metrics").glob("v*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines()]
     return rows
-
-
-def published_versions(bucket: Path) -> list[int]:
-    return sorted(layout.parse_version_dir(p.stem) for p in (bucket / "manifests").glob("v*.json"))
 
 
 def stale_shard(bucket: Path) -> str:
@@ -64,9 +61,7 @@ def run(tmp_path_factory, template):
         late = stale_shard(bucket)
         assert trainer.wait(600) == 0, trainer.text()[-3000:]
         final = published_versions(bucket)[-1]
-        for v in vols:  # let each volunteer pick up the final version before stopping it
-            wait_for(lambda: f"now on v{final} " in v.text(), 60, f"{v.log.name} on v{final}")
-        codes = [v.terminate() for v in vols]
+        codes = stop_on_version(vols, final, 60)  # each picks up the final version first
     finally:
         for p in [trainer, *vols]:
             p.kill()

@@ -10,11 +10,8 @@ writer's weights and ledger from the bucket, each rank's optimizer shard from it
 The committed ledgers then show each of the 24 groups trained exactly once."""
 from __future__ import annotations
 
-from pathlib import Path
-
-from helpers.bucket_objects import FolderBucket, as_dicts, assert_manifest_complete, gz_lines, key
+from helpers.bucket_objects import assert_manifest_complete, honest_shards, trained_lines
 from helpers.vrlproc import Proc, wait_for
-from test_crash import trained_lines
 
 SHARDS = 6
 KILLED = "crash point optimizer_step: SIGKILL"
@@ -22,9 +19,7 @@ KILLED = "crash point optimizer_step: SIGKILL"
 
 def test_a_rank_killed_mid_step_restarts_and_nothing_is_trained_twice_or_lost(template, tmp_path):
     bucket = template.copy(tmp_path / "bucket")
-    keys = [FolderBucket(bucket).put(key(f"vol-{i}", "s"),
-                                     gz_lines(as_dicts(template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
-            for i in range(SHARDS)]
+    keys = honest_shards(template, bucket, SHARDS)
     expected = {(k, line) for k in keys for line in range(4)}
     proc = Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", "4",
                  "--max-staleness", "50", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
@@ -33,7 +28,7 @@ def test_a_rank_killed_mid_step_restarts_and_nothing_is_trained_twice_or_lost(te
                 {"VRL_CRASH_AT": "optimizer_step:3@1", "OMP_NUM_THREADS": "1"}, ranks=2, restarts=1)
     try:
         wait_for(lambda: KILLED in proc.text(), 300, "rank 1 killing itself")
-        wait_for(lambda: set(trained_lines(Path(bucket))) == expected, 300, "every group trained")
+        wait_for(lambda: set(trained_lines(bucket)) == expected, 300, "every group trained")
     finally:
         proc.terminate(120)
     text = proc.text()

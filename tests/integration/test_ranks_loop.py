@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers.vrlproc import Proc, wait_for
-from volunteer_rl.protocol import layout
+from helpers.bucket_objects import published_versions
+from helpers.vrlproc import Proc, stop_on_version
 
 STEPS = 12
 GROUPS = 16
-
-
-def published_versions(bucket: Path) -> list[int]:
-    return sorted(layout.parse_version_dir(p.stem) for p in (bucket / "manifests").glob("v*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +36,7 @@ def run(tmp_path_factory, template):
     try:
         assert trainer.wait(600) == 0, trainer.text()[-4000:]
         final = published_versions(bucket)[-1]
-        for v in vols:
-            wait_for(lambda: f"now on v{final} " in v.text(), 120, f"{v.log.name} on v{final}")
-        codes = [v.terminate() for v in vols]
+        codes = stop_on_version(vols, final, 120)
     finally:
         for p in [trainer, *vols]:
             p.kill()
