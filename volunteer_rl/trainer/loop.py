@@ -294,6 +294,9 @@ class Trainer:
                 manifest, _ = poll_manifest(self.storage, None, trust=self.trust)
                 return manifest or self.manifest
 
+    # -----------------------------------------------------------------------------------------
+    # Starting: a fresh run, or a resumed one.
+
     def _start_fresh(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
