@@ -37,7 +37,7 @@ def tiny_llama(layers: int = 2) -> torch.nn.Module:
 def test_without_torchrun_join_is_a_single_process_with_no_group(no_torchrun):
     ranks = join("cpu", timeout_seconds=1)
     assert ranks == Ranks(rank=0, world_size=1, device=torch.device("cpu"), joined=False)
-    assert ranks.is_writer
+    assert ranks.is_writer and not ranks.is_follower
     assert not dist.is_initialized()
 
 
@@ -47,7 +47,7 @@ def test_without_torchrun_shard_model_leaves_the_model_alone(no_torchrun):
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     types = {n: type(m) for n, m in model.named_modules()}
-    ranks = join("cpu")
+    ranks = join("cpu", timeout_seconds=1)
     assert shard_model(model, ranks) is model
     assert {n: type(m) for n, m in model.named_modules()} == types  # no FSDP classes swapped in
     assert not any(isinstance(p, DTensor) for p in model.parameters())
@@ -60,7 +60,7 @@ def test_a_partial_torchrun_environment_is_one_clear_error(no_torchrun, monkeypa
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RankJoinError, match="RANK set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
                                             "MASTER_PORT not"):
-        join("cpu")
+        join("cpu", timeout_seconds=1)
     assert not dist.is_initialized()
 
 

@@ -2,7 +2,7 @@
 (audit, withheld), the losses, the optimizer
 state between publishes, the warm start, held-out evaluation, the per-volunteer counts and
 denials, retention, stopping on a signal, and the ranks of a trainer under torchrun (ranks:
-the process group, FSDP2 sharding and the writer's full weights; not yet used by the loop).
+the process group, FSDP2 sharding, the writer's full weights and its messages to the others).
 
 May import: observe, model, task, protocol, storage and the shared modules.
 """

@@ -148,7 +148,7 @@ class Trainer:
         if self.ranks.joined:  # each rank's optimizer shard, by world size: resume with as many
             r, n = self.ranks.rank, self.ranks.world_size
             self.state_root = self.state_root / f"ranks-{n}" / f"rank-{r}"
-            if not self.ranks.is_writer:
+            if self.ranks.is_follower:
                 self.scratch = Path(cfg.work_dir) / f"rank-{r}"
         self.steps = 0  # optimizer steps of the whole run, restored on resume
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
@@ -184,7 +184,7 @@ class Trainer:
         A follower rank reads what the writer published once it has started, and takes its
         shard of the writer's weights (_start_follower)."""
         cfg = self.cfg
-        if self.ranks.joined and not self.ranks.is_writer:
+        if self.ranks.is_follower:
             with collective_errors(self.ranks, "while starting"):
                 return self._start_follower()
         with self.stop.abortable():
@@ -525,7 +525,7 @@ class Trainer:
             torch.set_num_threads(self.cfg.threads)
         try:
             with collective_errors(self.ranks, "while training"):
-                if self.ranks.joined and not self.ranks.is_writer:
+                if self.ranks.is_follower:
                     return self._follow()
                 try:
                     manifest = self._run()

@@ -31,13 +31,6 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 """What torchrun sets for every rank it starts. All of them present: this process is a rank;
 none: a single process; some: a broken launch (RankJoinError)."""
 
-JOIN_TIMEOUT_SECONDS = 300.0
-"""Default limit on joining the group and on every collective after it (init_process_group's
-`timeout`, which gloo applies to each collective and NCCL's watchdog enforces): a rank whose
-peers never arrive, or one that waits on a collective its peers never enter, fails with an
-error instead of hanging. Long enough for the slowest rank to load a large checkpoint."""
-
-
 class RankJoinError(VrlError):
     """This rank could not join the process group torchrun's environment describes."""
 
@@ -89,6 +82,11 @@ class Ranks:
         """Rank 0 alone publishes (and, later, writes the ledger's commits)."""
         return self.rank == 0
 
+    @property
+    def is_follower(self) -> bool:
+        """A joined rank other than the writer: it does what the writer tells it."""
+        return self.joined and not self.is_writer
+
 
 def single(device: torch.device | str = "cpu") -> Ranks:
     """The plain `vrl trainer`: one process, rank 0 of 1, no process group."""
@@ -109,14 +107,14 @@ def backend_for(device: torch.device) -> str:
                         f"cpu (gloo); use one of those or launch without torchrun")
 
 
-def join(device: torch.device | str = "cpu",
-         timeout_seconds: float = JOIN_TIMEOUT_SECONDS) -> Ranks:
+def join(device: torch.device | str, timeout_seconds: float) -> Ranks:
     """This process's Ranks: joined to the process group when torchrun started it, else
     `single(device)` with no group and nothing else done.
 
     Under torchrun a CUDA rank trains on cuda:LOCAL_RANK (one GPU per rank, as torchrun's
     --nproc-per-node counts them). Every collective of the group, the join included, fails
-    after `timeout_seconds`. RankJoinError (one line) for an incomplete torchrun environment,
+    after `timeout_seconds` (init_process_group's `timeout`, which gloo applies to each
+    collective and NCCL's watchdog enforces; the trainer's --rank-timeout). RankJoinError (one line) for an incomplete torchrun environment,
     a device with no backend, or a group not joined within the timeout."""
     device = torch.device(device)
     present = [k for k in TORCHRUN_ENV if k in os.environ]
