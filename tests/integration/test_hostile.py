@@ -77,7 +77,8 @@ def make_bucket(backend: str, template, root: Path, name: str, endpoint: str | N
 
 def trainer(bucket, root: Path, name: str, eval_csv: Path, key: Path, ranks: int) -> Proc:
     """`vrl trainer` for one step of 8 groups; with `ranks`, as that many torchrun ranks (its
-    intake is the writer's, issue 28, and must turn away every hostile object the same)."""
+    volunteers are split between the ranks, issue 28, and each hostile object must be turned
+    away the same by whichever rank reads it)."""
     return Proc(["trainer", *bucket.args, "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",

@@ -58,8 +58,10 @@ def test_the_writer_publishes_every_version_once_and_trains_every_step(run):
     ms = steps(run["bucket"])
     assert [m["step"] for m in ms] == list(range(1, STEPS + 1))
     assert all(m["rollout/groups"] == GROUPS for m in ms)
-    # both ranks were there: torchrun ran two, and the follower rank saved its optimizer shard
-    assert (run["root"] / "tw" / "state" / "ranks-2" / "rank-1").is_dir()
+    # both ranks were there: torchrun ran two, and each saved its optimizer shards (DCP)
+    final = versions[-1]
+    shards = sorted(p.name for p in (run["root"] / "tw" / "state" / f"v{final:06d}" / "optimizer").iterdir())
+    assert len(shards) == 2 and all(p.endswith(".safetensors") for p in shards), shards
     assert run["trainer"].count("trainer stopped at v") == 2, run["trainer"][-3000:]
 
 

@@ -1,15 +1,22 @@
 """Issue 28, Done-when (a): `vrl trainer` as two gloo ranks under a real torchrun (FSDP2 over
 the template's tiny model) and as one process, each resuming a copy of the template's bucket
-in which the same 10 shards of 4 real groups wait, train 10 steps of 4 groups and publish
-v3: the two v3s agree within 1e-5 on every weight, and every step's loss and gradient norm
-agree too (they name the step that went wrong). Audits are off, so nothing but the listing
+in which the same 10 shards of 4 real groups wait, train 10 steps of 4 groups, publishing v3
+after 5 and v4 after 10: the two v4s agree within 1e-5 on every weight, and every step's loss
+and gradient norm agree too (they name the step that went wrong). Audits are off, so nothing but the listing
 order decides which groups make each step, the same in both runs.
 
 Seen 2026-11-27: intact, the largest weight difference was 7.7e-7 (MICRO_BATCH says why the
 micro-batches match) and gradient norms agreed within 5e-7 relative; with trainer.ranks'
 gradient_scale returning 1 instead of N (FSDP2 then halves every gradient), run before the
 micro-batches matched, the difference was 1.8e-3 and step 1's gradient norm the first to
-differ."""
+differ.
+
+A third run checks the optimizer state the ranks save (torch.distributed.checkpoint): 2 ranks
+train the first 5 steps and publish v3, then one plain process resumes their bucket and work
+dir, trains the other 5 and publishes v4. Its v4 must be the single process's within the
+same 1e-5, which holds only if AdamW's moments came back whole from the ranks' shards.
+Seen 2026-11-27: 2.6e-7 between the two v4s, 3.0e-7 for the resumed one; with the single
+process's load of the ranks' moments skipped (fresh moments, no warning), 2.4e-3."""
 from __future__ import annotations
 
 import json
@@ -34,6 +41,8 @@ LOSS_FLOOR = 1e-6
 """...and absolute on the loss: a GRPO loss is a sum of terms of both signs that nearly
 cancel (-0.0038 at one step, where the two runs differed by 5.4e-8: 1.4e-5 relative)."""
 STEPS, GROUPS = 10, 4
+HALF = STEPS // 2  # steps between publishes
+LAST = TEMPLATE_VERSION + STEPS // HALF  # the version published after the last step
 MICRO_BATCH = GROUPS // 2 * 8
 """Rows per forward and backward: a rank's share of a step (2 groups of K = 8), so the single
 process computes the same two micro-batches, one after the other, that the two ranks compute
@@ -44,9 +53,10 @@ into a visible one: on three sets of groups the gap was 1.8e-6, 6.1e-6 and 2.1e-
 TIMEOUT = 120
 
 
-def train(template, root: Path, ranks: int) -> dict:
-    """Resume a copy of the template's bucket holding the same shards, train STEPS steps,
-    publish once; the published weights (fp32) and the step metrics."""
+def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = False) -> dict:
+    """Resume a copy of the template's bucket holding the same shards, train `steps` steps,
+    publishing every HALF; the published weights (fp32) by version, the step metrics and the
+    log. `again`: resume the bucket and work dir of an earlier call in `root` instead."""
     from safetensors.torch import load
 
     from volunteer_rl.model.chain import fetch_weights
@@ -54,55 +64,76 @@ def train(template, root: Path, ranks: int) -> dict:
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
 
-    root.mkdir()
-    bucket = template.copy(root / "bucket")
-    shelf = FolderBucket(bucket)
-    for vid in ("vol-0", "vol-1"):
-        groups = template.groups(vid)[: STEPS * GROUPS // 2]
-        for j in range(0, len(groups), GROUPS):
-            shelf.put(key(vid, f"s{j:02d}"), gz_lines(as_dicts(groups[j: j + GROUPS], vid)))
+    bucket = root / "bucket"
+    if not again:
+        root.mkdir()
+        template.copy(bucket)
+        shelf = FolderBucket(bucket)
+        for vid in ("vol-0", "vol-1"):
+            groups = template.groups(vid)[: STEPS * GROUPS // 2]
+            for j in range(0, len(groups), GROUPS):
+                shelf.put(key(vid, f"s{j:02d}"), gz_lines(as_dicts(groups[j: j + GROUPS], vid)))
     proc = Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", str(GROUPS),
-                 "--max-steps", str(STEPS), "--publish-every", str(STEPS), "--max-staleness", "4",
+                 "--max-steps", str(steps), "--publish-every", str(HALF), "--max-staleness", "4",
                  "--audit-tolerance", "0", "--eval-every", "0", "--micro-batch", str(MICRO_BATCH),
                  "--eval-dataset", str(template.eval_csv), "--threads", "1", "--poll-seconds", "0.05",
                  "--signing-key", str(template.key), "--work-dir", str(root / "work")],
-                root / "trainer.log", root, env={"OMP_NUM_THREADS": "1"}, ranks=ranks)
+                root / ("again.log" if again else "trainer.log"), root,
+                env={"OMP_NUM_THREADS": "1"}, ranks=ranks)
     assert proc.wait(300) == 0, proc.text()[-4000:]
+    out = {"log": proc.text()}
     storage = open_storage(str(bucket))
     trust = Trust(resolve_trust_key(f"{template.key}.pub"))
-    out = {}
-    for v in (TEMPLATE_VERSION, TEMPLATE_VERSION + 1):
-        out[v] = load(bytes(fetch_weights(storage, read_manifest(storage, v, trust=trust)).buf))
-    lines = [json.loads(x) for x in (bucket / layout.metrics_key(TEMPLATE_VERSION + 1)).read_text().splitlines()]
+    lines = []
+    for v in range(TEMPLATE_VERSION, LAST + 1):
+        manifest = read_manifest(storage, v, trust=trust)
+        if manifest is not None:
+            out[v] = load(bytes(fetch_weights(storage, manifest).buf))
+        if v > TEMPLATE_VERSION and (bucket / layout.metrics_key(v)).exists():
+            lines += [json.loads(x) for x in (bucket / layout.metrics_key(v)).read_text().splitlines()]
     out["steps"] = [(m["train/loss"], m["train/grad_norm"]) for m in lines if m["kind"] == "step"]
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, template) -> tuple[dict, dict]:
+def runs(tmp_path_factory, template) -> tuple[dict, dict, dict]:
+    """(one process, 2 ranks, 2 ranks for half the steps then one process for the rest)."""
     root = tmp_path_factory.mktemp("ranks-same")
-    return train(template, root / "single", 0), train(template, root / "two", 2)
+    single, two = train(template, root / "single", 0), train(template, root / "two", 2)
+    train(template, root / "moved", 2, HALF)
+    return single, two, train(template, root / "moved", 0, STEPS - HALF, again=True)
 
 
 def test_two_ranks_publish_the_single_process_weights(runs):
-    single, two = runs
-    a, b = single[TEMPLATE_VERSION + 1], two[TEMPLATE_VERSION + 1]
+    single, two, _ = runs
+    a, b = single[LAST], two[LAST]
     assert sorted(a) == sorted(b)
     gap = max((a[k] - b[k]).abs().max().item() for k in a)
     assert gap <= WEIGHT_TOLERANCE, f"largest weight difference {gap:.3e}"
 
 
 def test_every_step_has_the_single_process_loss_and_gradient_norm(runs):
-    single, two = runs
+    single, two, _ = runs
     assert len(single["steps"]) == len(two["steps"]) == STEPS
     for i, ((loss, norm), (r_loss, r_norm)) in enumerate(zip(single["steps"], two["steps"])):
         assert r_loss == pytest.approx(loss, rel=STEP_TOLERANCE, abs=LOSS_FLOOR), f"step {i + 1} loss"
         assert r_norm == pytest.approx(norm, rel=STEP_TOLERANCE), f"step {i + 1} gradient norm"
 
 
+def test_one_process_resumes_the_moments_the_ranks_saved(runs):
+    """The ranks saved AdamW's moments sharded; one process loads them whole and its steps
+    carry on as if one process had trained all along."""
+    single, _, moved = runs
+    assert "fresh optimizer moments" not in moved["log"], moved["log"][-3000:]
+    assert "resuming run-" in moved["log"]
+    a, b = single[LAST], moved[LAST]
+    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert gap <= WEIGHT_TOLERANCE, f"largest weight difference {gap:.3e}"
+
+
 def test_the_steps_moved_the_weights(runs):
     """Equality within 1e-5 means something only if training moves weights by far more."""
-    start, end = runs[0][TEMPLATE_VERSION], runs[0][TEMPLATE_VERSION + 1]
+    start, end = runs[0][TEMPLATE_VERSION], runs[0][LAST]
     moved = max((end[k] - start[k]).abs().max().item() for k in start)
     assert moved > 100 * WEIGHT_TOLERANCE, f"largest move {moved:.3e}"
 

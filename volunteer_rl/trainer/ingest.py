@@ -9,13 +9,14 @@ shards (trainer.audit decides which) have every token replayed against its commi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from volunteer_rl.faults import crash_point
 from volunteer_rl.protocol import layout
@@ -88,6 +89,13 @@ class ScoredGroup:
     """Content hash (ledger.group_digest)."""
     shard_size: int = 0
     """Groups in its shard (the ledger's completeness count)."""
+    arrival: int = 0
+    """The poll that took it (Ingest's count): groups of one version are trained in order of
+    arrival, then key and line, the same order on every rank (split_fresh)."""
+
+
+_COUNTS = ("shards", "groups", "zero_variance", "duplicates", "denied", "over_cap", "trainer_errors")
+"""IngestStats' plain counts."""
 
 
 @dataclass
@@ -105,6 +113,30 @@ class IngestStats:
     audit: AuditStats = field(default_factory=AuditStats)
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
+
+
+    def to_json(self) -> dict:
+        """For the writer rank, which counts every rank's intake in its step metrics.
+        (Not dataclasses.asdict: it rebuilds a Counter from (key, count) pairs, which counts
+        the pairs.)"""
+        return {**{name: getattr(self, name) for name in _COUNTS},
+                "rejected": dict(self.rejected), "by_volunteer": self.by_volunteer,
+                "audit": dataclasses.asdict(self.audit)}
+
+    def add_json(self, raw: dict) -> None:
+        """Add another rank's counts (to_json of its IngestStats: the trainer's own rank)."""
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + raw[name])
+        self.rejected.update(raw["rejected"])
+        for volunteer, (accepted, rejected) in raw["by_volunteer"].items():
+            counts = self.by_volunteer.setdefault(volunteer, [0, 0])
+            counts[0] += accepted
+            counts[1] += rejected
+        a, b = self.audit, raw["audit"]
+        a.audited, a.skipped, a.deferred = a.audited + b["audited"], a.skipped + b["skipped"], a.deferred + b["deferred"]
+        a.seconds += b["seconds"]
+        for volunteer, n in b["by_volunteer"].items():
+            a.by_volunteer[volunteer] = a.by_volunteer.get(volunteer, 0) + n
 
 
 @dataclass
@@ -162,14 +194,22 @@ class Rules:
 
 def split_fresh(groups: list[ScoredGroup], version: int,
                 max_staleness: int) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
-    """(fresh, stale): fresh groups sorted newest first, stale ones past the window.
+    """(fresh, stale): fresh groups in training order (train_order), stale ones past the
+    window.
 
     Newest first so the trainer learns from the most on-policy data it has; the rest waits
     for the next step or falls out of the window."""
     fresh = [g for g in groups if layout.in_window(version - g.policy_version, max_staleness)]
     stale = [g for g in groups if not layout.in_window(version - g.policy_version, max_staleness)]
-    fresh.sort(key=lambda g: g.policy_version, reverse=True)
+    fresh.sort(key=train_order)
     return fresh, stale
+
+
+def train_order(g: ScoredGroup) -> tuple:
+    """Newest version first; within one, first arrived first, then key and line. The ranks
+    sort the groups they took by it and agree on a step's batch as the first of their merged
+    lists, so 2 ranks pick the very groups one process would."""
+    return (-g.policy_version, g.arrival, g.key, g.line)
 
 
 def check_version(claimed: int, key_version: int, win: Window) -> None:
@@ -258,6 +298,17 @@ def _key_version(key: str) -> int:
     return parts[1] if parts else -1
 
 
+class FleetShare(Protocol):
+    """What Ingest needs of a rank's share of the fleet (trainer.shares.Share)."""
+
+    rank: int
+    owns_nobodys: bool
+
+    def owns(self, volunteer: str) -> bool: ...
+
+    def exchange(self, report: dict) -> list[dict]: ...
+
+
 class Ingest:
     """Pulls in the new shards of the window each poll, against the ledger.
 
@@ -269,7 +320,8 @@ class Ingest:
                  auditor: Auditor | None = None, log: Callable[[str], None] = print,
                  log_shards: bool = False, fetch_workers: int = FETCH_WORKERS,
                  numbers: GroupNumbers | None = None,
-                 observe: Callable[[int, list[float]], None] | None = None):
+                 observe: Callable[[int, list[float]], None] | None = None,
+                 share: "FleetShare | None" = None):
         self.storage = storage
         self.rules = rules
         self.ledger = ledger
@@ -301,6 +353,13 @@ class Ingest:
         self.capped: dict[str, list[str]] = {}
         """Folder -> its first MAX_OBJECTS_PER_VOLUNTEER_VERSION keys, for the folders found
         over the cap: those keys are all the trainer will ever take from them."""
+        self.share = share
+        """Under torchrun, this rank's share of the fleet (trainer.shares): only its own
+        volunteers are listed, and every poll meets the other ranks twice. None: a single
+        process, which reads every volunteer."""
+        self._claims: list[list] = []  # [digest, version, volunteer] claimed this poll
+        self._released: list[str] = []  # claims given back this poll (a failed re-audit)
+        self._rechecks: list[list] = []  # [volunteer, digests]: re-audits for other ranks
 
     def poll(self, win: Window, stats: IngestStats,
              waiting: list[ScoredGroup] = ()) -> list[ScoredGroup]:
@@ -335,13 +394,16 @@ class Ingest:
                 groups = self._read(key, fetched, win, stats)
                 if groups is not None:
                     parsed.append((key, groups))
-            contested = self._contest(parsed)
+            contested = self._contest(parsed, self._parsed_elsewhere(parsed))
             for key, groups in parsed:
                 if not self._denied(key, stats):
                     out.extend(self._take(key, groups, stats, contested.get(key, frozenset())))
+            out = self._claimed_elsewhere(out, stats)
         finally:
             if self.auditor is not None:
                 self.auditor.settle()
+        for g in out:
+            g.arrival = self._polls
         return [g for g in [*waiting, *out] if g.key not in self.withdrawn]
 
     def _list_version(self, version: int, stats: IngestStats) -> list[str]:
@@ -356,8 +418,11 @@ class Ingest:
         except StorageError as exc:
             self.log(f"warning: {exc}")
             return []
-        keys = [e for e in entries if not e.endswith("/")][:cap]
+        nobodys = self.share is None or self.share.owns_nobodys
+        keys = [e for e in entries if not e.endswith("/")][:cap] if nobodys else []
         for folder in (e for e in entries if e.endswith("/")):
+            if not self._mine(folder):
+                continue
             if self._denied(folder, stats):
                 continue
             if folder in self.capped:
@@ -373,6 +438,17 @@ class Ingest:
                 listed = self.capped[folder] = listed[:cap]
             keys += listed
         return sorted(keys)
+
+    def _mine(self, folder: str) -> bool:
+        """True if this process reads `folder` (a volunteer's folder in a version): always
+        for a single process; under ranks, if the volunteer is this rank's (trainer.shares).
+        A folder whose name is no volunteer id is the writer's, to reject its objects."""
+        if self.share is None:
+            return True
+        author = layout.rollout_author(folder + "x")
+        if author is None:
+            return self.share.owns_nobodys
+        return self.share.owns(author[1])
 
     def _wanted(self, key: str) -> bool:
         """True if `key` still has something to take."""
@@ -503,7 +579,66 @@ class Ingest:
             self._reject(key, "internal_error", type(exc).__name__, stats)
         return None
 
-    def _contest(self, parsed: list[tuple[str, list[ScoredGroup]]]) -> dict[str, frozenset[str]]:
+    def _parsed_elsewhere(self, parsed: list[tuple[str, list[ScoredGroup]]]) -> dict[str, set[str]]:
+        """Under ranks (a collective): digest -> volunteers of the groups the other ranks
+        parsed in this poll, for _contest; each rank sends its own. A single process: {}."""
+        if self.share is None:
+            return {}
+        mine = [[g.digest, g.volunteer_id] for _, groups in parsed for g in groups]
+        others: dict[str, set[str]] = {}
+        for rank, report in enumerate(self.share.exchange({"parsed": mine})):
+            if rank != self.share.rank:
+                for digest, volunteer in report.get("parsed", ()):
+                    others.setdefault(digest, set()).add(volunteer)
+        return others
+
+    def _claimed_elsewhere(self, out: list[ScoredGroup], stats: IngestStats) -> list[ScoredGroup]:
+        """Under ranks (a collective): tell the other ranks the contents this poll claimed,
+        the claims given back and the re-audits asked of them; learn theirs. Their claims
+        become owners in this rank's ledger (so a later copy of them here is contested);
+        content claimed here and by a lower rank in the same poll is recorded a duplicate
+        here and dropped from `out`; re-audits of this rank's volunteers run now. A single
+        process: `out` as it is."""
+        if self.share is None:
+            return out
+        report = {"claims": self._claims, "released": self._released, "recheck": self._rechecks}
+        self._claims, self._released, self._rechecks = [], [], []
+        reports = self.share.exchange(report)
+        mine = {c[0] for c in reports[self.share.rank]["claims"]}
+        lost: dict[str, tuple[int, str]] = {}
+        for rank, other in enumerate(reports):
+            if rank == self.share.rank:
+                continue
+            for digest, version, volunteer in other["claims"]:
+                if digest in mine:
+                    if rank < self.share.rank:
+                        lost.setdefault(digest, (version, volunteer))
+                    continue
+                self.ledger.claim(digest, version, volunteer)
+            for digest in other["released"]:
+                owner = self.ledger.owner(digest)
+                if owner is not None and not self.share.owns(owner):
+                    self.ledger.release([digest])
+        if lost:
+            dup = [g for g in out if g.digest in lost]
+            for key in sorted({g.key for g in dup}):
+                gs = [g for g in dup if g.key == key]
+                self.ledger.record(key, "duplicate", [g.line for g in gs], gs[0].shard_size)
+            for digest, holder in lost.items():
+                self.ledger.digests[digest] = holder
+            stats.duplicates += len(dup)
+            out = [g for g in out if g.digest not in lost]
+        for other in reports:
+            for volunteer, digests in other["recheck"]:
+                if self.share.owns(volunteer):
+                    wanted = frozenset(digests)
+                    for key, gs in list(self.unaudited.get(volunteer, {}).items()):
+                        if any(g.digest in wanted for g in gs):
+                            self._recheck(volunteer, key, stats, only=wanted)
+        return out
+
+    def _contest(self, parsed: list[tuple[str, list[ScoredGroup]]],
+                 elsewhere: dict[str, set[str]] | None = None) -> dict[str, frozenset[str]]:
         """Key -> digests of its groups whose content is also in another volunteer's shard of
         this poll, or was taken from another volunteer before. Committed noise is keyed by the
         volunteer, so the same tokens under two ids mean one of them did not sample them:
@@ -511,10 +646,11 @@ class Ingest:
         groups are replayed, not their whole shards: honest volunteers sampling one prompt
         from a confident policy send identical groups all the time (a 300 s demo had 488 in
         412 of its 2,568 shards), and whole-shard replays of them kept the audit budget spent
-        for the whole run."""
+        for the whole run. Under ranks, `elsewhere` adds the other ranks' groups of this poll
+        (_parsed_elsewhere), and the ledger's owners include their earlier claims."""
         if self.auditor is None:
             return {}
-        ids: dict[str, set[str]] = {}
+        ids: dict[str, set[str]] = {d: set(v) for d, v in (elsewhere or {}).items()}
         for key, groups in parsed:
             for g in groups:
                 ids.setdefault(g.digest, set()).add(g.volunteer_id)
@@ -607,6 +743,9 @@ class Ingest:
         its claims back, so the original's groups are taken."""
         mine = frozenset(g.digest for g in groups)
         for other in {self.ledger.owner(d) for d in mine} - {None, volunteer}:
+            if self.share is not None and not self.share.owns(other):  # its rank re-audits
+                self._rechecks.append([other, sorted(d for d in mine if self.ledger.owner(d) == other)])
+                continue
             for key, gs in list(self.unaudited.get(other, {}).items()):
                 if any(g.digest in mine for g in gs):
                     self._recheck(other, key, stats, only=mine)
@@ -648,6 +787,8 @@ class Ingest:
         shards.pop(key, None)  # rejected or left whole: nothing of it stays unaudited
         self.withdrawn.add(key)
         self.ledger.release([g.digest for g in untrained])
+        if self.share is not None:
+            self._released += [g.digest for g in untrained]
         if problem:
             self.fleet.revoke(volunteer, groups[0].shard_size)
             self._reject(key, problem[0], problem[1], stats, groups[0].shard_size)
@@ -691,6 +832,8 @@ class Ingest:
             if not self.ledger.claim(g.digest, g.policy_version, g.volunteer_id):
                 dup.append(g)
                 continue
+            if self.share is not None:
+                self._claims.append([g.digest, g.policy_version, g.volunteer_id])
             if self.observe is not None:
                 self.observe(g.prompt_id, g.rewards)
             if max(g.rewards) == min(g.rewards):

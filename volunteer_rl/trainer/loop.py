@@ -8,19 +8,19 @@ SIGINT and SIGTERM (stopping.py) end it with exit 0 and nothing half-made: the l
 the step in hand, publishes the steps not yet published (without the final evaluation) and
 writes their metrics, fleet.json and dashboard/ one last time.
 
-Under torchrun it is one of N ranks (trainer.ranks, docs/SCALE.md). Rank 0, the writer, runs
-this loop as a single process would: it reads the bucket, audits, decides every step and
-publishes. The model, its gradients and AdamW's moments are sharded over all ranks (FSDP2),
-so every step and every gathering of the full weights is collective: the writer tells the
-other ranks (the followers, `_follow`) what to do next through `_tell`, one small JSON
-message at a time, and they do it with it. The writer keeps one unsharded copy of the model
-(`_second`), filled by each gather, to publish, evaluate and audit from.
+Under torchrun it is one of N ranks (trainer.ranks, docs/SCALE.md). Every rank reads and
+audits the shards of its own share of the volunteers (trainer.shares); rank 0, the writer,
+decides every step and publishes, as a single process would. The model, its gradients and
+AdamW's moments are sharded over all ranks (FSDP2), so every poll, step and gathering of the
+full weights is collective: the writer tells the other ranks (the followers, `_follow`) what
+to do next through `_tell`, one small JSON message at a time, and they do it with it. The
+writer keeps one unsharded copy of the model (`_second`), filled by each gather, to publish,
+evaluate and audit from; with audits each follower keeps one too, for its own audits.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import random
 import time
@@ -75,7 +75,17 @@ from volunteer_rl.trainer.publish import (
     upload_dataset,
 )
 from volunteer_rl.trainer.retention import TrainerRetention
-from volunteer_rl.trainer.state import load_state, master_weights, prune_states, save_state
+from volunteer_rl.trainer.shares import Share, agree_on_batch
+from volunteer_rl.trainer.state import (
+    has_sharded_optimizer,
+    load_sharded_optimizer,
+    load_state,
+    master_weights,
+    prepare_sharded,
+    prune_states,
+    save_sharded_optimizer,
+    save_state,
+)
 from volunteer_rl.trainer.step import StepResult, audit_groups, non_finite_groups, train_step
 from volunteer_rl.trainer.warmstart import warm_start
 from volunteer_rl.trainer.withheld import GroupNumbers
@@ -143,14 +153,18 @@ class Trainer:
         self.problems = load_csv(train_path)
         self.held_out = load_csv(eval_path)
         self.metrics_buffer: list[dict] = []
+        # Ranks share it: each writes its optimizer shards into a version's folder (state.py).
         self.state_root = Path(cfg.work_dir) / "state"
         self.scratch = Path(cfg.work_dir)  # checkpoint downloads
-        if self.ranks.joined:  # each rank's optimizer shard, by world size: resume with as many
-            r, n = self.ranks.rank, self.ranks.world_size
-            self.state_root = self.state_root / f"ranks-{n}" / f"rank-{r}"
-            if self.ranks.is_follower:
-                self.scratch = Path(cfg.work_dir) / f"rank-{r}"
+        if self.ranks.is_follower:
+            self.scratch = Path(cfg.work_dir) / f"rank-{self.ranks.rank}"
+        self._moments = False  # the writer resumed a state whose moments the ranks load together
         self.steps = 0  # optimizer steps of the whole run, restored on resume
+        # This rank's share of the fleet's intake (trainer.shares); None: a single process.
+        self.share = Share(self.ranks) if self.ranks.joined else None
+        self._observed: list[list] = []  # a follower's curriculum observations, for the writer
+        self._peers: dict[int, dict] = {}  # the followers' counts and numbers at the last save
+        self._gathered: dict[str, torch.Tensor] | None = None  # a follower's copy of a gather
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
         self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
@@ -198,41 +212,59 @@ class Trainer:
                 self._resume(manifest, etag)
             # Versions left half-published by a crash are never reused: the next one goes above.
             self.last_used = max([self.version] + published_or_started(self.storage))
-            policy = self.policy
-            rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
-                          policy.decode_all, policy.eos_id, policy.special_ids, run_id=self.run_id)
-            self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
-            auditor = None
-            if cfg.audit_tolerance > 0:
-                auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
-                                  cfg.audit_floor)
-                self._recover_window_weights(trust)
-            self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
-                                 self.log, cfg.log_shards, numbers=self.numbers,
-                                 observe=lambda pid, rewards: self.picker.observe(self.problems[pid], rewards))
+            self._build_ingest(trust)
         if self.ranks.joined:
             with collective_errors(self.ranks, "while starting"):
                 self._share_model(public_key_text(self.key))
 
+    def _build_ingest(self, trust: Trust) -> None:
+        """The intake (trainer.ingest) of this process, or of this rank's share of the fleet,
+        with its rules, and its auditor holding the window's weights if audits are on."""
+        cfg, policy = self.cfg, self.policy
+        rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
+                      policy.decode_all, policy.eos_id, policy.special_ids, run_id=self.run_id)
+        self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
+        auditor = None
+        if cfg.audit_tolerance > 0:
+            auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
+                              cfg.audit_floor)
+            self._recover_window_weights(trust)
+        if self.ranks.is_follower:  # the writer's curriculum learns them (_intake_round)
+            observe = lambda pid, rewards: self._observed.append([pid, rewards])  # noqa: E731
+        else:
+            observe = lambda pid, rewards: self.picker.observe(self.problems[pid], rewards)  # noqa: E731
+        self.ingest = Ingest(self.storage, rules, self.ledger, self.fleet, auditor,
+                             self.log, cfg.log_shards, numbers=self.numbers, observe=observe,
+                             share=self.share)
+
     # -----------------------------------------------------------------------------------------
-    # Ranks (torchrun): how the model is shared, and what the followers do.
+    # Ranks (torchrun): how the model and the fleet are shared, and what the followers do.
 
     def _share_model(self, trust_key: str) -> None:
         """Writer, after it started as a single process would (built or resumed, v0 out):
-        tell the followers whose manifests to trust, keep an unsharded copy of the model
-        (_second), then shard the model with the followers and give them its weights."""
-        broadcast_bytes(json.dumps({"trust_key": trust_key}).encode(), self.ranks)
+        tell the followers whose manifests to trust and where the run stands (its step, its
+        window, every volunteer's counts and numbers: each keeps its own volunteers', and so
+        does the writer), keep an unsharded copy of the model (_second), then shard the model
+        with the followers and give them its weights."""
+        start = {"trust_key": trust_key, "steps": self.steps, "published": sorted(self.published),
+                 "volunteers": self.fleet.to_json(), "group_numbers": self.numbers.to_json(),
+                 "moments": self._moments}
+        broadcast_bytes(json.dumps(start).encode(), self.ranks)
+        self._keep_own_volunteers(start)
         self._second_model()
         full = {k: v.detach().cpu() for k, v in self.policy.model.state_dict().items()}
-        self._shard_and_load(full)
+        self._shard_and_load(full, self._moments)
 
     def _start_follower(self) -> None:
-        """A follower: the writer's trust key (once the writer has started), the model the
-        manifest names as its skeleton (architecture and tokenizer; any weights), then its
-        shard of the writer's own weights (fp32 master included)."""
+        """A follower: the writer's trust key and where the run stands (once the writer has
+        started), the model the manifest names as its skeleton (architecture and tokenizer;
+        any weights), the window's ledger as committed and, with audits, the window's weights
+        (both read from the bucket, as the writer reads them on a resume), its intake of its
+        share of the fleet, then its shard of the writer's own weights (fp32 master
+        included)."""
         cfg = self.cfg
-        message = json.loads(broadcast_bytes(None, self.ranks))
-        self.trust = Trust(message["trust_key"], cfg.allow_unsigned, origin="the writer rank's key")
+        start = json.loads(broadcast_bytes(None, self.ranks))
+        self.trust = Trust(start["trust_key"], cfg.allow_unsigned, origin="the writer rank's key")
         self.manifest, _ = poll_manifest(self.storage, None, trust=self.trust)
         if self.manifest is None:  # the writer told us it published: a bug, or a second trainer
             raise TrainerError(f"{layout.MANIFEST}: missing after the writer rank started")
@@ -240,21 +272,35 @@ class Trainer:
         folder = fetch_checkpoint(self.storage, self.manifest, self.scratch / "model",
                                   require_model=True)
         self.policy = load_policy(folder, self.device)
-        self.prompt_ids = dict(enumerate(encode_prompts(self.policy, [p.prompt for p in self.problems])))
-        self._shard_and_load({})
+        self.steps, self.published = int(start["steps"]), set(start["published"])
+        self._keep_own_volunteers(start)
+        self.ledger = rebuild(self.storage, sorted(self.published))
+        self.ledger.prune(self.window().low)
+        self._build_ingest(self.trust)  # with audits its unsharded copy is made here, unsharded
+        self._shard_and_load({}, start["moments"])
 
-    def _shard_and_load(self, full: dict[str, torch.Tensor]) -> None:
+    def _keep_own_volunteers(self, start: dict) -> None:
+        """This rank's volunteers' counts and group numbers, of all the writer saved."""
+        mine = self.share.owns
+        self.fleet.load_counts({v: c for v, c in start["volunteers"].items() if mine(v)})
+        try:
+            self.numbers.by = GroupNumbers.from_json(
+                {v: n for v, n in start["group_numbers"].items() if mine(v)}).by
+        except ValueError as exc:
+            self.log(f"warning: {exc}: group numbers start afresh")
+
+    def _shard_and_load(self, full: dict[str, torch.Tensor], moments: bool) -> None:
         """Every rank: FSDP2 over the policy, the writer's `full` weights broadcast into the
-        shards, the optimizer built on them, and this rank's optimizer shard of the manifest's
-        version if it saved one (the writer's meta was read by _resume already)."""
+        shards, the optimizer built on them, and, if the writer found them (`moments`), the
+        manifest's version's sharded moments, resharded onto these ranks whatever number of
+        ranks saved them (state.load_sharded_optimizer; the writer read the rest in _resume)."""
         shard_model(self.policy.model, self.ranks)
         load_full_state_dict(self.policy.model, full, self.ranks)
         self._sharded = True
         self._make_optimizer()
-        meta = load_state(self.state_root, self.manifest.version, self.opt)
-        if self.manifest.version and (meta is None or meta.get("run_id") != self.run_id):
-            self.log(f"rank {self.ranks.rank}: warning: no saved optimizer shard for "
-                     f"v{self.manifest.version} in {self.state_root}: fresh optimizer moments")
+        if moments:
+            load_sharded_optimizer(self.state_root, self.manifest.version, self.policy.model,
+                                   self.opt)
 
     def _tell(self, do: str, **fields) -> None:
         """Writer: the followers' next action (see _follow). A single process: nothing."""
@@ -263,9 +309,11 @@ class Trainer:
 
     def _gather(self) -> None:
         """Writer: the current weights, gathered from every rank, into _second (which then
-        holds no published version: audits and evals load theirs back)."""
-        self._tell("gather")
-        full = full_state_dict(self.policy.model, self.ranks)
+        holds no published version: audits and evals load theirs back). With audits every
+        follower gets them too, to keep the version it is about to save (_follow)."""
+        everyone = self.cfg.audit_tolerance > 0
+        self._tell("gather", everyone=everyone)
+        full = full_state_dict(self.policy.model, self.ranks, everyone=everyone)
         self._second.model.load_state_dict(full)
         self.window_weights.loaded = None
 
@@ -273,26 +321,108 @@ class Trainer:
         """A follower's loop: do what the writer tells, until it says stop. Returns the
         manifest the writer left (as read from the bucket)."""
         cfg = self.cfg
-        saved: list[int] = []
+        buffer: list[ScoredGroup] = []
+        batch: list[ScoredGroup] = []
         while True:
             message = json.loads(broadcast_bytes(None, self.ranks))
             do = message["do"]
-            if do == "step":
-                batch = [ScoredGroup(**g) for g in message["groups"]]
-                train_step(self.policy, self.opt, batch, self.prompt_ids, message["version"], cfg,
-                           ranks=self.ranks)
+            if do == "poll":  # our share of the intake, then the step if the ranks have a batch
+                w = message["window"]
+                win = Window(w["version"], cfg.max_staleness, set(w["published"]),
+                             {int(v): tuple(p) for v, p in w["pools"].items()})
+                buffer, batch, _, _ = self._intake_round(buffer, IngestStats(), win)
+                if batch is None:
+                    continue
+                result = train_step(self.policy, self.opt, batch, self.prompt_ids, win.version,
+                                    cfg, ranks=self.ranks)
+                if result.applied:  # the same decision on every rank (ranks.sum_over_ranks)
+                    self.steps += 1
+                    self._record(self._own(batch), "trained", self.steps)
+            elif do == "reject":  # the step on `batch` was refused: the writer names the culprits
+                buffer = self._refused(message["keys"], self._own(batch) + buffer, IngestStats())
             elif do == "gather":
-                full_state_dict(self.policy.model, self.ranks)
-            elif do == "save":  # before the writer commits the version: our shard of its state
+                self._gathered = full_state_dict(self.policy.model, self.ranks,
+                                                 everyone=message["everyone"]) or None
+            elif do == "save":  # before the writer commits the version: our part of its state
                 version = message["version"]
-                save_state(self.state_root, version, self.opt,
-                           {"run_id": self.run_id, "rank": self.ranks.rank})
-                saved = saved[-1:] + [version]  # the last committed one stays until the next
-                prune_states(self.state_root, set(saved))
+                save_sharded_optimizer(self.state_root, version, self.policy.model, self.opt)
+                self._report_to_writer(version)
                 barrier(self.ranks)
             elif do == "stop":
                 manifest, _ = poll_manifest(self.storage, None, trust=self.trust)
                 return manifest or self.manifest
+
+    def _report_to_writer(self, version: int) -> None:
+        """A follower, before the writer commits `version`: its ledger records (the writer
+        writes them with its own, before the manifest), its volunteers' counts and numbers
+        (saved in the writer's state, shown in fleet.json); then, with audits, the version's
+        weights as volunteers load them (from the gather before), for its share's audits."""
+        self.share.exchange({"ledger": self.ledger.pending, "volunteers": self.fleet.to_json(),
+                             "group_numbers": self.numbers.to_json()})
+        self.ledger.pending = []
+        low = layout.window(version, self.cfg.max_staleness).start
+        self.ledger.prune(low)
+        if self._gathered is not None:
+            self._second.model.load_state_dict(self._gathered)
+            self._gathered = None
+            self.window_weights.add(version, self._second.model,
+                                    WEIGHTS_DTYPES[self.cfg.weights_dtype])
+            self.window_weights.loaded = None
+            self.window_weights.drop_below(low)
+
+    def _hear_followers(self) -> None:
+        """Writer, before it commits a version: every follower's ledger records (written
+        with its own, so exactly-once holds across ranks), counts and numbers."""
+        for rank, report in enumerate(self.share.exchange({})):
+            if rank == self.ranks.rank:
+                continue
+            for rec in report["ledger"]:
+                self.ledger.apply(rec)
+                self.ledger.pending.append(rec)
+            self._peers[rank] = {"volunteers": report["volunteers"],
+                                 "group_numbers": report["group_numbers"]}
+
+    def _own(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        """The groups of this rank's volunteers (a single process: all of them)."""
+        if self.share is None:
+            return list(groups)
+        return [g for g in groups if self.share.owns(g.volunteer_id)]
+
+    def _intake_round(self, buffer: list[ScoredGroup], stats: IngestStats,
+                      win: Window) -> tuple[list[ScoredGroup], list[ScoredGroup] | None, int, int]:
+        """One poll of the intake, stale groups recorded, and the step's batch if there are
+        enough fresh groups: (groups left waiting, the batch or None, groups gone stale,
+        fresh groups held). Under ranks every rank polls its share and they agree on the
+        batch (shares.agree_on_batch); the writer's `stats`, staleness count and curriculum
+        take in every rank's poll."""
+        size = self.cfg.groups_per_step
+        buffer = self.ingest.poll(win, stats, buffer)
+        fresh, stale = split_fresh(buffer, win.version, self.cfg.max_staleness)
+        self._record(stale, "stale")
+        if self.share is None:
+            if len(fresh) < size:
+                return fresh, None, len(stale), len(fresh)
+            return fresh[size:], fresh[:size], len(stale), len(fresh)
+        report = {}
+        if self.ranks.is_follower:
+            report = {"stats": stats.to_json(), "stale": len(stale), "observed": self._observed,
+                      "received": dict(self.fleet.take_received())}
+            self._observed = []
+        batch, taken, reports = agree_on_batch(self.share, fresh, size, report)
+        stale_n = len(stale)
+        if self.ranks.is_writer:
+            for report in reports[1:]:
+                stats.add_json(report["stats"])
+                stale_n += report["stale"]
+                self.fleet.received.update(report["received"])
+                for pid, rewards in report["observed"]:
+                    self.picker.observe(self.problems[pid], rewards)
+        return fresh[taken:], batch, stale_n, sum(r["fresh"] for r in reports)
+
+    def _window_message(self) -> dict:
+        """The window as the followers' intake needs it (each poll's message)."""
+        return {"version": self.version, "published": sorted(self.published),
+                "pools": {str(v): list(p) for v, p in self.pools.items()}}
 
     # -----------------------------------------------------------------------------------------
     # Starting: a fresh run, or a resumed one.
@@ -336,7 +466,16 @@ class Trainer:
         self.published = self._committed(win)
         self.ledger = rebuild(self.storage, sorted(self.published))
         self.ledger.prune(win.low)
-        meta = load_state(self.state_root, manifest.version, self.opt)
+        # Ranks load sharded moments together once sharded (_shard_and_load); the writer reads
+        # the rest here. A single process loads either kind itself.
+        meta = load_state(self.state_root, manifest.version,
+                          None if self.ranks.joined else self.opt, self.policy.model)
+        ours = meta is not None and meta.get("run_id") == self.run_id
+        self._moments = self.ranks.joined and ours and has_sharded_optimizer(self.state_root,
+                                                                             manifest.version)
+        if self.ranks.joined and ours and not self._moments:
+            self.log(f"warning: v{manifest.version}'s optimizer state in {self.state_root} was "
+                     f"saved by one process, not by ranks: the ranks start with fresh moments")
         if meta is None or meta.get("run_id") != self.run_id:
             self.log(f"warning: no saved trainer state for v{manifest.version} in "
                      f"{self.state_root}: fresh optimizer moments")
@@ -407,10 +546,14 @@ class Trainer:
         """Ledger to the bucket and trainer state to disk, both before the manifest of `version`."""
         self.ledger.flush(self.storage, version)
         master = self.full_policy.model if self.cfg.weights_dtype != "fp32" else None
+        volunteers, numbers = self.fleet.to_json(), self.numbers.to_json()
+        for peer in self._peers.values():  # under ranks: every rank's volunteers
+            volunteers.update(peer["volunteers"])
+            numbers.update(peer["group_numbers"])
         save_state(self.state_root, version, self.opt,
-                   {"run_id": self.run_id, "steps": self.steps, "volunteers": self.fleet.to_json(),
-                    "group_numbers": self.numbers.to_json()},
-                   master=master)
+                   {"run_id": self.run_id, "steps": self.steps, "volunteers": volunteers,
+                    "group_numbers": numbers},
+                   master=master, sharded=self._sharded)
 
     @property
     def published_policy(self) -> Policy:
@@ -422,10 +565,13 @@ class Trainer:
         what vN is (the fp32 master differs from its weights by up to ~0.4 % per weight). That
         model is also the audit model (_second_model; audits load other versions into it, this
         loads the current one back, a copy of the weights), so the trainer holds one such copy,
-        not two."""
+        not two. Under ranks with fp32 weights and no audits it is the writer's copy as the
+        publish's gather left it, which are the published weights."""
         if self.cfg.weights_dtype == "fp32" and not self._sharded:
             return self.policy
         held = self._second_model()
+        if self.cfg.weights_dtype == "fp32" and self.cfg.audit_tolerance <= 0:
+            return held
         if not self.window_weights.load_into(self.version, held.model):
             raise RuntimeError(f"v{self.version}'s published weights are not held")  # a bug
         return held
@@ -446,9 +592,11 @@ class Trainer:
     def _keep_window_weights(self) -> None:
         """Hold the version just published, as volunteers load it: for audits, every version
         of the window; without audits, that version only (published_policy's), and with fp32
-        weights without audits none (published_policy is the trainer's own model)."""
+        weights without audits none (published_policy is the trainer's own model, or under
+        ranks the writer's gathered copy: a second copy of the same weights would only cost
+        the writer memory)."""
         auditing = self.cfg.audit_tolerance > 0
-        if not auditing and self.cfg.weights_dtype == "fp32" and not self.ranks.joined:
+        if not auditing and self.cfg.weights_dtype == "fp32":
             return
         self.window_weights.add(self.version, self.full_policy.model,
                                 WEIGHTS_DTYPES[self.cfg.weights_dtype])
@@ -520,22 +668,27 @@ class Trainer:
         self.metrics_buffer = []
 
     def run(self) -> Manifest:
-        """The loop (a follower rank: _follow); every rank leaves the process group after it."""
+        """The loop (a follower rank: _follow); every rank leaves the process group after it,
+        together when the writer told the followers to stop (ranks.leave)."""
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         try:
             with collective_errors(self.ranks, "while training"):
                 if self.ranks.is_follower:
-                    return self._follow()
+                    manifest = self._follow()
+                    leave(self.ranks, meet=True)
+                    return manifest
                 try:
                     manifest = self._run()
                 except (VrlError, StorageError):
                     self._tell("stop")  # failed outside a collective (the bucket): let them go
+                    leave(self.ranks, meet=True)
                     raise
                 self._tell("stop")
+                leave(self.ranks, meet=True)
                 return manifest
         finally:
-            leave(self.ranks)
+            leave(self.ranks)  # after a failed collective: the others may be gone
 
     def _run(self) -> Manifest:
         cfg = self.cfg
@@ -545,31 +698,26 @@ class Trainer:
         stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
         while not self._done(steps, started):
             t0 = time.time()
-            buffer = self.ingest.poll(self.window(), stats, buffer)  # less shards rejected since
-            fresh, stale = split_fresh(buffer, self.version, cfg.max_staleness)
-            self._record(stale, "stale")
-            stale_dropped += len(stale)
+            self._tell("poll", window=self._window_message())  # the followers poll their share
+            buffer, batch, stale, fresh = self._intake_round(buffer, stats, self.window())
+            stale_dropped += stale
             t_ingest += time.time() - t0
-            if len(fresh) < cfg.groups_per_step:
-                buffer = fresh
+            if batch is None:
                 if self.waiting.due():
-                    self.log(waiting_line(len(fresh), stats, cfg.groups_per_step, self.steps))
+                    self.log(waiting_line(fresh, stats, cfg.groups_per_step, self.steps))
                 self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
-                waited += cfg.poll_seconds
-                self._tell("wait")  # followers wait in this message's collective meanwhile
+                waited += cfg.poll_seconds  # (followers wait in the next message's collective)
                 continue
-            batch, buffer = fresh[: cfg.groups_per_step], fresh[cfg.groups_per_step:]
             t0 = time.time()
-            self._tell("step", version=self.version, groups=[dataclasses.asdict(g) for g in batch])
             result = train_step(self.policy, self.opt, batch, self.prompt_ids, self.version, cfg,
                                 ranks=self.ranks)
             if not result.applied:
-                buffer = self.refuse_step(batch + buffer, batch, result, stats)
+                buffer = self.refuse_step(self._own(batch) + buffer, batch, result, stats)
                 continue
             steps += 1
             unpublished += 1
             self.steps += 1
-            self._record(batch, "trained", self.steps)
+            self._record(self._own(batch), "trained", self.steps)
             self.balance.after_step(time.time(), self.fleet.take_received(),
                                     Counter(g.volunteer_id for g in batch), stats.groups,
                                     stats.zero_variance + stats.duplicates, waited)
@@ -591,16 +739,25 @@ class Trainer:
                      result: StepResult, stats: IngestStats) -> list[ScoredGroup]:
         """After a step on `batch` with a non-finite loss or gradient was not applied: reject
         (quarantine, ledger, charge) the shards of the groups to blame, or of the whole batch
-        if no single group is; return the groups of `waiting` from other shards."""
+        if no single group is; return the groups of `waiting` from other shards. Under ranks
+        the writer finds them and each rank rejects its own volunteers' (_refused)."""
         if self._sharded:
             self._gather()  # each group's own backward runs on the writer's whole copy
         bad = non_finite_groups(self.full_policy, batch, self.prompt_ids, self.version, self.cfg) or batch
         keys = sorted({g.key for g in bad})
         self.log(f"warning: step not applied: loss {result.loss}, gradient norm {result.grad_norm}; "
                  f"rejecting {len(keys)} shard(s)")
+        self._tell("reject", keys=keys)
+        return self._refused(keys, waiting, stats)
+
+    def _refused(self, keys: list[str], waiting: list[ScoredGroup],
+                 stats: IngestStats) -> list[ScoredGroup]:
+        """Reject the shards `keys` of this rank's volunteers; the groups of `waiting` left."""
         for key in keys:
-            self.ingest.reject(key, "non_finite", "non_finite: its groups gave a non-finite loss or "
-                               "gradient (the step was not applied)", stats)
+            author = layout.rollout_author(key)
+            if self.share is None or (author is not None and self.share.owns(author[1])):
+                self.ingest.reject(key, "non_finite", "non_finite: its groups gave a non-finite "
+                                   "loss or gradient (the step was not applied)", stats)
         return [g for g in waiting if g.key not in keys]
 
     def _finish(self, unpublished: int) -> None:
@@ -642,9 +799,12 @@ class Trainer:
         version = self.last_used
         self.last_publish_start = time.time()
         fresh_after = sum(g.policy_version > self.version - self.cfg.max_staleness for g in buffered)
-        if self._sharded:  # the followers' optimizer shards are saved before the manifest
+        if self._sharded:  # every rank's optimizer shards and ledger records before the manifest
             self._gather()
+            prepare_sharded(self.state_root, version)
             self._tell("save", version=version)
+            save_sharded_optimizer(self.state_root, version, self.policy.model, self.opt)
+            self._hear_followers()
             barrier(self.ranks)
         self.manifest, self.etag = publish(self.storage, self.full_policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
@@ -669,8 +829,18 @@ class Trainer:
         """fleet.json and dashboard/, for people: each written when its cadence says so, and
         at the end. Neither can fail the trainer."""
         records = metrics.parse_lines(self.metrics_buffer)  # once, for both
-        self.fleet_summary.after_publish(self.manifest, self.steps, records, self.fleet, final,
-                                         self.numbers.next_number, self.balance)
+        fleet, numbers = self.fleet, self.numbers
+        if self._peers:  # under ranks: every rank's volunteers, as of the last save
+            fleet = copy.copy(self.fleet)
+            fleet.counts = dict(self.fleet.counts)
+            numbers = GroupNumbers(by=dict(self.numbers.by))
+            for peer in self._peers.values():  # (our own ranks' JSON: a ValueError is a bug)
+                theirs = Fleet()
+                theirs.load_counts(peer["volunteers"])
+                fleet.counts.update(theirs.counts)
+                numbers.by.update(GroupNumbers.from_json(peer["group_numbers"]).by)
+        self.fleet_summary.after_publish(self.manifest, self.steps, records, fleet, final,
+                                         numbers.next_number, self.balance)
         self.dashboard.after_publish(records, final)
 
     def _record_step(self, step: int, batch: list[ScoredGroup], result: StepResult,

@@ -16,6 +16,7 @@ Without torchrun's environment every function here is the single process it alwa
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from contextlib import contextmanager
@@ -161,9 +162,17 @@ def _attempt_store(rank: int, world: int, timeout_seconds: float) -> dist.Store:
     return dist.PrefixStore(f"vrl/attempt-{attempt}", store)
 
 
-def leave(ranks: Ranks) -> None:
-    """Destroy the process group `join` made (nothing for a single process)."""
+def leave(ranks: Ranks, meet: bool = False) -> None:
+    """Destroy the process group `join` made (nothing for a single process).
+
+    After a barrier when `meet`: the ranks end together, so none tears its connections down
+    while another still reads from them. Without it rank 0 (whose last message is a
+    broadcast it returns from as soon as it is sent) aborted at exit in about one run of
+    five here ("terminate called without an active exception", SIGABRT from gloo's
+    teardown). `meet` false: leaving after a failure, when the others may be gone."""
     if ranks.joined and dist.is_initialized():
+        if meet:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -256,19 +265,25 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
     return total.item()
 
 
-def full_state_dict(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, ranks: Ranks,
+                    everyone: bool = False) -> dict[str, torch.Tensor]:
     """The model's full, unsharded state dict on the CPU, for the writer to publish exactly
     what a single process would; every rank must call it (it all-gathers), and the other
-    ranks get an empty dict.
+    ranks get an empty dict, or with `everyone` the full dict too (ranks that audit their
+    share of the fleet keep each published version's weights, as the writer does).
 
     torch.distributed.checkpoint's get_model_state_dict with full_state_dict and cpu_offload:
     each parameter is gathered and copied to the CPU on rank 0 alone, one at a time, so only
-    the writer ever holds the whole model, and in CPU memory. A single process: its own
+    the writer ever holds the whole model, and in CPU memory. `everyone`: without cpu_offload,
+    every rank gets every gathered parameter, moved to the CPU here. A single process: its own
     state dict, on the CPU (shared with the live model where it already is on the CPU)."""
     if not ranks.joined:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if everyone:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in full.items()}
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
     return full if ranks.is_writer else {}
@@ -288,6 +303,35 @@ def broadcast_bytes(data: bytes | None, ranks: Ranks) -> bytes:
     if size.item():
         dist.broadcast(buf, src=0)
     return bytes(buf.numpy()) if size.item() else b""
+
+
+def all_gather_bytes(data: bytes, ranks: Ranks) -> list[bytes]:
+    """Every rank's `data`, in rank order, on every rank: the lengths, then the bytes padded
+    to the longest, as two all-gathers of CPU tensors (gloo). Each rank's intake reports travel
+    this way, as JSON of the trainer's own making: nothing is unpickled. A single process gets
+    [data]."""
+    if not ranks.joined:
+        return [data]
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ranks.world_size)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    if not longest:
+        return [b""] * ranks.world_size
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(ranks.world_size)]
+    dist.all_gather(bufs, mine)
+    return [bytes(b[: int(s.item())].numpy()) for b, s in zip(bufs, sizes)]
+
+
+def owner_rank(volunteer: str, world_size: int) -> int:
+    """The rank whose intake reads `volunteer`'s shards: a stable hash of the id (the same on
+    every rank, in every run, whatever Python's hash seed), so each volunteer's state (trust,
+    group numbers, audits) lives on one rank."""
+    digest = hashlib.sha256(volunteer.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % world_size
 
 
 def barrier(ranks: Ranks) -> None:

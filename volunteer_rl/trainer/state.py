@@ -5,6 +5,13 @@ Saved for version N before the manifest commits N, as a folder whose `state.json
 written last (tmp + rename): a folder without it was cut short and is ignored. On restart
 the trainer loads the state of the version the manifest names, so optimizer and weights
 always belong together. Plain safetensors + JSON: nothing is unpickled.
+
+A trainer of several ranks (trainer.ranks) saves AdamW's moments sharded, with
+torch.distributed.checkpoint: every rank writes its own shards into the version's
+`optimizer/` folder (DCP's Hugging Face storage: one safetensors file per rank, each tensor's
+offsets in its header, no pickled metadata file), and loading reshards them onto however many
+ranks resume, one process included (save_sharded_optimizer, load_sharded_optimizer). The
+rest (step, counts, RNG, fp32 masters) is the writer's, in the same folder.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from volunteer_rl.protocol import layout
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+SHARDED_DIR = "optimizer"
+"""The sharded optimizer state of a trainer of several ranks (torch.distributed.checkpoint)."""
 MASTER_FILE = "master.safetensors"
 """fp32 master weights, saved only when the published checkpoint is not fp32 (bf16): the
 checkpoint alone would lose their low bits on resume."""
@@ -30,51 +39,37 @@ def state_dir(root: Path, version: int) -> Path:
     return Path(root) / layout.version_dir(version)
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A tensor's own part: an FSDP2 rank's shard of a DTensor (trainer.ranks), else itself."""
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A saved moment back into the form of its parameter: this rank's shard made a DTensor
-    again for an FSDP2 parameter (AdamW's scalar `step` stays a plain tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor) or value.dim() == 0:
-        return value
-    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                              shape=param.shape, stride=param.stride())
-
-
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Flatten an optimizer state_dict into named tensors + JSON-able rest (of a sharded
-    optimizer: this rank's shards)."""
+    """Flatten an optimizer state_dict into named tensors + JSON-able rest."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for idx, slots in sd["state"].items():
         for name, value in slots.items():
             if torch.is_tensor(value):
-                tensors[f"{idx}.{name}"] = _local(value).detach().cpu().contiguous()
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
             else:
                 scalars[f"{idx}.{name}"] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
-               master: torch.nn.Module | None = None) -> Path:
+               master: torch.nn.Module | None = None, sharded: bool = False) -> Path:
     """Write state/v<version>/: optimizer tensors (and `master`'s fp32 weights if given), then
-    state.json as the completion mark."""
+    state.json as the completion mark. `sharded`: the ranks saved the optimizer's tensors
+    already (save_sharded_optimizer, into this folder); only the rest is written here."""
     from safetensors.torch import save_file
 
     folder = state_dir(root, version)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    tensors, rest = _optimizer_tensors(opt)
     rng = torch.get_rng_state()
-    tensors["__rng__"] = rng
-    save_file(tensors, str(folder / OPTIMIZER_FILE))
+    if sharded:
+        rest = {"sharded": True}
+        save_file({"__rng__": rng}, str(folder / OPTIMIZER_FILE))
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        tensors, rest = _optimizer_tensors(opt)
+        tensors["__rng__"] = rng
+        save_file(tensors, str(folder / OPTIMIZER_FILE))
     if master is not None:
         from volunteer_rl.model.weights import write_weights
 
@@ -87,9 +82,13 @@ def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
     return folder
 
 
-def load_state(root: Path, version: int, opt: torch.optim.Optimizer) -> dict | None:
+def load_state(root: Path, version: int, opt: torch.optim.Optimizer | None,
+               model: torch.nn.Module | None = None) -> dict | None:
     """Restore the optimizer and RNG saved for `version`; its meta dict, or None if there is
-    no complete state for that version."""
+    no complete state for that version. The meta's "optimizer" says how the moments were
+    saved: {"sharded": true} by ranks (loaded here only when a single process resumes them,
+    which needs its `model`; ranks load them together, load_sharded_optimizer), else the
+    optimizer's own. `opt` None: the meta and RNG only."""
     from safetensors.torch import load_file
 
     folder = state_dir(root, version)
@@ -98,17 +97,76 @@ def load_state(root: Path, version: int, opt: torch.optim.Optimizer) -> dict | N
     meta = json.loads((folder / STATE_FILE).read_text())
     tensors = load_file(str(folder / OPTIMIZER_FILE))
     torch.set_rng_state(tensors.pop("__rng__"))
-    rest = meta.pop("optimizer")
-    params = [p for group in opt.param_groups for p in group["params"]]
+    rest = meta["optimizer"]
+    if opt is None:
+        return meta
+    if rest.get("sharded"):
+        load_sharded_optimizer(root, version, model, opt)
+        return meta
     state: dict[int, dict] = {}
     for name, value in tensors.items():
         idx, slot = name.split(".", 1)
-        state.setdefault(int(idx), {})[slot] = _like_param(value, params[int(idx)])
+        state.setdefault(int(idx), {})[slot] = value
     for name, value in rest["scalars"].items():
         idx, slot = name.split(".", 1)
         state.setdefault(int(idx), {})[slot] = value
     opt.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
     return meta
+
+
+def save_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
+                           opt: torch.optim.Optimizer) -> None:
+    """Every rank, together: this rank's shards of AdamW's moments into state/v<version>/
+    optimizer/ (torch.distributed.checkpoint with its Hugging Face safetensors storage: each
+    rank one file, offsets in its header). The writer then finishes the folder with
+    save_state(sharded=True); until its state.json exists the folder does not count."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    dcp.save({"state": osd["state"]},
+             storage_writer=HuggingFaceStorageWriter(str(state_dir(root, version) / SHARDED_DIR),
+                                                     save_distributed=True))
+
+
+def load_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
+                           opt: torch.optim.Optimizer) -> None:
+    """Every rank together (or one process alone): the moments save_sharded_optimizer wrote,
+    resharded onto this model's parameters, whatever number of ranks saved them. The
+    template is the optimizer's own state, which get_optimizer_state_dict initialises."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    osd = get_optimizer_state_dict(model, opt)
+    template = {"state": osd["state"]}
+    with warnings.catch_warnings():  # one process: DCP says it assumes so, which it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(
+            str(state_dir(root, version) / SHARDED_DIR)))
+    set_optimizer_state_dict(model, opt, {"state": template["state"],
+                                          "param_groups": osd["param_groups"]})
+
+
+def has_sharded_optimizer(root: Path, version: int) -> bool:
+    """True if `version`'s complete state holds sharded moments (saved by ranks)."""
+    path = state_dir(root, version) / STATE_FILE
+    if not path.exists():
+        return False
+    return bool(json.loads(path.read_text())["optimizer"].get("sharded"))
+
+
+def prepare_sharded(root: Path, version: int) -> None:
+    """The writer, before the ranks save `version`'s moments: an empty folder for them."""
+    folder = state_dir(root, version)
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / SHARDED_DIR).mkdir(parents=True)
 
 
 def master_weights(root: Path, version: int) -> Path | None:
