@@ -105,12 +105,11 @@ GROUPS_PER_STEP = 2  # a multiple of RANKS: each rank computes one group
 K = 8  # the trainer's default
 MAX_NEW_TOKENS = 32  # the trainer's default; the longest train-set answer is 16 tokens + EOS
 PATCH_MAX_FRACTION = 0.25
-"""Below the default 0.5, so that publishing v1 never makes a patch, which with fp32 weights is
-refused anyway (every word changes: ~0.8 of the file after zstd) and v1 goes out whole either
-way. At 0.5 WeightsChain.plan's "cannot pay" test (changed words x 4 x 0.5 against 0.5 x the
-file, whose header makes it a few KB more than the words) never skips it, and make_patch's
-index arrays and copies take ~34 bytes a changed word for a moment (measured at 11.5 M
-parameters): ~20 GB more at 0.6 B, on either side, which this machine does not have."""
+"""Below the default 0.5, so that WeightsChain.plan's "cannot pay" test (changed words x 4 x
+0.5 against the limit) skips making a patch for v1, whose every fp32 word changed: making
+one takes ~34 bytes a changed word for a moment (make_patch's index arrays and copies,
+measured at 11.5 M parameters), ~20 GB more at 0.6 B on either side, which this machine does
+not have. v1 goes out whole either way at this size (its patch came to ~0.8 of the file)."""
 POLL_SECONDS = 0.5
 GIB = float(1 << 30)
 EVAL_ROWS = 2

@@ -252,29 +252,3 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
     assert all(isinstance(r, Exception) and "cast failed" in str(r) for r in failed), failed
     assert isinstance(failed[1], CheckpointError)  # the hashing stops with Filling's error
     assert not storage.exists("failed.bin")
-
-
-def test_a_file_with_every_word_changed_makes_no_patch(monkeypatch):
-    """fp32 weights change in every word at every step: such a patch never fits the limit, so
-    it is not even made (making it holds several copies of the file for a moment); the
-    version is a keyframe. The file's header (its first 4 KiB here) is the same in every
-    version, as a safetensors header is. A file with 1 % of its words changed still gets its
-    patch."""
-    import volunteer_rl.trainer.publish as publish_module
-
-    made = []
-    real = publish_module.make_patch
-    monkeypatch.setattr(publish_module, "make_patch",
-                        lambda *a, **k: made.append(1) or real(*a, **k))
-    rng = np.random.default_rng(1)
-    chain = WeightsChain(keyframe_every=8, patch_max_fraction=0.5, piece_bytes=MIB)
-    first = rng.integers(0, 256, SIZE, dtype=np.uint8)
-    chain.commit(0, chain.weights(0, WeightsEntry("0" * 64, SIZE), [], None, True), "0" * 64,
-                 memoryview(first))
-    words = first.copy().view(np.uint32)
-    words[1024:] ^= 1  # every fp32 word differs, as after an optimizer step, but the header's
-    patch, keyframe = chain.plan(1, memoryview(words.view(np.uint8)), "1" * 64, word=4)
-    assert patch is None and keyframe and not made
-    sparse = evolve(first, 0.01, rng)
-    patch, keyframe = chain.plan(1, memoryview(sparse), "2" * 64, word=2)
-    assert patch is not None and made == [1]
