@@ -10,10 +10,11 @@ start), twice: the trainer as one process, then as 2 gloo ranks under torchrun
 steps per second of RL, 2 ranks against 1 process, read from the metrics each run wrote.
 --quick: 60 s each from a v0 of 100 warm-start steps (checks the code, not the figure).
 
-What to expect here: the demo's tiny model is no work to split, the writer still reads every
-shard itself (issue 28's intake split is not built), and on this 2-core machine the second
-rank takes CPU from the volunteers and the writer, so the ranks can only be slower; the row
-says by how much the collectives and the extra process cost. It is no measure of a model
+What to expect here: the demo's tiny model is no work to split, two volunteers' shards are
+little intake to share (each rank reads its own volunteers' shards, and the ranks meet four
+times a poll to exchange digests, claims and the batch), and on this 2-core machine the
+second rank takes CPU from the volunteers and the writer, so the ranks can only be slower;
+the row says by how much the collectives and the extra process cost. It is no measure of a model
 too big for one device, which is what the ranks are for.
 """
 
@@ -89,7 +90,7 @@ def results(quick: bool, seconds: float | None = None) -> list[Row]:
                 ratio=two / one if one else float("nan"), goal="-", met=None, command=command,
                 note=(f"1 trainer + 2 volunteers, 1 torch thread each, {seconds:.0f}s of RL from "
                       f"the demo's v0; {RANKS} ranks: {two} steps (v{two_v}), one process: {one} "
-                      f"steps (v{one_v}); intake is the writer's alone; both runs "
+                      f"steps (v{one_v}); each rank reads its own volunteers' shards; both runs "
                       f"{time.time() - started:.0f}s on this {_cores()}-core machine"))]
 
 
