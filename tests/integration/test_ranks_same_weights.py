@@ -11,12 +11,14 @@ gradient_scale returning 1 instead of N (FSDP2 then halves every gradient), run 
 micro-batches matched, the difference was 1.8e-3 and step 1's gradient norm the first to
 differ.
 
-A third run checks the optimizer state the ranks save (torch.distributed.checkpoint): 2 ranks
-train the first 5 steps and publish v3, then one plain process resumes their bucket and work
-dir, trains the other 5 and publishes v4. Its v4 must be the single process's within the
-same 1e-5, which holds only if AdamW's moments came back whole from the ranks' shards.
-Seen 2026-11-27: 2.6e-7 between the two v4s, 3.0e-7 for the resumed one; with the single
-process's load of the ranks' moments skipped (fresh moments, no warning), 2.4e-3."""
+Two more runs check that the optimizer state crosses a change in the number of ranks: 2
+ranks train the first 5 steps and publish v3, then one plain process resumes their bucket
+and work dir, trains the other 5 and publishes v4 (the moments the ranks saved sharded with
+torch.distributed.checkpoint, loaded whole); and the other way, one process then 2 ranks
+(the single process's moments broadcast into the ranks' shards). Each v4 must be the single
+process's within the same 1e-5, which holds only if AdamW's moments came back whole.
+Seen 2026-11-27: 2.6e-7 between the two v4s, 3.0e-7 for 2 ranks then one process; with the
+single process's load of the ranks' moments skipped (fresh moments, no warning), 2.4e-3."""
 from __future__ import annotations
 
 import json
@@ -97,11 +99,16 @@ def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = Fa
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, template) -> tuple[dict, dict, dict]:
-    """(one process, 2 ranks, 2 ranks for half the steps then one process for the rest)."""
+    """(one process, 2 ranks, {"2 then 1": 2 ranks for half the steps then one process for
+    the rest, "1 then 2": the other way})."""
     root = tmp_path_factory.mktemp("ranks-same")
     single, two = train(template, root / "single", 0), train(template, root / "two", 2)
-    train(template, root / "moved", 2, HALF)
-    return single, two, train(template, root / "moved", 0, STEPS - HALF, again=True)
+    moved = {}
+    for name, (first, then) in {"2 then 1": (2, 0), "1 then 2": (0, 2)}.items():
+        folder = root / name.replace(" ", "-")
+        train(template, folder, first, HALF)
+        moved[name] = train(template, folder, then, STEPS - HALF, again=True)
+    return single, two, moved
 
 
 def test_two_ranks_publish_the_single_process_weights(runs):
@@ -120,10 +127,12 @@ def test_every_step_has_the_single_process_loss_and_gradient_norm(runs):
         assert r_norm == pytest.approx(norm, rel=STEP_TOLERANCE), f"step {i + 1} gradient norm"
 
 
-def test_one_process_resumes_the_moments_the_ranks_saved(runs):
-    """The ranks saved AdamW's moments sharded; one process loads them whole and its steps
-    carry on as if one process had trained all along."""
+@pytest.mark.parametrize("change", ["2 then 1", "1 then 2"])
+def test_the_moments_survive_a_change_in_the_number_of_ranks(runs, change):
+    """Saved by 2 ranks (sharded) and resumed by one process, or saved by one process and
+    resumed by 2 ranks: the steps carry on as if one process had trained all along."""
     single, _, moved = runs
+    moved = moved[change]
     assert "fresh optimizer moments" not in moved["log"], moved["log"][-3000:]
     assert "resuming run-" in moved["log"]
     a, b = single[LAST], moved[LAST]

@@ -63,6 +63,7 @@ from volunteer_rl.trainer.ranks import (
     full_state_dict,
     join,
     leave,
+    load_full_optimizer_state,
     load_full_state_dict,
     shard_model,
 )
@@ -81,6 +82,7 @@ from volunteer_rl.trainer.state import (
     load_sharded_optimizer,
     load_state,
     master_weights,
+    named_optimizer_state,
     prepare_sharded,
     prune_states,
     save_sharded_optimizer,
@@ -158,7 +160,9 @@ class Trainer:
         self.scratch = Path(cfg.work_dir)  # checkpoint downloads
         if self.ranks.is_follower:
             self.scratch = Path(cfg.work_dir) / f"rank-{self.ranks.rank}"
-        self._moments = False  # the writer resumed a state whose moments the ranks load together
+        # How the ranks get the resumed version's moments: "sharded" (saved by ranks, loaded by
+        # all together), "whole" (saved by one process, broadcast from the writer), or None.
+        self._moments: str | None = None
         self.steps = 0  # optimizer steps of the whole run, restored on resume
         # This rank's share of the fleet's intake (trainer.shares); None: a single process.
         self.share = Share(self.ranks) if self.ranks.joined else None
@@ -289,18 +293,24 @@ class Trainer:
         except ValueError as exc:
             self.log(f"warning: {exc}: group numbers start afresh")
 
-    def _shard_and_load(self, full: dict[str, torch.Tensor], moments: bool) -> None:
+    def _shard_and_load(self, full: dict[str, torch.Tensor], moments: str | None) -> None:
         """Every rank: FSDP2 over the policy, the writer's `full` weights broadcast into the
-        shards, the optimizer built on them, and, if the writer found them (`moments`), the
-        manifest's version's sharded moments, resharded onto these ranks whatever number of
-        ranks saved them (state.load_sharded_optimizer; the writer read the rest in _resume)."""
+        shards, the optimizer built on them, and the manifest's version's moments as the writer
+        found them (`moments`, see _moments): saved by ranks, resharded onto these ranks
+        whatever number saved them (state.load_sharded_optimizer); saved by one process, the
+        writer's copy broadcast (ranks.load_full_optimizer_state)."""
+        whole = {}  # the writer's moments by name, taken before its optimizer is rebuilt
+        if moments == "whole" and self.ranks.is_writer:
+            whole = named_optimizer_state(self.policy.model, self.opt)
         shard_model(self.policy.model, self.ranks)
         load_full_state_dict(self.policy.model, full, self.ranks)
         self._sharded = True
         self._make_optimizer()
-        if moments:
+        if moments == "sharded":
             load_sharded_optimizer(self.state_root, self.manifest.version, self.policy.model,
                                    self.opt)
+        elif moments == "whole":
+            load_full_optimizer_state(self.policy.model, self.opt, whole, self.ranks)
 
     def _tell(self, do: str, **fields) -> None:
         """Writer: the followers' next action (see _follow). A single process: nothing."""
@@ -468,14 +478,11 @@ class Trainer:
         self.ledger.prune(win.low)
         # Ranks load sharded moments together once sharded (_shard_and_load); the writer reads
         # the rest here. A single process loads either kind itself.
-        meta = load_state(self.state_root, manifest.version,
-                          None if self.ranks.joined else self.opt, self.policy.model)
-        ours = meta is not None and meta.get("run_id") == self.run_id
-        self._moments = self.ranks.joined and ours and has_sharded_optimizer(self.state_root,
-                                                                             manifest.version)
-        if self.ranks.joined and ours and not self._moments:
-            self.log(f"warning: v{manifest.version}'s optimizer state in {self.state_root} was "
-                     f"saved by one process, not by ranks: the ranks start with fresh moments")
+        sharded = self.ranks.joined and has_sharded_optimizer(self.state_root, manifest.version)
+        meta = load_state(self.state_root, manifest.version, None if sharded else self.opt,
+                          self.policy.model)
+        if self.ranks.joined and meta is not None and meta.get("run_id") == self.run_id:
+            self._moments = "sharded" if sharded else "whole"
         if meta is None or meta.get("run_id") != self.run_id:
             self.log(f"warning: no saved trainer state for v{manifest.version} in "
                      f"{self.state_root}: fresh optimizer moments")

@@ -305,6 +305,18 @@ def broadcast_bytes(data: bytes | None, ranks: Ranks) -> bytes:
     return bytes(buf.numpy()) if size.item() else b""
 
 
+def load_full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, full: dict,
+                              ranks: Ranks) -> None:
+    """The writer's whole optimizer state `full` (keyed by parameter name: state.
+    named_optimizer_state; the others pass {}) into every rank's sharded optimizer: torch's
+    set_optimizer_state_dict broadcasts it from rank 0 and each rank keeps its shard. This is
+    how ranks resume the moments a single process saved."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+
+
 def all_gather_bytes(data: bytes, ranks: Ranks) -> list[bytes]:
     """Every rank's `data`, in rank order, on every rank: the lengths, then the bytes padded
     to the longest, as two all-gathers of CPU tensors (gloo). Each rank's intake reports travel

@@ -154,6 +154,19 @@ def load_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
                                           "param_groups": osd["param_groups"]})
 
 
+def named_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """A plain (unsharded) optimizer's state keyed by parameter name instead of index, the form
+    torch.distributed.checkpoint's set_optimizer_state_dict takes whole (ranks.
+    load_full_optimizer_state). The optimizer was built on model.parameters(), so its indices
+    follow named_parameters()."""
+    names = [n for n, _ in model.named_parameters()]
+    sd = opt.state_dict()
+    return {"state": {names[i]: dict(slots) for i, slots in sd["state"].items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [names[i] for i in g["params"]]}
+                             for g in sd["param_groups"]]}
+
+
 def has_sharded_optimizer(root: Path, version: int) -> bool:
     """True if `version`'s complete state holds sharded moments (saved by ranks)."""
     path = state_dir(root, version) / STATE_FILE
