@@ -333,6 +333,7 @@ class Trainer:
         cfg = self.cfg
         buffer: list[ScoredGroup] = []
         batch: list[ScoredGroup] = []
+        stats = IngestStats()  # what this rank's intake did since it last reported to the writer
         while True:
             message = json.loads(broadcast_bytes(None, self.ranks))
             do = message["do"]
@@ -340,7 +341,8 @@ class Trainer:
                 w = message["window"]
                 win = Window(w["version"], cfg.max_staleness, set(w["published"]),
                              {int(v): tuple(p) for v, p in w["pools"].items()})
-                buffer, batch, _, _ = self._intake_round(buffer, IngestStats(), win)
+                buffer, batch, _, _ = self._intake_round(buffer, stats, win)
+                stats = IngestStats()  # reported with the batch exchange
                 if batch is None:
                     continue
                 result = train_step(self.policy, self.opt, batch, self.prompt_ids, win.version,
@@ -349,7 +351,7 @@ class Trainer:
                     self.steps += 1
                     self._record(self._own(batch), "trained", self.steps)
             elif do == "reject":  # the step on `batch` was refused: the writer names the culprits
-                buffer = self._refused(message["keys"], self._own(batch) + buffer, IngestStats())
+                buffer = self._refused(message["keys"], self._own(batch) + buffer, stats)
             elif do == "gather":
                 self._gathered = full_state_dict(self.policy.model, self.ranks,
                                                  everyone=message["everyone"]) or None
