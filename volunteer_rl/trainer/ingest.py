@@ -445,7 +445,7 @@ class Ingest:
         A folder whose name is no volunteer id is the writer's, to reject its objects."""
         if self.share is None:
             return True
-        author = layout.rollout_author(folder + "x")
+        author = layout.rollout_author(folder)  # as for a key inside it
         if author is None:
             return self.share.owns_nobodys
         return self.share.owns(author[1])
@@ -624,17 +624,15 @@ class Ingest:
             for key in sorted({g.key for g in dup}):
                 gs = [g for g in dup if g.key == key]
                 self.ledger.record(key, "duplicate", [g.line for g in gs], gs[0].shard_size)
-            for digest, holder in lost.items():
-                self.ledger.digests[digest] = holder
+            for digest, (version, volunteer) in lost.items():  # the lower rank's claim stands
+                self.ledger.release([digest])
+                self.ledger.claim(digest, version, volunteer)
             stats.duplicates += len(dup)
             out = [g for g in out if g.digest not in lost]
         for other in reports:
             for volunteer, digests in other["recheck"]:
                 if self.share.owns(volunteer):
-                    wanted = frozenset(digests)
-                    for key, gs in list(self.unaudited.get(volunteer, {}).items()):
-                        if any(g.digest in wanted for g in gs):
-                            self._recheck(volunteer, key, stats, only=wanted)
+                    self._recheck_holding(volunteer, frozenset(digests), stats)
         return out
 
     def _contest(self, parsed: list[tuple[str, list[ScoredGroup]]],
@@ -746,9 +744,14 @@ class Ingest:
             if self.share is not None and not self.share.owns(other):  # its rank re-audits
                 self._rechecks.append([other, sorted(d for d in mine if self.ledger.owner(d) == other)])
                 continue
-            for key, gs in list(self.unaudited.get(other, {}).items()):
-                if any(g.digest in mine for g in gs):
-                    self._recheck(other, key, stats, only=mine)
+            self._recheck_holding(other, mine, stats)
+
+    def _recheck_holding(self, volunteer: str, digests: frozenset[str], stats: IngestStats) -> None:
+        """_recheck, on those groups only, every shard of `volunteer` taken unaudited that
+        holds one of `digests` (asked by this rank's intake, or by another rank's)."""
+        for key, gs in list(self.unaudited.get(volunteer, {}).items()):
+            if any(g.digest in digests for g in gs):
+                self._recheck(volunteer, key, stats, only=digests)
 
     def _caught(self, volunteer: str, stats: IngestStats) -> None:
         """After a rejection of `volunteer`: audit every shard of its that was taken without an
