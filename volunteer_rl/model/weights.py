@@ -66,12 +66,20 @@ _PIECE = 16 << 20
 """Bytes written (write_weights) or cast (fill_weights) at a time."""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a DTensor (a parameter sharded by FSDP2) this rank's shard."""
+    return getattr(t, "_local_tensor", t)
+
+
 def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict as a checkpoint stores it: a tensor shared under several names (a tied
-    lm_head) is kept under its first name only, as transformers saves it."""
+    lm_head) is kept under its first name only, as transformers saves it. A model sharded
+    over ranks gives its DTensors, in the same order on every rank (fill_weights gathers
+    them)."""
     out, seen = {}, set()
     for name, t in model.state_dict().items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        local = _local(t)
+        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
         if ident not in seen:
             seen.add(ident)
             out[name] = t
@@ -139,6 +147,7 @@ def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
     at = len(head)
     with torch.no_grad():
         for t in tensors:
+            t = _whole(t)
             dt = dtype if t.is_floating_point() else t.dtype
             n = t.numel() * dt.itemsize
             if at % dt.itemsize:  # only after a tensor of odd bytes; never in a model of ours
@@ -154,6 +163,20 @@ def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
     made(total)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor as it is; a DTensor gathered whole from every rank's shard (a
+    collective: every rank must gather the same tensors in the same order, gather_along)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gather_along(model: torch.nn.Module) -> None:
+    """A rank other than the writer, while the writer runs fill_weights on the same sharded
+    model: take part in each tensor's gather, in the same order, and drop the result."""
+    with torch.no_grad():
+        for t in published_tensors(model).values():
+            _whole(t)
+
+
 def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> memoryview:
     """The bytes `write_weights` writes, in one buffer (`reuse` if it is of the right size)."""
     buf = byte_buffer(weights_size(model, dtype), reuse)
@@ -161,16 +184,10 @@ def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> mem
     return buf
 
 
-def load_weights(policy: Policy, source) -> None:
-    """Swap new weights into the live model in place (no rebuild, no re-allocation).
-
-    `source` is a safetensors file's path or its bytes already in memory (a verified buffer
-    from chain.fetch_weights): each tensor is copied straight from those bytes into the
-    model's own tensor, cast to its dtype (bf16 weights into an fp32 model are upcast
-    exactly), with no intermediate state dict. A tied lm_head is saved once under the
-    embedding's name, so it may be missing here. Every tensor's shape and byte range is
-    checked before the first one is copied: weights that do not fit (WeightsError) leave the
-    model as it was."""
+def _fitted(model: torch.nn.Module, source) -> tuple[memoryview, int, dict, dict]:
+    """(the bytes, where their data starts, each tensor's (dtype, shape, byte range), the
+    model's state dict) of a safetensors file's path or bytes, every tensor's shape and byte
+    range checked against `model` (WeightsError, naming the file)."""
     import math
 
     import numpy as np
@@ -189,8 +206,8 @@ def load_weights(policy: Policy, source) -> None:
                       [int(o) for o in v["data_offsets"]]) for k, v in header.items()}
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise WeightsError(f"{name}: not a safetensors file ({type(exc).__name__}: {exc})") from None
-    targets = policy.model.state_dict()
-    tied = {"lm_head.weight"} if policy.model.config.tie_word_embeddings else set()
+    targets = model.state_dict()
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = set(targets) - set(header) - tied
     unexpected = sorted(set(header) - set(targets))
     if missing or unexpected:
@@ -203,9 +220,71 @@ def load_weights(policy: Policy, source) -> None:
                 or begin < 0 or base + end > len(buf):
             raise WeightsError(f"{name}: {key} has shape {shape} (bytes {begin}-{end}), "
                              f"the model {list(target.shape)}")
+    return buf, base, header, targets
+
+
+def _view(buf: memoryview, base: int, dtype: torch.dtype, shape: list[int],
+          begin: int) -> torch.Tensor:
+    import math
+
+    count = math.prod(shape)
+    src = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count \
+        else torch.empty(0, dtype=dtype)
+    return src.view(shape)
+
+
+def load_weights(policy: Policy, source) -> None:
+    """Swap new weights into the live model in place (no rebuild, no re-allocation).
+
+    `source` is a safetensors file's path or its bytes already in memory (a verified buffer
+    from chain.fetch_weights): each tensor is copied straight from those bytes into the
+    model's own tensor, cast to its dtype (bf16 weights into an fp32 model are upcast
+    exactly), with no intermediate state dict. A tied lm_head is saved once under the
+    embedding's name, so it may be missing here. Every tensor's shape and byte range is
+    checked before the first one is copied: weights that do not fit (WeightsError) leave the
+    model as it was."""
+    buf, base, header, targets = _fitted(policy.model, source)
     with torch.no_grad():
-        for key, (dtype, shape, (begin, end)) in header.items():
-            count = math.prod(shape)
-            src = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count \
-                else torch.empty(0, dtype=dtype)
-            targets[key].copy_(src.view(shape))
+        for key, (dtype, shape, (begin, _)) in header.items():
+            targets[key].copy_(_view(buf, base, dtype, shape, begin))
+
+
+def skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` (architecture, config, buffers) whose parameters hold no memory (on
+    the meta device; ties kept): `bind_weights` gives it its weights. Taken before the model
+    is sharded, it costs the trainer's writer rank no second copy of the weights."""
+    import copy
+
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo).eval()
+
+
+def bind_weights(model: torch.nn.Module, source) -> None:
+    """Make `model`'s parameters (a `skeleton`'s, or any model's) views of the weights file
+    `source` (its path, or its bytes, which must then stay unchanged while the model is
+    used): no copy where the file's dtype is the model's (fp32 weights), a cast copy where it
+    is not. WeightsError as load_weights."""
+    buf, base, header, targets = _fitted(model, source)
+    views = {}
+    for key, (dtype, shape, (begin, _)) in header.items():
+        view = _view(buf, base, dtype, shape, begin)
+        views[key] = view if dtype == targets[key].dtype else view.to(targets[key].dtype)
+    bind_tensors(model, views)
+
+
+def bind_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make `model`'s parameters these very tensors (by state-dict name, no copy; a tied
+    lm_head follows the embedding whether or not it is among them)."""
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def unbind_weights(model: torch.nn.Module) -> None:
+    """Let go of the weights `bind_weights` gave `model` (its parameters back on the meta
+    device), so the file they viewed can be freed."""
+    meta = {k: torch.empty_like(p, device="meta") for k, p in model.named_parameters()}
+    model.load_state_dict(meta, strict=False, assign=True)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()

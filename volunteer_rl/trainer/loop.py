@@ -38,7 +38,15 @@ from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import pick_device
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
-from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
+from volunteer_rl.model.weights import (
+    WEIGHTS_DTYPES,
+    bind_tensors,
+    bind_weights,
+    gather_along,
+    load_weights,
+    skeleton,
+    unbind_weights,
+)
 from volunteer_rl.observe.dashboard import TrainerDashboard
 from volunteer_rl.progress import Every
 from volunteer_rl.protocol import layout, metrics
@@ -123,6 +131,10 @@ def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.de
     return policy
 
 
+SPILLED = "weights-last.safetensors"
+"""In --work-dir: a `lean` writer's last published weights file, the base of the next patch."""
+
+
 def waiting_line(usable: int, stats: IngestStats, wanted: int, step: int) -> str:
     """Why the trainer waits for rollouts before step `step` + 1 (most groups of a weak
     policy have one reward for all K, and those teach nothing)."""
@@ -174,7 +186,9 @@ class Trainer:
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
         self.window_weights = WindowWeights()  # published weights of the window, for audits
         self._second: Policy | None = None  # _second_model's
-        self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction)
+        self._bound: int | None = None  # `lean`: the published version _second is bound to
+        self.chain = WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction,
+                                  spill_to=Path(cfg.work_dir) / SPILLED if self.lean else None)
         self.last_publish_start = 0.0
         # The curriculum: fed with every group taken, it fills each version's prompt pool.
         self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum)
@@ -183,6 +197,17 @@ class Trainer:
         self.waiting = Every()  # why the loop waits for groups: at most one line per interval
         # What each version asks of each volunteer (the manifest's quota) and the useful fraction.
         self.balance = Balance(cfg.groups_per_step, cfg.publish_every, cfg.quota_headroom)
+
+    @property
+    def lean(self) -> bool:
+        """Whether this is a writer rank that holds no whole copy of the weights between
+        publishes (docs/SCALE.md, memory): sharded, fp32 weights (the published file is the
+        weights themselves, no master to keep) and audits off (no replay needs a version's
+        weights mid-intake). It publishes each tensor as it gathers it, its `_second` is a
+        skeleton bound to the weights only while it evaluates or finds a refused step's
+        culprits, and the last weights file, a patch's base, waits on disk."""
+        return (self.ranks.joined and self.cfg.weights_dtype == "fp32"
+                and self.cfg.audit_tolerance <= 0)
 
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the trainer cleanly (stopping.py); a second one at once.
@@ -255,9 +280,15 @@ class Trainer:
                  "moments": self._moments}
         broadcast_bytes(json.dumps(start).encode(), self.ranks)
         self._keep_own_volunteers(start)
-        self._second_model()
+        if self.lean:  # the architecture without the weights (see `lean`)
+            p = self.policy
+            self._second = Policy(skeleton(p.model), p.tokenizer, p.prompt_format, p.device)
+        else:
+            self._second_model()
         full = {k: v.detach().cpu() for k, v in self.policy.model.state_dict().items()}
         self._shard_and_load(full, self._moments)
+        del full
+        self.chain.spill()  # v0's file, when this run just published it
 
     def _start_follower(self) -> None:
         """A follower: the writer's trust key and where the run stands (once the writer has
@@ -324,7 +355,11 @@ class Trainer:
         everyone = self.cfg.audit_tolerance > 0
         self._tell("gather", everyone=everyone)
         full = full_state_dict(self.policy.model, self.ranks, everyone=everyone)
-        self._second.model.load_state_dict(full)
+        if self.lean:  # the skeleton takes the gathered tensors themselves
+            bind_tensors(self._second.model, full)
+            self._bound = None  # the current weights, maybe not a published version's
+        else:
+            self._second.model.load_state_dict(full)
         self.window_weights.loaded = None
 
     def _follow(self) -> Manifest:
@@ -355,6 +390,8 @@ class Trainer:
             elif do == "gather":
                 self._gathered = full_state_dict(self.policy.model, self.ranks,
                                                  everyone=message["everyone"]) or None
+            elif do == "stream":  # the writer publishes (`lean`), gathering tensor by tensor
+                gather_along(self.policy.model)
             elif do == "save":  # before the writer commits the version: our part of its state
                 version = message["version"]
                 save_sharded_optimizer(self.state_root, version, self.policy.model, self.opt)
@@ -579,11 +616,30 @@ class Trainer:
         if self.cfg.weights_dtype == "fp32" and not self._sharded:
             return self.policy
         held = self._second_model()
+        if self.lean:
+            self._bind_published()
+            return held
         if self.cfg.weights_dtype == "fp32" and self.cfg.audit_tolerance <= 0:
             return held
         if not self.window_weights.load_into(self.version, held.model):
             raise RuntimeError(f"v{self.version}'s published weights are not held")  # a bug
         return held
+
+    def _unbind(self) -> None:
+        """`lean`: the skeleton lets go of whatever weights it held."""
+        unbind_weights(self._second.model)
+        self._bound = None
+
+    def _bind_published(self) -> None:
+        """`lean`: bind the skeleton to the version just published, the file in memory (no
+        copy) or read back from where it was spilled (one copy, until the next publish)."""
+        if self._bound == self.version:
+            return
+        last = self.chain.last
+        if last is None or last[0] != self.version:
+            raise RuntimeError(f"v{self.version}'s weights file is not held")  # a bug
+        bind_weights(self._second.model, last[2] if last[2] is not None else self.chain.spill_to)
+        self._bound = self.version
 
     @property
     def audit_policy(self) -> Policy | None:
@@ -809,17 +865,23 @@ class Trainer:
         self.last_publish_start = time.time()
         fresh_after = sum(g.policy_version > self.version - self.cfg.max_staleness for g in buffered)
         if self._sharded:  # every rank's optimizer shards and ledger records before the manifest
-            self._gather()
+            if self.lean:
+                self._unbind()  # whatever it held (a refused step's gather)
+            else:
+                self._gather()
             prepare_sharded(self.state_root, version)
             self._tell("save", version=version)
             save_sharded_optimizer(self.state_root, version, self.policy.model, self.opt)
             self._hear_followers()
             barrier(self.ranks)
+            if self.lean:
+                self._tell("stream")  # the followers take part in each tensor's gather
         self.manifest, self.etag = publish(self.storage, self.full_policy, version, self.cfg,
                                            self.run_id, self.dataset, self.etag, self.key,
                                            self.chain, lambda: self._save(version),
                                            self._next_pool(),
-                                           self.balance.quota(time.time(), fresh_after))
+                                           self.balance.quota(time.time(), fresh_after),
+                                           source=self.policy.model if self.lean else None)
         self.balance.after_publish(time.time())
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)
@@ -833,6 +895,9 @@ class Trainer:
             self._evaluate_unless_stopping(self.version, full=final)
         self._write_views(final)
         self._flush_metrics(self.version)
+        if self.lean:  # between publishes the writer holds its shards and nothing whole
+            self._unbind()
+            self.chain.spill()
 
     def _write_views(self, final: bool) -> None:
         """fleet.json and dashboard/, for people: each written when its cadence says so, and

@@ -6,10 +6,12 @@ the previous version standing; the files it left are overwritten or collected la
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.config import TrainerConfig
@@ -72,8 +74,8 @@ def upload_dataset(storage: Storage, path: Path) -> Dataset:
 
 class WeightsChain:
     """The trainer's side of keyframes and patches: the weights file it last published (in
-    memory: one more copy of the weights in the published dtype), the keyframe, and the run
-    of patches the manifest lists.
+    memory: one more copy of the weights in the published dtype, or on disk once `spill`ed),
+    the keyframe, and the run of patches the manifest lists.
 
     Each version's weights file is made in memory; it is a patch when the last version
     published is the one before it (same file size) and the patch is at most
@@ -81,12 +83,22 @@ class WeightsChain:
     `keyframe_every` versions back or the patch was refused. The manifest lists the patches of
     the last `keyframe_every` versions that have one, consecutive, so a volunteer that
     holds any of those versions patches forward whatever the keyframe is. A trainer that
-    starts (or resumes) holds no last version: its first version is a keyframe."""
+    starts (or resumes) holds no last version: its first version is a keyframe.
 
-    def __init__(self, keyframe_every: int, patch_max_fraction: float, piece_bytes: int = PIECE_BYTES):
+    `spill_to` (a file path; the writer rank of a sharded trainer, trainer.loop): the last file
+    is kept on disk between publishes instead of in memory (`spill`), and no spare, so the
+    process holds one weights file only while it publishes one: the next file is compared
+    with the spilled one piece by piece, and read back whole only to make a patch that may
+    pay."""
+
+    def __init__(self, keyframe_every: int, patch_max_fraction: float, piece_bytes: int = PIECE_BYTES,
+                 spill_to: Path | None = None):
         self.keyframe_every, self.patch_max_fraction = keyframe_every, patch_max_fraction
         self.piece_bytes = piece_bytes
-        self.last: tuple[int, str, memoryview] | None = None  # version, root, the file
+        self.spill_to = spill_to
+        self.last: tuple[int, str, memoryview | None] | None = None  # version, root, the file
+        """The file is None once spilled (to `spill_to`)."""
+        self.last_size = 0
         self.spare: memoryview | None = None
         """The file published before the last: the next version's file is made in it (a fresh
         multi-GB buffer costs a page fault per 4 KiB page, several times the making)."""
@@ -96,7 +108,7 @@ class WeightsChain:
     def _follows(self, version: int, size: int) -> bool:
         """Whether the last version published is the one before `version`, of the same size:
         the file a patch for `version` is made against."""
-        return self.last is not None and self.last[0] == version - 1 and len(self.last[2]) == size
+        return self.last is not None and self.last[0] == version - 1 and self.last_size == size
 
     def due(self, version: int, size: int) -> bool:
         """Whether `version`, a file of `size` bytes, is a keyframe whatever its patch: there
@@ -116,9 +128,17 @@ class WeightsChain:
             # their deltas are small integers at RL learning rates: one step of lr 1e-6 to
             # 1e-4 on weights of std 0.02 gave patches of 0.19-0.24 of the file, 1e-3 0.41
             # (protocol.patch.make_patch on 4 M words, 2026-11-27), so they are made.
-            changed = count_changed(self.last[2], buf, word)
+            held = self.last[2]
+            try:
+                changed = (count_changed(held, buf, word) if held is not None
+                           else _changed_on_disk(self.spill_to, buf, word))
+                if held is None and changed * word * 0.5 < limit:
+                    import numpy as np  # read back for the patch only: make_patch wants it whole
+                    held = memoryview(np.fromfile(self.spill_to, dtype=np.uint8))
+            except OSError:  # the spilled file is gone or cut short: no base, a keyframe
+                changed = len(buf)
             if changed * word * 0.5 < limit:
-                made = make_patch(self.last[2], buf, word, self.last[1], root,
+                made = make_patch(held, buf, word, self.last[1], root,
                                   threads=-1 if len(buf) > (64 << 20) else 0)
                 if len(made) <= limit:
                     patch = made
@@ -134,16 +154,51 @@ class WeightsChain:
 
     def commit(self, version: int, weights: Weights, root: str, buf: memoryview) -> None:
         """Version `version` is published with `weights`: it is now the last one."""
-        if self.last is not None and self.last[2] is not buf:
+        if self.last is not None and self.last[2] is not None and self.last[2] is not buf \
+                and self.spill_to is None:
             self.spare = self.last[2]
-        self.last = (version, root, buf)
+        self.last, self.last_size = (version, root, buf), len(buf)
         self.keyframe, self.patches = weights.keyframe, list(weights.patches)
+
+    def spill(self) -> None:
+        """Move the last file from memory to `spill_to` (written whole, then renamed): a
+        patch base that costs no memory. Nothing without `spill_to` or once spilled."""
+        if self.spill_to is None or self.last is None or self.last[2] is None:
+            return
+        tmp = self.spill_to.with_name(self.spill_to.name + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(self.last[2])
+        os.replace(tmp, self.spill_to)
+        self.last = (self.last[0], self.last[1], None)
+
+
+SPILL_CHUNK = 64 << 20
+"""Bytes of a spilled file compared at a time (a multiple of every word size)."""
+
+
+def _changed_on_disk(path: Path, buf: memoryview, word: int) -> int:
+    """count_changed between the file at `path` and `buf`, reading SPILL_CHUNK bytes at a
+    time (read, not mapped: the file's pages stay out of this process's memory)."""
+    import numpy as np
+
+    chunk = np.empty(SPILL_CHUNK, dtype=np.uint8)
+    changed, at = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while at < len(buf):
+            n = f.readinto(memoryview(chunk)[:min(SPILL_CHUNK, len(buf) - at)])
+            if not n:
+                raise OSError(f"{path}: shorter than the file it was spilled from")
+            changed += count_changed(chunk[:n], buf[at:at + n], word)
+            at += n
+    return changed
 
 
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
             dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
             before_commit: Callable[[], None] = lambda: None,
-            prompt_pool: tuple[int, ...] = (), quota: Quota | None = None) -> tuple[Manifest, str]:
+            prompt_pool: tuple[int, ...] = (), quota: Quota | None = None,
+            source: torch.nn.Module | None = None) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
@@ -155,9 +210,13 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     `etag` is the manifest this trainer last saw, `key` signs the manifest, `prompt_pool`
     is the version's prompt pool (empty: the dataset's first MAX_POOL rows), `quota` what
     each volunteer should sample of it (trainer.balance; None: no quota); returns the new
-    manifest and its etag."""
+    manifest and its etag. `source`: the model whose tensors make the weights file, when it
+    is not `policy.model` (a sharded model: the writer rank gathers each tensor while the
+    other ranks take part, model.weights.gather_along; `policy` then gives the config and
+    tokenizer)."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
-    buf = byte_buffer(weights_size(policy.model, dtype), chain.spare)
+    source = policy.model if source is None else source
+    buf = byte_buffer(weights_size(source, dtype), chain.spare)
     weights_key = layout.checkpoint_key(version, WEIGHTS_FILE)
     filling = Filling()
     with ThreadPoolExecutor(2) as pool:
@@ -169,7 +228,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
             if chain.due(version, len(buf)) else None
         pieces_f = pool.submit(piece_hashes, buf, chain.piece_bytes, 0, filling.wait)
         try:
-            fill_weights(policy.model, dtype, buf, filling.made)
+            fill_weights(source, dtype, buf, filling.made)
         except BaseException as exc:
             filling.fail(exc)
             raise
