@@ -85,12 +85,15 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_policy(path: str | Path, device: torch.device | str = "cpu") -> Policy:
+def load_policy(path: str | Path, device: torch.device | str = "cpu",
+                weights: bool = True) -> Policy:
     """Load a local Hugging Face causal-LM folder: config.json, safetensors weights and the
     tokenizer's files. `check_model_folder` runs first (CheckpointRefused naming the file,
     before transformers reads any of it); transformers then loads with remote code off, local
-    files only (a hub id is no folder: refused) and safetensors only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    files only (a hub id is no folder: refused) and safetensors only. `weights` False: the
+    model is built from the config on the meta device, holding no memory (a trainer rank that
+    takes the writer's weights into its shards), and is not moved to `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     folder = Path(path)
@@ -100,8 +103,14 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu") -> Policy:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **local)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                     use_safetensors=True, **local)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                         use_safetensors=True, **local)
+        else:
+            config = AutoConfig.from_pretrained(str(folder), **local)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         trust_remote_code=False)
     if tokenizer.pad_token_id is None:  # many chat models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -113,5 +122,6 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu") -> Policy:
             raise CheckpointRefused(f"{side}: prompt_format {fmt!r:.40} is not plain or chat")
     else:
         fmt = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-    model.to(device)
+    if weights:
+        model.to(device)
     return Policy(model, tokenizer, fmt, device)

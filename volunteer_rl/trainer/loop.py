@@ -73,6 +73,7 @@ from volunteer_rl.trainer.ranks import (
     leave,
     load_full_optimizer_state,
     load_full_state_dict,
+    scatter_full_weights,
     shard_model,
 )
 from volunteer_rl.trainer.publish import (
@@ -200,12 +201,13 @@ class Trainer:
 
     @property
     def lean(self) -> bool:
-        """Whether this is a writer rank that holds no whole copy of the weights between
-        publishes (docs/SCALE.md, memory): sharded, fp32 weights (the published file is the
-        weights themselves, no master to keep) and audits off (no replay needs a version's
-        weights mid-intake). It publishes each tensor as it gathers it, its `_second` is a
+        """Whether this rank holds no whole copy of the weights between publishes
+        (docs/SCALE.md, memory): sharded, fp32 weights (the published file is the weights
+        themselves, no master to keep) and audits off (no replay needs a version's weights
+        mid-intake). The writer publishes each tensor as it gathers it, its `_second` is a
         skeleton bound to the weights only while it evaluates or finds a refused step's
-        culprits, and the last weights file, a patch's base, waits on disk."""
+        culprits, and the last weights file, a patch's base, waits on disk; a follower builds
+        its model empty and takes its shards of the writer's weights one tensor at a time."""
         return (self.ranks.joined and self.cfg.weights_dtype == "fp32"
                 and self.cfg.audit_tolerance <= 0)
 
@@ -285,10 +287,9 @@ class Trainer:
             self._second = Policy(skeleton(p.model), p.tokenizer, p.prompt_format, p.device)
         else:
             self._second_model()
+        self.chain.spill()  # v0's file, when this run just published it
         full = {k: v.detach().cpu() for k, v in self.policy.model.state_dict().items()}
         self._shard_and_load(full, self._moments)
-        del full
-        self.chain.spill()  # v0's file, when this run just published it
 
     def _start_follower(self) -> None:
         """A follower: the writer's trust key and where the run stands (once the writer has
@@ -306,7 +307,7 @@ class Trainer:
         self.run_id = self.manifest.run_id
         folder = fetch_checkpoint(self.storage, self.manifest, self.scratch / "model",
                                   require_model=True)
-        self.policy = load_policy(folder, self.device)
+        self.policy = load_policy(folder, self.device, weights=not self.lean)  # lean: a skeleton
         self.steps, self.published = int(start["steps"]), set(start["published"])
         self._keep_own_volunteers(start)
         self.ledger = rebuild(self.storage, sorted(self.published))
@@ -334,7 +335,12 @@ class Trainer:
         if moments == "whole" and self.ranks.is_writer:
             whole = named_optimizer_state(self.policy.model, self.opt)
         shard_model(self.policy.model, self.ranks)
-        load_full_state_dict(self.policy.model, full, self.ranks)
+        if self.lean:  # the followers' models were built empty (_start_follower)
+            if self.ranks.is_follower:
+                self.policy.model.to_empty(device=self.device)
+            scatter_full_weights(self.policy.model, full, self.ranks)
+        else:
+            load_full_state_dict(self.policy.model, full, self.ranks)
         self._sharded = True
         self._make_optimizer()
         if moments == "sharded":

@@ -365,3 +365,29 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
 
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                broadcast_from_rank0=True))
+
+
+def scatter_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor],
+                         ranks: Ranks) -> None:
+    """`load_full_state_dict` one tensor at a time: the writer's `full` weights (the others
+    pass {}) into every rank's shards of the sharded `model`, each parameter scattered from
+    the writer (`distribute_tensor`, whose other ranks need a tensor of the whole shape:
+    one parameter's worth, for a moment), every buffer broadcast whole. torch's
+    set_model_state_dict(broadcast_from_rank0) held the whole state dict on every rank at
+    once. The followers' model may have been built on the meta device and materialized empty
+    (`to_empty`): this gives every parameter and buffer its value."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied parameter once
+            src = (full[name].to(ranks.device) if ranks.is_writer
+                   else torch.empty(p.shape, dtype=p.dtype, device=ranks.device))
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(src, p.device_mesh, p.placements)
+                p.to_local().copy_(shard.to_local())
+            else:
+                dist.broadcast(src, src=0)
+                p.copy_(src)
+            del src
+        for _, b in model.named_buffers():
+            dist.broadcast(b, src=0)
