@@ -33,6 +33,7 @@ from conftest import TEMPLATE_VERSION
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import Proc
 from volunteer_rl.protocol import layout
+from volunteer_rl.trainer.loop import SPILLED
 from volunteer_rl.trainer.ranks import TORCHRUN_ENV
 
 WEIGHT_TOLERANCE = 1e-5
@@ -83,7 +84,7 @@ def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = Fa
                 root / ("again.log" if again else "trainer.log"), root,
                 env={"OMP_NUM_THREADS": "1"}, ranks=ranks)
     assert proc.wait(300) == 0, proc.text()[-4000:]
-    out = {"log": proc.text()}
+    out = {"log": proc.text(), "spilled": (root / "work" / SPILLED).exists()}
     storage = open_storage(str(bucket))
     trust = Trust(resolve_trust_key(f"{template.key}.pub"))
     lines = []
@@ -117,6 +118,15 @@ def test_two_ranks_publish_the_single_process_weights(runs):
     assert sorted(a) == sorted(b)
     gap = max((a[k] - b[k]).abs().max().item() for k in a)
     assert gap <= WEIGHT_TOLERANCE, f"largest weight difference {gap:.3e}"
+
+
+def test_the_ranks_ran_lean(runs):
+    """fp32 weights and audits off: the ranks hold no whole copy of the weights between
+    publishes (Trainer.lean), so the equal weights above are the streamed publish's and the
+    follower's scattered shards'; the writer's last weights file waits on disk, the single
+    process keeps it in memory."""
+    single, two, _ = runs
+    assert two["spilled"] and not single["spilled"]
 
 
 def test_every_step_has_the_single_process_loss_and_gradient_norm(runs):
