@@ -63,6 +63,7 @@ def test_the_writer_publishes_every_version_once_and_trains_every_step(run):
     shards = sorted(p.name for p in (run["root"] / "tw" / "state" / f"v{final:06d}" / "optimizer").iterdir())
     assert all(p.startswith("shard-") and p.endswith(".safetensors") for p in shards), shards
     assert {p.split("-")[1] for p in shards} == {"00001", "00002"}, shards  # ranks 0 and 1 (DCP counts from 1)
+    assert len(shards) == 2  # a small model: one file each (state.FILE_BYTES)
     assert run["trainer"].count("trainer stopped at v") == 2, run["trainer"][-3000:]
 
 

@@ -90,3 +90,36 @@ def test_a_lost_spilled_file_costs_a_keyframe_not_the_publish(tmp_path):
     chain.spill()
     spill.unlink()
     assert publish(chain, 2, memoryview(f.copy())) == (None, True)
+
+
+def test_moments_saved_in_many_files_come_back_whole(tmp_path, monkeypatch):
+    """A rank's moments go into files of at most state.FILE_BYTES each (the storage writer
+    holds two copies of a file in memory while it writes it), and load back from them."""
+    from volunteer_rl.trainer import state
+
+    torch.manual_seed(0)
+    model = next(models())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    monkeypatch.setattr(state, "FILE_BYTES", 16 << 10)
+    moments = state.named_optimizer_state(model, opt)["state"]
+    mapping = state.one_file_each(moments)
+    sizes: dict[int, int] = {}
+    for name, slots in moments.items():
+        for key, t in slots.items():
+            i = mapping[f"state.{name}.{key}"]
+            sizes[i] = sizes.get(i, 0) + t.numel() * t.element_size()
+    largest = max(t.numel() * t.element_size() for slots in moments.values() for t in slots.values())
+    assert max(sizes.values()) <= max(state.FILE_BYTES, largest)
+    state.prepare_sharded(tmp_path, 1)
+    state.save_sharded_optimizer(tmp_path, 1, model, opt)
+    files = list((state.state_dir(tmp_path, 1) / state.SHARDED_DIR).glob("*.safetensors"))
+    assert len(files) == max(mapping.values()) > 10
+    model.zero_grad(set_to_none=True)  # as a resumed trainer's model is
+    again = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state.load_sharded_optimizer(tmp_path, 1, model, again)
+    assert len(again.state) == len(opt.state) > 10
+    for p, slots in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(slots[key], again.state[p][key])

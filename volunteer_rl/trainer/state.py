@@ -133,24 +133,29 @@ def save_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
 
 def one_file_each(state: dict[str, dict]) -> dict[str, int]:
     """DCP's file index (1..N) for each moment of each parameter (its flattened name,
-    state.<parameter>.<moment>; a step count goes with its parameter's first moment).
+    state.<parameter>.<moment>), filling each file up to FILE_BYTES of this rank's shards in
+    order (a moment larger than that has a file of its own).
 
     The Hugging Face storage writer serializes each file in memory before it writes it
-    (safetensors.torch.save: every tensor's bytes, then the file's, two copies of it); with one
-    file per rank that was twice the rank's whole share of the moments at once, 4.4 GiB for
-    a Qwen3-0.6B shape over 2 ranks, the largest part of a rank's peak. One file per moment
-    bounds it by twice the largest moment's shard (the embedding's)."""
-    index, out = 0, {}
+    (safetensors.torch.save: every tensor's bytes, then the file's: two copies of it). With
+    one file per rank that was twice the rank's whole share of the moments at once, 4.4 GiB
+    for a Qwen3-0.6B shape over 2 ranks, the largest part of a rank's peak; now it is at most
+    twice FILE_BYTES or the largest moment's shard (the embedding's). A small model still
+    writes one file per rank (a file is also an fsync)."""
+    index, used, out = 1, 0, {}
     for name, moments in state.items():
-        first = None
         for key, value in moments.items():
-            if first is not None and (not torch.is_tensor(value) or value.dim() == 0):
-                out[f"state.{name}.{key}"] = first
-                continue
-            index += 1
-            first = first or index
+            local = getattr(value, "_local_tensor", value)
+            size = local.numel() * local.element_size() if torch.is_tensor(local) else 0
+            if used and used + size > FILE_BYTES:
+                index, used = index + 1, 0
             out[f"state.{name}.{key}"] = index
+            used += size
     return out
+
+
+FILE_BYTES = 256 << 20
+"""Bytes of moments (this rank's shards) per optimizer state file (one_file_each)."""
 
 
 def load_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
