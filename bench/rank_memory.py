@@ -48,33 +48,30 @@ and one micro-batch of activations come on top):
 
 - one process: weights, gradient and two AdamW moments 16; while it publishes v1, v0's file
   kept as the base of a patch (WeightsChain.last) 4, v1's file made in a new buffer 4, and
-  count_changed's comparison of the two 1: 25, 14.9 GB. With fp32 weights and audits off
-  it holds no second copy of the model and no window versions.
-- the writer (rank 0): its shards of weights, gradient and moments 8; the unsharded copy it
-  gathers into to publish and evaluate (`_second`) 4; the version just published, held again
-  (`_keep_window_weights` keeps it under ranks even with audits off, for `published_policy`
-  to load back into `_second` for evaluations) 4; v0's file 4, v1's 4 and the comparison 1;
-  then `_keep_window_weights` clones v1 before it drops v0, 4 more: 29, 17.3 GB, 1.16x the
-  process. The goal cannot be met as built.
-- the follower (rank 1): at its start the model loaded whole from v0's checkpoint (4, and
-  the mapped file 4); then its shards 8, plus during a step FSDP2's all-gathered blocks and
-  the root's unsharded embedding (0.6 GB) and its gradient: ~8-10, 5-6 GB.
+  count_changed's comparison of the two 1; while it saves its state, safetensors' copies of
+  the moments; 25 and more, 14.9 GB. With fp32 weights and audits off it holds no second
+  copy of the model and no window versions.
+- each rank, lean (trainer.loop.Trainer.lean: fp32 weights, audits off, as here): its shards
+  of weights, gradient and moments 8; while the optimizer's shards are saved, two copies of
+  one file of at most 256 MiB (state.FILE_BYTES); the writer while it publishes, the new
+  weights file 4 and one gathered tensor at a time (the embedding, ~1), and nothing whole
+  between publishes (v0's and v1's files wait on disk as the next patch's base); the
+  follower built empty and filled one tensor at a time at start. During a step FSDP2's
+  all-gathered blocks and the root's unsharded embedding (0.6 GB) and its gradient. About
+  12-14, 0.45-0.5x the process.
 
-Measured at 39 M parameters on this machine (vocabulary 8,192, hidden 576, 10 layers; not a
-row): process 40, writer 53, follower 45 bytes a parameter. There the runtime alone is ~14 a
-parameter, and FSDP2's transients on the CPU weigh far more than they will at 0.6 B: a
-rank's resident memory grew by ~3x its step's new tensors during a step, about half of it
-memory malloc keeps after the step (malloc_trim gave ~500 MiB of 1.2 GiB back in a probe).
+Measured before the ranks were lean (7534bca, 37e1bd3, 76e9856; docs/PERFORMANCE.md has the
+history): the writer held an unsharded copy, the gathered state dict, the new file and the
+last one, and was killed for lack of memory at 13.5 GiB (>= 0.87x); streamed publishing
+brought both ranks to 11.4 GiB (0.73x), where the rest was the optimizer save: one file per
+rank, serialized twice in memory (4.4 GiB).
 
 docs/SCALE.md counts, with audits on (the default): one process 36 a parameter (16, the audit
 copy 4, the window's three published versions 12, the patch base 4), the writer 28 and a
-follower 24, 0.78. `--audit-tolerance 0`, as here, takes 16 of those from the process but
-only 8 from the writer (its `_second` stays, for publishing), which is why the writer ends
-above the process. Audits are off here because a full-size run with them on does not fit
-this machine (24 GiB): one process would hold 28-36 bytes a parameter, 17-21 GB, and the two
-ranks together ~52 (28 + 24), 31 GB. Without them the full run needs ~15 GB for the single
-process and ~23 GB for the two ranks at once (writer ~17, follower ~6): run it on an
-otherwise idle machine with 24 GB free, and ~14 GB of free disk (a side's bucket and state,
+follower 24, 0.78: audits need whole copies on every auditing rank. Audits are off here
+because a full-size run with them on does not fit this machine (24 GiB): one process would
+hold 28-36 bytes a parameter, 17-21 GB, and the two ranks together ~52, 31 GB. Run it on an
+otherwise idle machine with 16 GB free, and ~14 GB of free disk (a side's bucket and state,
 deleted after each side).
 
 --quick: a tiny Qwen3 shape (vocabulary 1,024, hidden 64, 2 layers) checks the code path in

@@ -15,7 +15,9 @@ AdamW's moments are sharded over all ranks (FSDP2), so every poll, step and gath
 full weights is collective: the writer tells the other ranks (the followers, `_follow`) what
 to do next through `_tell`, one small JSON message at a time, and they do it with it. The
 writer keeps one unsharded copy of the model (`_second`), filled by each gather, to publish,
-evaluate and audit from; with audits each follower keeps one too, for its own audits.
+evaluate and audit from; with audits each follower keeps one too, for its own audits. With
+fp32 weights and audits off the ranks are `lean` instead: no rank holds the weights whole
+between publishes (the writer's `_second` is a skeleton it binds to the published file).
 """
 
 from __future__ import annotations
