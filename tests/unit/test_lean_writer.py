@@ -104,7 +104,7 @@ def test_moments_saved_in_many_files_come_back_whole(tmp_path, monkeypatch):
     opt.step()
     monkeypatch.setattr(state, "FILE_BYTES", 16 << 10)
     moments = state.named_optimizer_state(model, opt)["state"]
-    mapping = state.one_file_each(moments)
+    mapping = state.file_indices(moments)
     sizes: dict[int, int] = {}
     for name, slots in moments.items():
         for key, t in slots.items():

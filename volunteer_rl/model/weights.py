@@ -66,7 +66,7 @@ _PIECE = 16 << 20
 """Bytes written (write_weights) or cast (fill_weights) at a time."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself, or for a DTensor (a parameter sharded by FSDP2) this rank's shard."""
     return getattr(t, "_local_tensor", t)
 
@@ -78,7 +78,7 @@ def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     them)."""
     out, seen = {}, set()
     for name, t in model.state_dict().items():
-        local = _local(t)
+        local = local_tensor(t)
         ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
         if ident not in seen:
             seen.add(ident)
@@ -284,7 +284,4 @@ def bind_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
 def unbind_weights(model: torch.nn.Module) -> None:
     """Let go of the weights `bind_weights` gave `model` (its parameters back on the meta
     device), so the file they viewed can be freed."""
-    meta = {k: torch.empty_like(p, device="meta") for k, p in model.named_parameters()}
-    model.load_state_dict(meta, strict=False, assign=True)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
+    bind_tensors(model, {k: torch.empty_like(p, device="meta") for k, p in model.named_parameters()})

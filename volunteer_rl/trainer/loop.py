@@ -74,7 +74,6 @@ from volunteer_rl.trainer.ranks import (
     join,
     leave,
     load_full_optimizer_state,
-    load_full_state_dict,
     scatter_full_weights,
     shard_model,
 )
@@ -209,7 +208,7 @@ class Trainer:
         mid-intake). The writer publishes each tensor as it gathers it, its `_second` is a
         skeleton bound to the weights only while it evaluates or finds a refused step's
         culprits, and the last weights file, a patch's base, waits on disk; a follower builds
-        its model empty and takes its shards of the writer's weights one tensor at a time."""
+        its model empty (no weights read from the checkpoint) before it takes its shards."""
         return (self.ranks.joined and self.cfg.weights_dtype == "fp32"
                 and self.cfg.audit_tolerance <= 0)
 
@@ -328,7 +327,7 @@ class Trainer:
             self.log(f"warning: {exc}: group numbers start afresh")
 
     def _shard_and_load(self, full: dict[str, torch.Tensor], moments: str | None) -> None:
-        """Every rank: FSDP2 over the policy, the writer's `full` weights broadcast into the
+        """Every rank: FSDP2 over the policy, the writer's `full` weights scattered into the
         shards, the optimizer built on them, and the manifest's version's moments as the writer
         found them (`moments`, see _moments): saved by ranks, resharded onto these ranks
         whatever number saved them (state.load_sharded_optimizer); saved by one process, the
@@ -337,12 +336,9 @@ class Trainer:
         if moments == "whole" and self.ranks.is_writer:
             whole = named_optimizer_state(self.policy.model, self.opt)
         shard_model(self.policy.model, self.ranks)
-        if self.lean:  # the followers' models were built empty (_start_follower)
-            if self.ranks.is_follower:
-                self.policy.model.to_empty(device=self.device)
-            scatter_full_weights(self.policy.model, full, self.ranks)
-        else:
-            load_full_state_dict(self.policy.model, full, self.ranks)
+        if any(p.is_meta for p in self.policy.model.parameters()):  # a lean follower's, built empty
+            self.policy.model.to_empty(device=self.device)
+        scatter_full_weights(self.policy.model, full, self.ranks)
         self._sharded = True
         self._make_optimizer()
         if moments == "sharded":

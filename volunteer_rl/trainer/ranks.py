@@ -352,30 +352,20 @@ def barrier(ranks: Ranks) -> None:
         dist.barrier()
 
 
-def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor],
+def scatter_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor],
                          ranks: Ranks) -> None:
-    """The writer's full state dict `full` into the sharded `model` of every rank (the others
-    pass {}): torch.distributed.checkpoint's set_model_state_dict broadcasts it from rank 0
-    and each rank keeps its shard. The ranks start from the writer's weights this way, whether
-    it built, warm-started or resumed them. A single process: load_state_dict."""
+    """The writer's full weights `full` (the others pass {}) into every rank's shards of the
+    sharded `model`, one tensor at a time: each parameter scattered from the writer
+    (`distribute_tensor`, whose other ranks need a tensor of the whole shape: one
+    parameter's worth, for a moment), every buffer broadcast whole. The ranks start from the
+    writer's weights this way, whether it built, warm-started or resumed them. torch's
+    set_model_state_dict(broadcast_from_rank0), used before, held the whole state dict on
+    every rank at once. A follower's model may have been built on the meta device and
+    materialized empty (`to_empty`): this gives every parameter and buffer its value. A
+    single process: load_state_dict."""
     if not ranks.joined:
         model.load_state_dict(full)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-
-
-def scatter_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor],
-                         ranks: Ranks) -> None:
-    """`load_full_state_dict` one tensor at a time: the writer's `full` weights (the others
-    pass {}) into every rank's shards of the sharded `model`, each parameter scattered from
-    the writer (`distribute_tensor`, whose other ranks need a tensor of the whole shape:
-    one parameter's worth, for a moment), every buffer broadcast whole. torch's
-    set_model_state_dict(broadcast_from_rank0) held the whole state dict on every rank at
-    once. The followers' model may have been built on the meta device and materialized empty
-    (`to_empty`): this gives every parameter and buffer its value."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     with torch.no_grad():

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from volunteer_rl.faults import crash_point
+from volunteer_rl.model.weights import local_tensor
 from volunteer_rl.protocol import layout
 
 STATE_FILE = "state.json"
@@ -127,11 +128,11 @@ def save_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
     osd = get_optimizer_state_dict(model, opt)
     dcp.save({"state": osd["state"]},
              storage_writer=HuggingFaceStorageWriter(str(state_dir(root, version) / SHARDED_DIR),
-                                                     one_file_each(osd["state"]),
+                                                     file_indices(osd["state"]),
                                                      save_distributed=True))
 
 
-def one_file_each(state: dict[str, dict]) -> dict[str, int]:
+def file_indices(state: dict[str, dict]) -> dict[str, int]:
     """DCP's file index (1..N) for each moment of each parameter (its flattened name,
     state.<parameter>.<moment>), filling each file up to FILE_BYTES of this rank's shards in
     order (a moment larger than that has a file of its own).
@@ -145,8 +146,8 @@ def one_file_each(state: dict[str, dict]) -> dict[str, int]:
     index, used, out = 1, 0, {}
     for name, moments in state.items():
         for key, value in moments.items():
-            local = getattr(value, "_local_tensor", value)
-            size = local.numel() * local.element_size() if torch.is_tensor(local) else 0
+            local = local_tensor(value) if torch.is_tensor(value) else None
+            size = local.numel() * local.element_size() if local is not None else 0
             if used and used + size > FILE_BYTES:
                 index, used = index + 1, 0
             out[f"state.{name}.{key}"] = index
@@ -155,7 +156,7 @@ def one_file_each(state: dict[str, dict]) -> dict[str, int]:
 
 
 FILE_BYTES = 256 << 20
-"""Bytes of moments (this rank's shards) per optimizer state file (one_file_each)."""
+"""Bytes of moments (this rank's shards) per optimizer state file (file_indices)."""
 
 
 def load_sharded_optimizer(root: Path, version: int, model: torch.nn.Module,
