@@ -203,13 +203,16 @@ def self_check(model_dir: Path, pieces: dict, k: int, max_new_tokens: int, group
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import load_policy
     from volunteer_rl.protocol import layout
-    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.base import in_process
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.ingest import Rules, Window, check_shard
 
     policy = load_policy(model_dir, "cpu")
-    rules = Rules(load_csv(PACKAGE_DATA / "train.csv"), len(policy.tokenizer), k, max_new_tokens,
-                  policy.decode_all, policy.eos_id, policy.special_ids, max_groups=groups,
-                  run_id="run-check")
+    task = CalculatorTask()
+    rules = Rules(load_rows(PACKAGE_DATA / "train.csv", task), len(policy.tokenizer), k,
+                  max_new_tokens, policy.decode_all, policy.eos_id, policy.special_ids,
+                  max_groups=groups, run_id="run-check", rewards=in_process(task))
     pool = list(range(0, 2560, 10))  # a pool of 256 rows, as a trainer publishes
     data = ShardMaker(pieces, PARKER_ID, groups).shard(1, "run-check", pool, groups)
     key = layout.shard_key(1, PARKER_ID, _name(1))
@@ -335,9 +338,10 @@ def audit_figures(bucket: Path, budget: float) -> dict:
 def results(quick: bool) -> list[Row]:
     from volunteer_rl.config import TrainerConfig
     from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
+    from volunteer_rl.task.calculator_task import CalculatorTask
 
     plan = QUICK if quick else FULL
-    cfg = TrainerConfig(bucket="")
+    cfg = TrainerConfig(bucket="").with_task_defaults(CalculatorTask())
     k, tokens, groups = cfg.k, cfg.max_new_tokens, SHARD_GROUPS_LIMIT
     log(f"machine: {machine()}")
     model_dir = shared_start()

@@ -99,17 +99,16 @@ def read_balance(bucket: Path) -> tuple[int, int, int, int, dict, dict | None, i
 
 def accuracy(bucket: Path, work: Path, version: int) -> tuple[float, float, int]:
     """(greedy, sampled, prompts) of `version` on the held-out set, as `vrl demo` reports it."""
-    from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled, held_out, load_version
 
     storage = open_storage(str(bucket))
     trust = Trust(resolve_trust_key(str(work / "trainer" / "signing-key.pem.pub")))
     m, policy = load_version(storage, version, work / "eval", trust=trust)
-    problems = load_csv(PACKAGE_DATA / "eval.csv")
-    r = greedy_and_sampled(policy, problems, m.sampling.temperature, 4, m.sampling.max_new_tokens)
+    task, problems = held_out(m, None)  # the manifest's task's own held-out rows: data/eval.csv
+    r = greedy_and_sampled(policy, task, problems, m.sampling.temperature, 4,
+                           m.sampling.max_new_tokens)
     return r["eval/accuracy_greedy"], r["eval/accuracy_sampled"], len(problems)
 
 

@@ -154,10 +154,12 @@ class Publisher:
 
         from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
         from volunteer_rl.storage import open_storage
+        from volunteer_rl.task.calculator_task import CalculatorTask
         from volunteer_rl.trainer.publish import WeightsChain, upload_dataset
 
+        # The trainer's config as it runs (k and max_new_tokens the task's), for the manifest.
         self.cfg = TrainerConfig(bucket=uri, endpoint_url=endpoint, work_dir=str(work),
-                                 weights_dtype=dtype)
+                                 weights_dtype=dtype).with_task_defaults(CalculatorTask())
         if keyframe_every is not None:
             self.cfg.keyframe_every = keyframe_every
         self.storage = open_storage(uri, endpoint)

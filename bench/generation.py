@@ -48,6 +48,7 @@ from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.model.weights import save_policy
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem, load_csv
 from volunteer_rl.trainer.warmstart import warm_start
 
@@ -79,7 +80,8 @@ def make_model(problems: list[Problem], steps: int, folder: Path) -> Policy:
     # and it is not measured.
     torch.set_num_threads(1)
     try:
-        warm_start(policy, problems, steps, seed=cfg.seed, log=lambda m: None)
+        warm_start(policy, [p.prompt for p in problems], [p.expression for p in problems], steps,
+                   seed=cfg.seed, log=lambda m: None)
     finally:
         torch.set_num_threads(TORCH_DEFAULT_THREADS)
     save_policy(policy, folder)
@@ -150,7 +152,8 @@ def median_rate(tallies: list[Tally], what: str) -> float:
 def results(quick: bool) -> list[Row]:
     warnings.filterwarnings("ignore")  # generate() warns about its own config; not ours to fix here
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tcfg, vcfg = TrainerConfig(bucket="unused"), VolunteerConfig(bucket="unused")
+    tcfg = TrainerConfig(bucket="unused").with_task_defaults(CalculatorTask())
+    vcfg = VolunteerConfig(bucket="unused")
     k, temperature, max_new = tcfg.k, tcfg.temperature, tcfg.max_new_tokens
     ppb = vcfg.prompts_per_batch
     n_prompts = QUICK_PROMPTS if quick else PROMPTS

@@ -79,6 +79,9 @@ QUICK = Sizes(volunteers=60, groups_per_shard=2, short_history=4, long_history=1
               arrivals=5, warm_start_steps=0, rounds=1)
 STALENESS = 2  # the trainer's default max_staleness
 HISTORY_SHARE = 5  # an old version holds the shards of 1 in this many volunteers
+NUMBERS_PER_VERSION = 1000
+"""A volunteer's group numbers run across the versions of a run (schema 6), growing with
+them: its groups of version v are numbered from v * NUMBERS_PER_VERSION on."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,27 +96,31 @@ def make_policy_and_pool(sizes: Sizes):
     from volunteer_rl.config import TrainerConfig
     from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.sampling import sample
-    from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.task.reward import completion_reward
+    from volunteer_rl.task.base import completion_reward, in_process
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.ingest import Rules
     from volunteer_rl.trainer.loop import dataset_paths, initial_policy
 
-    cfg = TrainerConfig(bucket="unused", warm_start_steps=sizes.warm_start_steps, seed=0)
-    problems = load_csv(dataset_paths(cfg)[0])
+    task = CalculatorTask()
+    cfg = TrainerConfig(bucket="unused", warm_start_steps=sizes.warm_start_steps,
+                        seed=0).with_task_defaults(task)
+    problems = load_rows(dataset_paths(cfg, task)[0], task)
     torch.manual_seed(0)
-    policy = initial_policy(cfg, problems, torch.device("cpu"), log=lambda m: None)
+    policy = initial_policy(cfg, task, problems, torch.device("cpu"), log=lambda m: None)
     picked = problems[: (sizes.volunteers + sizes.steps * sizes.arrivals) * sizes.groups_per_shard]
     torch.manual_seed(1)
-    out = sample(policy, encode_prompts(policy, [p.prompt for p in picked]), cfg.k,
-                 cfg.temperature, cfg.max_new_tokens)
+    out = sample(policy, encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction),
+                 cfg.k, cfg.temperature, cfg.max_new_tokens)
     pool = [(p.id, [Completion(s.token_ids, s.logprobs, s.text,
-                               completion_reward(s.token_ids, p.expression, policy.decode_all,
+                               completion_reward(task, p, s.token_ids, policy.decode_all,
                                                  policy.eos_id, policy.special_ids))
                     for s in samples]) for p, samples in zip(picked, out)]
 
     def rules() -> Rules:
         return Rules(problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
-                     policy.decode_all, policy.eos_id, policy.special_ids)
+                     policy.decode_all, policy.eos_id, policy.special_ids,
+                     rewards=in_process(task))
     return rules, pool
 
 
@@ -122,7 +129,9 @@ def shard_bytes(pool, version: int, volunteer: int, seq: int, per_shard: int,
     """(key, encoded shard) of volunteer number `volunteer`'s shard `seq` of `version`, made of
     the pool's groups from slot number `slot` on."""
     vid = f"vol-{volunteer:04d}"
-    groups = [Group(pid, version, vid, seq * per_shard + j, comps)
+    first = version * NUMBERS_PER_VERSION + seq * per_shard
+    assert (seq + 1) * per_shard <= NUMBERS_PER_VERSION
+    groups = [Group(pid, version, vid, first + j, comps)
               for j, (pid, comps) in enumerate(pool[slot * per_shard: (slot + 1) * per_shard])]
     return layout.shard_key(version, vid, new_shard_name(seq)), encode_shard(groups)
 

@@ -132,19 +132,22 @@ def v0_pool(cfg) -> tuple[int, ...]:
     """v0's prompt pool as the trainer makes it (Trainer._next_pool on a fresh run)."""
     import random
 
+    from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.curriculum import PromptPicker
-    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.loop import dataset_paths
 
-    problems = load_csv(dataset_paths(cfg)[0])
-    return PromptPicker(problems, random.Random(cfg.seed), cfg.curriculum).pool(cfg.prompt_pool)
+    task = CalculatorTask()
+    problems = load_rows(dataset_paths(cfg, task)[0], task)
+    return PromptPicker(problems, random.Random(cfg.seed), cfg.curriculum,
+                        task.stratum).pool(cfg.prompt_pool)
 
 
 def honest_shards(model_dir: Path, sizes: Sizes, pool: tuple[int, ...]) -> tuple[list, dict]:
     """[(key, encoded shard)] of every volunteer, and counts of what they hold.
 
     Volunteer.`_generate`'s steps, for all volunteers at once: numbers, drawn prompts,
-    committed keys, `sample`, `completion_reward`. `sample` batches prompts of several
+    committed keys, `sample`, the task's `completion_reward`. `sample` batches prompts of several
     volunteers per call, as one volunteer batches its own: each completion's noise is keyed
     by its own (run, version, volunteer, number, prompt, index), so what a row is sampled
     beside does not change it."""
@@ -155,23 +158,25 @@ def honest_shards(model_dir: Path, sizes: Sizes, pool: tuple[int, ...]) -> tuple
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.draws import group_keys, pool_prompt
     from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
-    from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.task.reward import completion_reward
+    from volunteer_rl.task.base import completion_reward
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.loop import dataset_paths
 
-    cfg = TrainerConfig(bucket="unused")
-    problems = load_csv(dataset_paths(cfg)[0])
+    task = CalculatorTask()
+    cfg = TrainerConfig(bucket="unused").with_task_defaults(task)
+    problems = load_rows(dataset_paths(cfg, task)[0], task)
     policy = load_policy(model_dir, "cpu")
     set_sampling_threads(policy)  # the volunteer's own thread setting
     per_volunteer = sizes.shards * sizes.groups
     slots = [(f"vol-{n:04d}", seq) for n in range(sizes.volunteers) for seq in range(per_volunteer)]
     picked = [problems[pool_prompt(pool, RUN_ID, VERSION, vid, seq)] for vid, seq in slots]
     keys = [group_keys(RUN_ID, VERSION, vid, seq, p.id, cfg.k) for (vid, seq), p in zip(slots, picked)]
-    out = sample(policy, encode_prompts(policy, [p.prompt for p in picked]), cfg.k,
-                 cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
+    out = sample(policy, encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction),
+                 cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
     groups = [Group(p.id, VERSION, vid, seq,
                     [Completion(s.token_ids, s.logprobs, s.text,
-                                completion_reward(s.token_ids, p.expression, policy.decode_all,
+                                completion_reward(task, p, s.token_ids, policy.decode_all,
                                                   policy.eos_id, policy.special_ids))
                      for s in samples])
               for (vid, seq), p, samples in zip(slots, picked, out)]
@@ -198,10 +203,11 @@ def worker(spec_path: str) -> int:
 
     torch.set_num_threads(1)  # see the module's doc: one thread per process, on both sides
     from volunteer_rl.config import TrainerConfig
+    from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.trainer.ranks import join, leave
 
     spec = json.loads(Path(spec_path).read_text())
-    cfg = TrainerConfig(bucket=f"s3://{spec['bucket']}")
+    cfg = TrainerConfig(bucket=f"s3://{spec['bucket']}").with_task_defaults(CalculatorTask())
     ranks = join("cpu", cfg.rank_timeout)
     try:
         result = intake(spec, ranks, cfg)
@@ -216,7 +222,9 @@ def intake(spec: dict, ranks, cfg) -> dict:
     from volunteer_rl.model.weights import WEIGHTS_DTYPES
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.ledger import Ledger
-    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.base import in_process
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
     from volunteer_rl.trainer.fleet import Counts, Fleet
     from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
@@ -227,12 +235,14 @@ def intake(spec: dict, ranks, cfg) -> dict:
 
     # As Trainer._build_ingest: the rules of the manifest, the prompts' tokens for replays,
     # the window's weights as volunteers load them, and the auditor with its budget.
-    problems = load_csv(dataset_paths(cfg)[0])
+    task = CalculatorTask()
+    problems = load_rows(dataset_paths(cfg, task)[0], task)
     policy = load_policy(spec["model"], "cpu")
     policy.model.eval()
     rules = Rules(problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens, policy.decode_all,
-                  policy.eos_id, policy.special_ids, run_id=RUN_ID)
-    prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in problems])))
+                  policy.eos_id, policy.special_ids, run_id=RUN_ID, rewards=in_process(task))
+    prompt_ids = dict(enumerate(encode_prompts(policy, [task.prompt(p) for p in problems],
+                                               task.instruction)))
     weights = WindowWeights()
     weights.add(VERSION, policy.model, WEIGHTS_DTYPES[cfg.weights_dtype])
 
@@ -344,9 +354,10 @@ def results(quick: bool = False) -> list[Row]:
     from bench.trl_time_to_accuracy import shared_start
     from volunteer_rl.config import TrainerConfig
     from volunteer_rl.storage import open_storage
+    from volunteer_rl.task.calculator_task import CalculatorTask
 
     sizes = QUICK if quick else FULL
-    cfg = TrainerConfig(bucket="unused")
+    cfg = TrainerConfig(bucket="unused").with_task_defaults(CalculatorTask())
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ[name] = "testing"  # moto accepts any key; never send real ones to it
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

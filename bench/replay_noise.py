@@ -55,6 +55,7 @@ from volunteer_rl.model.policy import Policy, bf16_rounded, encode_prompts, load
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import Sample, sample
 from volunteer_rl.protocol.draws import group_keys
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import load_csv
 
 GROUPS, QUICK_GROUPS = 10_000, 500
@@ -98,7 +99,7 @@ class Setting:
 def make_groups(policy: Policy, problems, n: int, k: int, max_new: int, seed: int = 0) -> Groups:
     rng = random.Random(seed)
     ids = [rng.randrange(len(problems)) for _ in range(n)]
-    prompts = encode_prompts(policy, [problems[i].prompt for i in ids])
+    prompts = encode_prompts(policy, [problems[i].prompt for i in ids], CalculatorTask.instruction)
     keys = [group_keys(RUN_ID, VERSION, VOLUNTEER, g, pid, k) for g, pid in enumerate(ids)]
     return Groups(prompts, ids, keys)
 
@@ -159,7 +160,8 @@ def histogram(margins: list[float]) -> list[int]:
 
 
 def run(policy: Policy, problems, n_groups: int, log=print) -> list[Setting]:
-    tcfg, vcfg = TrainerConfig(bucket="unused"), VolunteerConfig(bucket="unused")
+    tcfg = TrainerConfig(bucket="unused").with_task_defaults(CalculatorTask())
+    vcfg = VolunteerConfig(bucket="unused")
     k, temperature, max_new = tcfg.k, tcfg.temperature, tcfg.max_new_tokens
     per_call = vcfg.prompts_per_batch
     groups = make_groups(policy, problems, n_groups, k, max_new)

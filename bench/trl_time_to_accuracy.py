@@ -140,20 +140,23 @@ def shared_start(steps: int = WARM_START_STEPS, seed: int = SEED) -> Path:
 
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
     from volunteer_rl.model.weights import save_policy
-    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.loop import initial_policy
 
     train = PACKAGE_DATA / "train.csv"
     sources = [train] + [ROOT / "volunteer_rl" / f for f in (
         "model/tiny.py", "model/policy.py", "model/weights.py", "trainer/warmstart.py",
-        "trainer/loop.py")]
+        "trainer/loop.py", "task/calculator_task.py")]
     folder = CACHE / f"v0-{steps}steps-seed{seed}-{_sha(sources)}"
     if (folder / "model.safetensors").is_file() and (folder / "vrl.json").is_file():
         log(f"shared start: cached {folder.relative_to(ROOT)}")
         return folder
-    cfg = TrainerConfig(bucket="memory://unused", model="tiny", warm_start_steps=steps, seed=seed)
+    task = CalculatorTask()
+    cfg = TrainerConfig(bucket="memory://unused", model="tiny", warm_start_steps=steps,
+                        seed=seed).with_task_defaults(task)
     torch.manual_seed(cfg.seed)  # as Trainer._start_fresh does before initial_policy
-    policy = initial_policy(cfg, load_csv(train), torch.device("cpu"), log)
+    policy = initial_policy(cfg, task, load_rows(train, task), torch.device("cpu"), log)
     tmp = folder.with_name(folder.name + ".tmp")
     save_policy(policy, tmp)
     os.replace(tmp, folder)
@@ -316,6 +319,7 @@ def trl_child(spec: dict) -> None:
 
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import encode_prompts, format_prompt, load_policy
+    from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_csv
     from volunteer_rl.task.reward import reward
 
@@ -324,11 +328,12 @@ def trl_child(spec: dict) -> None:
     out, launched, budget, grid = Path(spec["out"]), spec["launched"], spec["budget"], spec["grid"]
     policy = load_policy(spec["model"], "cpu")
     problems = load_csv(PACKAGE_DATA / "train.csv")
-    prompts = [format_prompt(policy, p.prompt) for p in problems]
+    instruction = CalculatorTask.instruction
+    prompts = [format_prompt(policy, p.prompt, instruction) for p in problems]
     # GRPOTrainer tokenizes plain-text prompts with the tokenizer's defaults; they must give
     # the very ids vrl's volunteers sample from.
     probe = policy.tokenizer(prompts[:64])["input_ids"]
-    if probe != encode_prompts(policy, [p.prompt for p in problems[:64]]):
+    if probe != encode_prompts(policy, [p.prompt for p in problems[:64]], instruction):
         raise SystemExit("TRL would tokenize the prompts differently from vrl")
     data = Dataset.from_dict({"prompt": prompts, "expression": [p.expression for p in problems]})
 
@@ -425,11 +430,13 @@ def score(run: Run, model_dir: Path, plan: Plan, cache: dict) -> None:
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.policy import load_policy
     from volunteer_rl.model.weights import load_weights
-    from volunteer_rl.task.dataset import load_csv
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.evaluate import greedy_and_sampled
 
     torch.set_num_threads(THREADS)
-    problems = load_csv(PACKAGE_DATA / "eval.csv")[: plan.eval_prompts]
+    task = CalculatorTask()
+    problems = load_rows(PACKAGE_DATA / "eval.csv", task)[: plan.eval_prompts]
     policy = load_policy(model_dir, "cpu")
     policy.model.eval()
     for g, snap in sorted(run.snapshots.items()):
@@ -440,7 +447,8 @@ def score(run: Run, model_dir: Path, plan: Plan, cache: dict) -> None:
             else:  # a TRL state dict
                 policy.model.load_state_dict(torch.load(snap))
             torch.manual_seed(EVAL_SEED)
-            cache[key] = greedy_and_sampled(policy, problems, TEMPERATURE, EVAL_SAMPLES, MAX_NEW_TOKENS)
+            cache[key] = greedy_and_sampled(policy, task, problems, TEMPERATURE, EVAL_SAMPLES,
+                                            MAX_NEW_TOKENS)
         run.curve[g] = cache[key]
 
 

@@ -44,13 +44,15 @@ EOS = 100
 
 
 def _rules():
+    from volunteer_rl.task.base import in_process
+    from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import Problem
     from volunteer_rl.trainer.ingest import Rules
 
     problems = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
-    return Rules(problems, vocab_size=EOS + 1, k=2, max_new_tokens=8,
+    return Rules([p.row for p in problems], vocab_size=EOS + 1, k=2, max_new_tokens=8,
                  decode=lambda ids: "".join(str(t) for t in ids), eos_id=EOS,
-                 special_ids=frozenset({EOS}))
+                 special_ids=frozenset({EOS}), rewards=in_process(CalculatorTask()))
 
 
 def _group(vol: str, version: int, seq: int, n: int):

@@ -22,6 +22,7 @@ def demo(
     bucket: Optional[str] = option(DemoSettings, "bucket"),
     volunteers: int = option(DemoSettings, "volunteers"),
     rl_seconds: float = option(DemoSettings, "rl_seconds"),
+    task: str = option(TrainerConfig, "task"),
     warm_start_steps: int = option(TrainerConfig, "warm_start_steps"),
     algo: str = option(TrainerConfig, "algo"),
     lr: float = option(TrainerConfig, "lr"),
@@ -29,7 +30,7 @@ def demo(
     """The embedded default: a trainer and volunteers as separate processes on a local folder
     bucket; ends with held-out accuracy of v0 and of the last version.
 
-    Example: vrl demo --volunteers 2 --rl-seconds 300
+    Examples: vrl demo --volunteers 2 --rl-seconds 300;  vrl demo --task countdown
     """
     with usage_errors():
         settings = DemoSettings(**ctx.params)

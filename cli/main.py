@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from volunteer_rl_cli import admin, demo, observe, train, volunteer
+from volunteer_rl_cli import admin, demo, observe, tasks, train, volunteer
 from volunteer_rl_cli.errors import KnownErrorsAsOneLine
 
 DISTRIBUTION = "volunteer-rl"  # the name pip installs vrl under (pyproject.toml)
@@ -19,7 +19,7 @@ app = typer.Typer(
     help="Reinforcement learning with volunteers' machines as generators and a bucket as the "
          "only rendezvous.\n\nQuick start: `vrl demo`.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-for group in (train, volunteer, observe, admin, demo):
+for group in (train, volunteer, observe, admin, tasks, demo):
     app.add_typer(group.app)
 
 

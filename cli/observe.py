@@ -39,19 +39,17 @@ def eval_(
 
     Example: vrl eval --bucket ./bucket --version 0
     """
-    from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.devices import pick_device
     from volunteer_rl.protocol.signing import reader_trust
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled, held_out, load_version
 
-    problems = load_csv(dataset or PACKAGE_DATA / "eval.csv")
     storage = open_storage(bucket, endpoint_url, create=False)
     trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
     m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
-    log(f"evaluating v{m.version} of {m.run_id} on {len(problems)} prompts")
-    res = greedy_and_sampled(policy, problems, m.sampling.temperature, samples,
+    task, problems = held_out(m, dataset)
+    log(f"evaluating v{m.version} of {m.run_id} on {len(problems)} {task.name} prompts")
+    res = greedy_and_sampled(policy, task, problems, m.sampling.temperature, samples,
                              m.sampling.max_new_tokens, log=log, label=f"eval v{m.version}")
     log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
         f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} "

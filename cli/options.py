@@ -34,7 +34,7 @@ PANELS = {
     "Storage": ("bucket", "endpoint_url", "work_dir"),
     "Model": ("model", "weights_dtype", "warm_start_steps", "seed"),
     "Machine": ("device", "threads", "nice", "rank_timeout"),
-    "Data": ("dataset", "eval_dataset", "curriculum", "prompt_pool"),
+    "Data": ("task", "dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
            "groups_per_step", "micro_batch"),
     "Publishing": ("publish_every", "publish_min_seconds", "quota_headroom", "keyframe_every",

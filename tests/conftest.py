@@ -53,7 +53,7 @@ class Template:
     key: Path
     """The signing key that signed its manifests: trainers resuming it need --signing-key."""
     problems: list
-    """Every row of the train dataset, indexed by prompt id."""
+    """Every row of the train dataset (task.base.Row), indexed by prompt id."""
     pools: dict = field(default_factory=dict)
     """Version -> the prompt pool its manifest published."""
     made: dict = field(default_factory=dict)
@@ -89,10 +89,11 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
     from volunteer_rl.model.sampling import sample
     from volunteer_rl.protocol.draws import group_keys, pool_prompt
     from volunteer_rl.protocol.shards import Completion, Group
-    from volunteer_rl.task.reward import completion_reward
+    from volunteer_rl.task.base import completion_reward
+    from volunteer_rl.task.calculator_task import CalculatorTask
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
-    policy = t.policy
+    policy, task = t.policy, CalculatorTask()
     groups = []
     # The numbers in chunks, until GROUPS_WANTED groups have reward variance: about one in six
     # gives one, so this samples some 200 numbers, at some 10 s per 400 on a busy 2-core
@@ -102,10 +103,10 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
                  for n in range(start, start + CHUNK)]
         keys = [group_keys(t.run_id, version, volunteer, start + j, p.id, k)
                 for j, p in enumerate(chunk)]
-        out = sample(policy, encode_prompts(policy, [p.prompt for p in chunk]), k, temperature,
+        out = sample(policy, encode_prompts(policy, [task.prompt(p) for p in chunk]), k, temperature,
                      max_new, draw_keys=keys)
         for j, (p, samples) in enumerate(zip(chunk, out)):
-            rewards = [completion_reward(x.token_ids, p.expression, policy.decode_all,
+            rewards = [completion_reward(task, p, x.token_ids, policy.decode_all,
                                          policy.eos_id, policy.special_ids) for x in samples]
             if max(rewards) != min(rewards):
                 groups.append(Group(p.id, version, volunteer, start + j, [

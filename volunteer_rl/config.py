@@ -10,7 +10,7 @@ embedded demo's choices.
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -106,21 +106,25 @@ class TrainerConfig(Checked):
     model: str = "tiny"
     """`tiny` (the project's own small Llama-shaped model, built offline) or a local Hugging
     Face model folder."""
+    task: str = "calculator"
+    """The task to train: an installed task's name (`vrl tasks` lists them; docs/TASKS.md)."""
     dataset: str | None = None
-    """Train CSV with the columns python_expression and natural_language (default: the
-    shipped data/train.csv)."""
+    """Train CSV with the task's columns (default: the task's own; the calculator's is
+    data/train.csv)."""
     eval_dataset: str | None = None
-    """Held-out CSV of the same columns (default: the shipped data/eval.csv)."""
+    """Held-out CSV of the same columns (default: the task's own; the calculator's is
+    data/eval.csv)."""
     algo: str = setting("grpo", one_of=ALGOS)
     """`reinforce` (advantage r - group mean) or `grpo` (normalized advantage, clipped ratio)."""
     lr: float = setting(3e-4, above=0)
     """AdamW learning rate of the RL phase (1e-3 collapsed the tiny model in calibration)."""
-    k: int = setting(8, at_least=1)
-    """Completions per prompt (group size) volunteers must sample."""
+    k: int | None = setting(None, at_least=1)
+    """Completions per prompt (group size) volunteers must sample (default: the task's; 8
+    for the calculator and countdown)."""
     temperature: float = setting(1.0, above=0)
     """Sampling temperature volunteers must use; behavior logprobs are under logits / T."""
-    max_new_tokens: int = setting(32, at_least=1)
-    """Cap on generated tokens per completion."""
+    max_new_tokens: int | None = setting(None, at_least=1)
+    """Cap on generated tokens per completion (default: the task's; 32 for the calculator)."""
     max_staleness: int = setting(2, at_least=0)
     """Versions a group may lag the trainer and still be used: the oldest accepted policy
     version is current - max_staleness; older groups are dropped."""
@@ -237,6 +241,12 @@ class TrainerConfig(Checked):
     no quota, volunteers sample until the next version). The manifest's `quota`: groups per
     step, less the usable groups in hand, over the share of groups received that are usable
     and over the volunteers sending them (trainer/balance.py)."""
+
+    def with_task_defaults(self, task) -> "TrainerConfig":
+        """These settings with each one left unset (k, max_new_tokens) taken from the task's
+        suggestion (task.base.Task)."""
+        return replace(self, k=self.k or task.k,
+                       max_new_tokens=self.max_new_tokens or task.max_new_tokens)
 
 
 @dataclass

@@ -15,7 +15,12 @@ from functools import partial
 from pathlib import Path
 
 from volunteer_rl.config import Checked, TrainerConfig, check, setting
+from volunteer_rl.errors import VrlError
 from volunteer_rl.launch import stop, vrl_command, vrl_env, vrl_ranks_command
+
+
+class DemoError(VrlError):
+    """A process of the demo failed; its own output, just printed, says why."""
 
 
 @dataclass
@@ -26,6 +31,8 @@ class DemoSettings(Checked):
     """Volunteer processes to start."""
     rl_seconds: float = setting(300.0, above=0)
     """Seconds of RL after v0 is published."""
+    task: str = TrainerConfig.task
+    """The trainer's --task."""
     warm_start_steps: int = TrainerConfig.warm_start_steps
     """The trainer's --warm-start-steps: supervised steps that make v0."""
     algo: str = TrainerConfig.algo
@@ -47,6 +54,9 @@ class DemoSettings(Checked):
         super().__post_init__()  # its own rules
         for name in ("warm_start_steps", "algo", "lr", "groups_per_step"):
             check(TrainerConfig, name, getattr(self, name))  # as the trainer would refuse it
+        from volunteer_rl.task.registry import info
+
+        info(self.task)  # a task not installed here: one line now, not after the processes start
 
 
 def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
@@ -66,7 +76,7 @@ def start_processes(s: DemoSettings, bucket: Path,
     work = bucket.parent / "work"
     command = partial(vrl_ranks_command, trainer_ranks) if trainer_ranks else vrl_command
     trainer = subprocess.Popen(
-        command("trainer", "--bucket", str(bucket), "--algo", s.algo, "--lr", str(s.lr),
+        command("trainer", "--bucket", str(bucket), "--task", s.task, "--algo", s.algo, "--lr", str(s.lr),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
                     "--groups-per-step", str(s.groups_per_step), "--eval-every", "100",
@@ -86,24 +96,23 @@ def start_processes(s: DemoSettings, bucket: Path,
 
 
 def report(bucket: Path, work: Path) -> dict[int, dict[str, float]]:
-    """Held-out accuracy of v0 and of the last version, read back from the bucket."""
-    from volunteer_rl.config import PACKAGE_DATA
+    """Held-out accuracy of v0 and of the last version, read back from the bucket, on the
+    held-out rows of the task the manifest names."""
     from volunteer_rl.protocol.manifest import read_manifest
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.task.dataset import load_csv
-    from volunteer_rl.trainer.evaluate import greedy_and_sampled, load_version
+    from volunteer_rl.trainer.evaluate import greedy_and_sampled, held_out, load_version
 
     storage = open_storage(str(bucket))
     trust = Trust(resolve_trust_key(str(work / "trainer" / "signing-key.pem.pub")))
     last = read_manifest(storage, trust=trust)
-    problems = load_csv(PACKAGE_DATA / "eval.csv")
+    task, problems = held_out(last, None)
     results = {}
     for version in sorted({0, last.version}):
         m, policy = load_version(storage, version, work / "eval", trust=trust)
-        results[version] = greedy_and_sampled(policy, problems, m.sampling.temperature, 4,
+        results[version] = greedy_and_sampled(policy, task, problems, m.sampling.temperature, 4,
                                               m.sampling.max_new_tokens)
-    print(f"\nheld-out accuracy on {len(problems)} prompts (sampled: T={last.sampling.temperature}, 4 samples each)")
+    print(f"\nheld-out accuracy on {len(problems)} {task.name} prompts (sampled: T={last.sampling.temperature}, 4 samples each)")
     print(f"{'version':>8} {'greedy':>8} {'sampled':>8}")
     for version, r in results.items():
         print(f"{'v' + str(version):>8} {r['eval/accuracy_greedy']:>8.1%} {r['eval/accuracy_sampled']:>8.1%}")
@@ -126,7 +135,8 @@ def run_demo(s: DemoSettings) -> dict[int, dict[str, float]]:
         for t in pumps:
             t.join(timeout=5)
     if code != 0:
-        raise RuntimeError(f"trainer exited with code {code}")
+        raise DemoError(f"the demo's trainer exited with code {code} (its last lines above say "
+                        f"why); the bucket is left at {bucket}")
     print(f"volunteers exited with {vol_codes}", flush=True)
     results = report(bucket, root / "work")
     print(f"demo finished in {time.time() - started:.0f}s; bucket left at {bucket}", flush=True)

@@ -47,6 +47,7 @@ from test_hostile_bucket import tiny_policy, tokenizer  # noqa: F401  (tokenizer
 from volunteer_rl.model.policy import format_prompt, load_policy
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import load_csv
 from volunteer_rl.task.generate import generate_problems
 from volunteer_rl.trainer.warmstart import warm_start
@@ -108,7 +109,10 @@ def save_model(arch: str, tok, chat: bool, dataset, folder) -> None:
     torch.set_num_threads(1)  # several threads on a busy 2-core machine ran it ~50x slower
     try:
         torch.manual_seed(0)
-        warm_start(policy, load_csv(dataset), 150, batch_size=16, lr=3e-3, log=lambda m: None)
+        problems = load_csv(dataset)
+        warm_start(policy, [p.prompt for p in problems], [p.expression for p in problems], 150,
+                   batch_size=16, lr=3e-3, log=lambda m: None,
+                   instruction=CalculatorTask.instruction)  # what the trainer's prompts say
     finally:
         torch.set_num_threads(threads)
     policy.model.save_pretrained(folder)
@@ -210,6 +214,6 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
         assert (fetched / "chat_template.jinja").read_text() == CHAT_TEMPLATE
         loaded = load_policy(fetched)
         assert loaded.prompt_format == "chat"
-        assert format_prompt(loaded, "add 1 and 2").startswith("<|user|>Write the arithmetic")
+        assert format_prompt(loaded, "add 1 and 2", CalculatorTask.instruction).startswith("<|user|>Write the arithmetic")
     else:
         assert not (fetched / "chat_template.jinja").exists()

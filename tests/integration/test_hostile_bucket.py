@@ -34,6 +34,7 @@ from volunteer_rl.model.vetting import (
 from volunteer_rl.model.weights import save_policy
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    TaskRef,
     PIECE_BYTES,
     FileEntry,
     Keyframe,
@@ -143,7 +144,7 @@ def make_manifest(storage, version: int, files: dict[str, FileEntry], dataset_cs
             root = pieces_root(PIECE_BYTES, weights.size, pieces)
             files = {**files, "model.safetensors": WeightsEntry(root, weights.size)}
             fields["weights"] = Weights(PIECE_BYTES, pieces, Keyframe(version, root, weights.size))
-    return Manifest(run_id="run-h", version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run-h", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files, dataset=upload_dataset(storage, dataset_csv),
                     sampling=Sampling(2, 1.0, 8), max_staleness=2, **fields)
 

@@ -30,7 +30,7 @@ from botocore.exceptions import ClientError  # noqa: E402
 from helpers.vrlproc import load_infra  # noqa: E402
 from volunteer_rl.observe.dashboard import read_history
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
+from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling, TaskRef
 from volunteer_rl.storage.s3 import S3Storage
 from volunteer_rl.trainer.retention import TrainerRetention
 
@@ -572,7 +572,7 @@ def test_trainer_lists_only_the_run_prefixes(key_prefix):
     storage, client = _recording_storage(key_prefix)
     read_history(storage)  # the dashboard: metrics/
     retention = TrainerRetention(storage, keep_versions=3, every=1)
-    m = Manifest(run_id="r", version=7, checkpoint=layout.checkpoint_prefix(7), files={},
+    m = Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="r", version=7, checkpoint=layout.checkpoint_prefix(7), files={},
                  dataset=Dataset("train", "datasets/t.csv", "ab" * 32, 10, 1),
                  sampling=Sampling(2, 1.0, 8), max_staleness=1)
     retention.run_pass(m)  # first pass: checkpoints/ one level and manifests/, where to start

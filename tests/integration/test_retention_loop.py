@@ -182,10 +182,11 @@ def test_volunteer_moves_on_when_the_version_it_is_about_to_fetch_is_gone(collec
     seen = v.poll()
     assert seen.version == 8 and v.manifest.version == 7
     etag = s.read_if_changed(layout.MANIFEST, None)[1]
-    cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"))
+    cfg = TrainerConfig(bucket=str(bucket), k=2, max_staleness=STALENESS, work_dir=str(tmp_path / "tw"),
+                        max_new_tokens=32)
     key, _ = load_or_create_key(collected["root"] / "tw" / "signing-key.pem")
     publish(s, v.policy, 9, cfg, m8.run_id, m8.dataset, etag, key,  # ...then v9 comes
-            WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction))
+            WeightsChain(cfg.keyframe_every, cfg.patch_max_fraction), task=m8.task)
     for key in s.list(layout.checkpoint_prefix(8)):             # and v8 goes
         s.delete(key)
     assert v.try_switch(seen)

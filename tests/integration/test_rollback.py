@@ -19,6 +19,7 @@ import pytest
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    TaskRef,
     Dataset,
     FileEntry,
     Manifest,
@@ -50,7 +51,7 @@ T0 = 1_795_306_223.2  # some signed publish time
 
 
 def manifest(version=3, run_id="run-a", created_at=T0 + 3) -> Manifest:
-    return Manifest(run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
                     files={"config.json": FileEntry("ab" * 32, 1000)},
                     dataset=Dataset("train", "datasets/train-abc.csv", "cd" * 32, 10, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2, created_at=created_at)

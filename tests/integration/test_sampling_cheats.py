@@ -49,11 +49,11 @@ class Cheater:
 
     def reward(self, tokens: list[int], prompt_id: int) -> float:
         p = self.policy
-        return completion_reward(tokens, self.problems[prompt_id].expression, p.decode_all,
+        return completion_reward(tokens, self.problems[prompt_id]["python_expression"], p.decode_all,
                                  p.eos_id, p.special_ids)
 
     def true_logprobs(self, prompt_id: int, tokens: list[int]) -> list[float]:
-        prompt = encode_prompts(self.policy, [self.problems[prompt_id].prompt])
+        prompt = encode_prompts(self.policy, [self.problems[prompt_id]["natural_language"]])
         with torch.no_grad():
             logp, _ = token_logprobs(self.policy, prompt, [[tokens]], T)
         return logp[0, :len(tokens)].tolist()
@@ -69,7 +69,7 @@ class Cheater:
     def inject(self, group: dict) -> dict:
         """The right answer in place of the first sampled completion that is not it."""
         g = copy.deepcopy(group)
-        right = self.encode(self.problems[g["prompt_id"]].expression) + [self.policy.eos_id]
+        right = self.encode(self.problems[g["prompt_id"]]["python_expression"]) + [self.policy.eos_id]
         j = next(j for j, c in enumerate(g["completions"]) if c["token_ids"] != right)
         self.put_tokens(g, j, right, 1.0)
         return g
@@ -85,7 +85,7 @@ class Cheater:
 
     def trailing_text(self, group: dict) -> dict:
         g = copy.deepcopy(group)
-        text = self.problems[g["prompt_id"]].expression + "\nvisit evil example com"
+        text = self.problems[g["prompt_id"]]["python_expression"] + "\nvisit evil example com"
         self.put_tokens(g, 0, (self.encode(text) + [self.policy.eos_id])[:MAX_NEW], 1.0)
         return g
 
@@ -93,7 +93,7 @@ class Cheater:
         """Each completion drawn `tries` times with noise of the cheat's own (random draw keys);
         the first that scores 1 is kept (else the first draw)."""
         rng = random.Random(7)
-        prompts = encode_prompts(self.policy, [self.problems[g["prompt_id"]].prompt for g in groups])
+        prompts = encode_prompts(self.policy, [self.problems[g["prompt_id"]]["natural_language"] for g in groups])
         draws = [sample(self.policy, prompts, K, T, MAX_NEW,
                         draw_keys=[[rng.randbytes(32) for _ in range(K)] for _ in groups])
                  for _ in range(tries)]

@@ -59,7 +59,7 @@ def group(t: Trainer, policy, volunteer: str, seq: int, version: int) -> Group:
 def completion(t: Trainer, prompt_id: int, tokens: list[int], logprobs: list[float]) -> Completion:
     """A completion claiming its true reward (the trainer recomputes it)."""
     p = t.published_policy
-    reward = completion_reward(tokens, t.problems[prompt_id].expression, p.decode_all, p.eos_id,
+    reward = completion_reward(tokens, t.problems[prompt_id]["python_expression"], p.decode_all, p.eos_id,
                                p.special_ids)
     return Completion(tokens, logprobs, "", reward)
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Dataset, Manifest, ManifestError, Quota, Sampling
+from volunteer_rl.protocol.manifest import Dataset, Manifest, ManifestError, Quota, Sampling, TaskRef
 from volunteer_rl.trainer.balance import (
     PRIOR_USABLE,
     USABLE_FLOOR,
@@ -111,7 +111,7 @@ def test_need_and_wait_come_from_the_recent_publishes_busy_time_not_their_waitin
 
 
 def manifest(version=3, quota=Quota(8, 5.0), run_id="run"):
-    return Manifest(run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version),
                     files={}, dataset=Dataset("train", "datasets/train-0.csv", "0" * 64, 1, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2, quota=quota)
 

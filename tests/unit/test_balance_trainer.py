@@ -30,7 +30,7 @@ def varied_group(t, volunteer: str, seq: int) -> Group:
     the prompt and the tokens, not of who sent them)."""
     pid = drawn_prompt(t, 0, volunteer, seq)
     p = t.published_policy
-    expression = t.problems[pid].expression
+    expression = t.problems[pid]["python_expression"]
     off_by = 1 + seq + 4 * ("vol-a", "vol-b").index(volunteer)
     right, wrong = (p.tokenizer.encode(text, add_special_tokens=False) + [p.eos_id]
                     for text in (expression, f"({expression})+{off_by}"))
@@ -83,21 +83,23 @@ def test_fleet_json_and_the_step_metrics_carry_the_useful_fraction(trained):
     assert [s["fleet/useful_fraction"] for s in steps if s["kind"] == "step"] == [2 / 8, 4 / 8]
 
 
-def test_a_schema_6_reader_refuses_a_schema_7_manifest_in_one_line(trained, monkeypatch, tmp_path):
+def test_a_reader_of_the_schema_before_refuses_this_schemas_manifest_in_one_line(
+        trained, monkeypatch, tmp_path):
     from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.volunteer.loop import Volunteer
 
-    monkeypatch.setattr(layout, "SCHEMA_VERSION", 6)  # what a build of schema 6 checks
+    now = layout.SCHEMA_VERSION
+    monkeypatch.setattr(layout, "SCHEMA_VERSION", now - 1)  # what a build of the schema before checks
     with pytest.raises(ManifestError) as e:
         read_manifest(trained.storage, trust=Trust(public_key_text(trained.key)))
-    assert str(e.value) == ("manifest.json: schema_version 7 is not 6, the one this build speaks; "
-                            "upgrade volunteer_rl")
+    assert str(e.value) == (f"manifest.json: schema_version {now} is not {now - 1}, the one this "
+                            "build speaks; upgrade volunteer_rl")
     lines = []
     v = Volunteer(VolunteerConfig(bucket=trained.cfg.bucket, volunteer_id="old", device="cpu",
                                   work_dir=str(tmp_path), heartbeat_seconds=0), log=lines.append)
     assert v.poll() is None and v.poll() is None  # keeps polling, samples nothing, says so once
     assert lines[-1:] == [f"warning: {e.value}; waiting for a valid one"]
-    assert sum("schema_version 7" in line for line in lines) == 1
+    assert sum(f"schema_version {now}" in line for line in lines) == 1
 
 
 # --- a volunteer at its quota -----------------------------------------------------------------

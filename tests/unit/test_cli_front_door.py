@@ -250,6 +250,13 @@ def test_the_numbers_seen_unbounded_are_refused_before_anything_runs(built, tmp_
     assert built == []
 
 
+def test_a_demo_of_a_task_not_installed_is_one_line_before_anything_runs(built):
+    line = one_line(vrl("demo", "--task", "nope"))
+    assert line.startswith("error: task 'nope' is not installed (installed: calculator, "
+                           "countdown"), line
+    assert built == []  # (the trainer's own refusal: test_tasks_loop, a real process)
+
+
 # --- 5. --version ------------------------------------------------------------------------------
 
 def test_version_is_the_installed_package_version_on_one_line():

@@ -26,7 +26,7 @@ def group(t, volunteer: str, version: int, seq: int, prompt_id: int | None = Non
     comps = []
     for j in range(t.cfg.k):
         tokens = [t.prompt_ids[pid][j + 1], p.eos_id]
-        reward = completion_reward(tokens, t.problems[pid].expression, p.decode_all, p.eos_id,
+        reward = completion_reward(tokens, t.problems[pid]["python_expression"], p.decode_all, p.eos_id,
                                    p.special_ids)
         comps.append(Completion(tokens, [-1.0, -1.0], "", reward))
     return Group(pid, version, volunteer, seq, comps)

@@ -11,6 +11,8 @@ from volunteer_rl.protocol.layout import window
 from volunteer_rl.protocol.ledger import Ledger, group_digest, rebuild
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
+from volunteer_rl.task.base import in_process
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable
 from volunteer_rl.trainer.fleet import Counts, Fleet
@@ -23,7 +25,8 @@ SEQ = itertools.count()  # every group made here gets a number of its own
 
 
 def rules():
-    return Rules(PROBLEMS, vocab_size=101, k=2, max_new_tokens=8,
+    return Rules([p.row for p in PROBLEMS], vocab_size=101, k=2, max_new_tokens=8,
+                 rewards=in_process(CalculatorTask()),
                  decode=lambda ids: "".join(str(t) for t in ids), eos_id=EOS,
                  special_ids=frozenset({EOS}))
 

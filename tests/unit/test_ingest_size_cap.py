@@ -10,6 +10,8 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger
 from volunteer_rl.protocol.shards import MAX_SHARD_BYTES, Completion, Group, encode_shard
 from volunteer_rl.storage import open_storage
+from volunteer_rl.task.base import in_process
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
@@ -35,7 +37,8 @@ class CountingStorage:
 
 
 def rules() -> Rules:
-    return Rules(PROBLEMS, vocab_size=101, k=2, max_new_tokens=8,
+    return Rules([p.row for p in PROBLEMS], vocab_size=101, k=2, max_new_tokens=8,
+                 rewards=in_process(CalculatorTask()),
                  decode=lambda ids: "".join(str(t) for t in ids), eos_id=EOS,
                  special_ids=frozenset({EOS}))
 

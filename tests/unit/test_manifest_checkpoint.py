@@ -7,6 +7,7 @@ from volunteer_rl.model.checkpoint import fetch_checkpoint, publish_checkpoint
 from volunteer_rl.model.hashing import CheckpointError
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    TaskRef,
     Dataset,
     Manifest,
     ManifestError,
@@ -22,7 +23,7 @@ TRUST = Trust(public_key_text(KEY))
 
 
 def make_manifest(version=3, files=None, weights=None):
-    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files=files or {}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2, weights=weights)
 
@@ -50,10 +51,10 @@ def test_round_trip_and_history(tmp_path):
 @pytest.mark.parametrize("body, needle", [
     (b"{not json", "malformed"),
     (b"[]", "malformed"),
-    (b'{"schema_version": 99}', "schema_version 99 is not 7, the one this build speaks; upgrade"),
-    (b'{"schema_version": 6}', "schema_version 6 is not 7, the one this build speaks; the trainer "
+    (b'{"schema_version": 99}', "schema_version 99 is not 8, the one this build speaks; upgrade"),
+    (b'{"schema_version": 7}', "schema_version 7 is not 8, the one this build speaks; the trainer "
                                "runs an older"),
-    (b'{"schema_version": 7, "run_id": "x"}', "malformed"),
+    (b'{"schema_version": 8, "run_id": "x"}', "malformed"),
     (b"[" * 100_000, "malformed (nested deeper than 8)"),
     (b'{"a": ' * 100_000, "malformed (nested deeper than 8)"),
     (b'{"schema_version": 6, "x": [' + b"[]" * 50_000 + b"[[[[[[[[[]]]]]]]]]]}", "nested deeper"),

@@ -24,6 +24,7 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.task.dataset import load_csv
 from volunteer_rl.task.reward import completion_reward
+from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.trainer.evaluate import accuracy, greedy_and_sampled
 from volunteer_rl.trainer.warmstart import warm_start
 
@@ -71,13 +72,13 @@ def test_the_warm_start_logs_its_first_and_last_step_and_status_lines_between(ti
     policy, problems = tiny
     lines: list[str] = []
     monkeypatch.setattr(progress, "STATUS_SECONDS", 1e9)  # no interval passes
-    warm_start(policy, problems, 120, batch_size=4, log=lines.append)
+    warm_start(policy, [p.prompt for p in problems], [p.expression for p in problems], 120, batch_size=4, log=lines.append)
     # not every 100 steps: a line at step 1 and one at the last, nothing else within an interval
     assert [re.sub(r" loss .*", "", line) for line in lines] == \
         ["warm start step 1/120", "warm start step 120/120"]
     lines.clear()
     monkeypatch.setattr(progress, "STATUS_SECONDS", 0.0)  # every step is one interval later
-    warm_start(policy, problems, 5, batch_size=4, log=lines.append)
+    warm_start(policy, [p.prompt for p in problems], [p.expression for p in problems], 5, batch_size=4, log=lines.append)
     status = [line for line in lines if "steps/s" in line]
     assert len(status) == 4 and status[0].startswith("warm start 1/5 steps (20%), loss ")
     assert " left" in status[0]
@@ -88,13 +89,14 @@ def test_the_evaluation_shows_progress_and_gives_what_one_call_gives(tiny, monke
     lines: list[str] = []
     monkeypatch.setattr(progress, "STATUS_SECONDS", 0.0)
     torch.manual_seed(3)
-    res = greedy_and_sampled(policy, problems, 1.0, 4, 8, log=lines.append, label="eval v7")
+    rows, task = [p.row for p in problems], CalculatorTask()
+    res = greedy_and_sampled(policy, task, rows, 1.0, 4, 8, log=lines.append, label="eval v7")
     # greedy: one call of 150 prompts; sampled: 64 prompts a call, 3 calls (the last ends it)
     assert len(lines) == 3 and all(line.startswith("eval v7 ") for line in lines)
     assert lines[0].startswith("eval v7 150/750 completions (20%)") and "completions/s" in lines[0]
     # the figures of sampling every prompt in one call, as before the evaluation was cut up
     torch.manual_seed(3)
-    assert accuracy(policy, problems, 0.0, 1, 8) == res["eval/accuracy_greedy"]
+    assert accuracy(policy, task, rows, 0.0, 1, 8) == res["eval/accuracy_greedy"]
     out = sample(policy, encode_prompts(policy, [p.prompt for p in problems]), 4, 1.0, 8)
     whole = sum(completion_reward(s.token_ids, p.expression, policy.decode_all, policy.eos_id,
                                   policy.special_ids) for p, g in zip(problems, out) for s in g)
@@ -111,13 +113,13 @@ def test_the_trainer_says_why_it_waits_once_per_interval(tmp_path):
 
     def group(seq: int, right: bool) -> Group:
         pid = drawn_prompt(t, 0, "vol", seq)
-        good = list(p.tokenizer(t.problems[pid].expression, add_special_tokens=False)["input_ids"])
+        good = list(p.tokenizer(t.problems[pid]["python_expression"], add_special_tokens=False)["input_ids"])
         wrong = [t.prompt_ids[pid][rng.randrange(len(t.prompt_ids[pid]))]]
         comps = []
         for tokens in ([good if right else wrong, wrong]):
             tokens = tokens + [p.eos_id]
             comps.append(Completion(tokens, [-1.0] * len(tokens), "", completion_reward(
-                tokens, t.problems[pid].expression, p.decode_all, p.eos_id, p.special_ids)))
+                tokens, t.problems[pid]["python_expression"], p.decode_all, p.eos_id, p.special_ids)))
         return Group(pid, 0, "vol", seq, comps)
 
     groups = [group(0, True), group(1, True), group(2, False), group(3, False), group(4, False)]

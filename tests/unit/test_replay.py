@@ -30,7 +30,7 @@ def tiny():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        warm_start(policy, problems, WARM_STEPS, batch_size=32, log=lambda m: None)
+        warm_start(policy, [p.prompt for p in problems], [p.expression for p in problems], WARM_STEPS, batch_size=32, log=lambda m: None)
     finally:
         torch.set_num_threads(before)
     # Prompts of different lengths, so batches left-pad.

@@ -3,7 +3,7 @@ import pytest
 
 from helpers.recording_storage import RecordingStorage
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling
+from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling, TaskRef
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Forbidden, NotFound, StorageError, is_missing
@@ -144,7 +144,7 @@ def test_summary_names_the_kept_range_and_each_prefix():
 # --- deleting --------------------------------------------------------------------------------
 
 def manifest(version, max_staleness=1):
-    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files={}, dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
                     sampling=Sampling(2, 1.0, 8), max_staleness=max_staleness)
 

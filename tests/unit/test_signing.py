@@ -9,6 +9,7 @@ import pytest
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    TaskRef,
     Dataset,
     FileEntry,
     Manifest,
@@ -43,7 +44,7 @@ OTHER = Ed25519PrivateKey.generate()
 
 
 def manifest(version=3) -> Manifest:
-    return Manifest(run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
+    return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run-x", version=version, checkpoint=layout.checkpoint_prefix(version),
                     files={"config.json": FileEntry("ab" * 32, 1000)},
                     dataset=Dataset("train", "datasets/train-abc.csv", "cd" * 32, 10, 1),
                     sampling=Sampling(8, 1.0, 32), max_staleness=2)

@@ -85,7 +85,7 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
     from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.model.chain import Fetched
     from volunteer_rl.model.policy import Policy
-    from volunteer_rl.protocol.manifest import WeightsEntry
+    from volunteer_rl.protocol.manifest import TaskRef, WeightsEntry
     from volunteer_rl.volunteer import loop as vol
     from volunteer_rl.volunteer.loop import Volunteer
 
@@ -93,13 +93,14 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
 
     class M:
         run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
+        task = TaskRef("calculator", "volunteer-rl", "0.1.0")
         prompt_pool = (0,)
 
     monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
     monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))
     monkeypatch.setattr(vol, "fetched_text", lambda f, m: "keyframe")
     monkeypatch.setattr(vol, "load_policy", lambda folder, device: small)
-    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: ["one row"])
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m, task: ["one row"])
     before = torch.get_num_threads()
     try:
         for threads, expected, how in ((0, 1, "auto"), (2, 2, "--threads")):
@@ -145,13 +146,14 @@ def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_change
 
     from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.model.chain import Fetched
-    from volunteer_rl.protocol.manifest import WeightsEntry
+    from volunteer_rl.protocol.manifest import TaskRef, WeightsEntry
     from volunteer_rl.task.dataset import DatasetError
     from volunteer_rl.volunteer import loop as vol
     from volunteer_rl.volunteer.loop import Volunteer
 
     class M:
         run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
+        task = TaskRef("calculator", "volunteer-rl", "0.1.0")
         prompt_pool = (0, 5)
 
     M.dataset = type("D", (), {"key": "datasets/train.csv"})()
@@ -160,7 +162,7 @@ def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_change
     monkeypatch.setattr(vol, "fetch_checkpoint", lambda *a, **k: None)
     monkeypatch.setattr(vol, "fetch_weights", lambda *a, **k: Fetched(memoryview(b""), "keyframe", 0, 1))
     monkeypatch.setattr(vol, "load_policy", lambda folder, device: loaded.append(1) or torch.nn.Linear(1, 1))
-    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m: ["row 0", "row 1"])
+    monkeypatch.setattr(Volunteer, "_load_dataset", lambda self, m, task: ["row 0", "row 1"])
     v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", device="cpu"),
                   log=lambda m: None)
     with pytest.raises(DatasetError, match="^datasets/train.csv: 2 rows, but the prompt pool of v0 names row 5$"):

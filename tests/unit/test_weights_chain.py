@@ -13,6 +13,7 @@ from volunteer_rl.model.chain import Held, build_weights, plan_fetch
 from volunteer_rl.model.hashing import CheckpointError, piece_hashes, sha256_bytes
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    TaskRef,
     KEYFRAME_FILE,
     Dataset,
     Link,
@@ -33,7 +34,7 @@ DATASET = Dataset("train", "datasets/train-0.csv", "0" * 64, 1, 1)
 
 
 def manifest_of(version: int, root: str, weights: Weights | None) -> Manifest:
-    m = Manifest(run_id="run", version=version, checkpoint=layout.checkpoint_prefix(version),
+    m = Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run", version=version, checkpoint=layout.checkpoint_prefix(version),
                  files={KEYFRAME_FILE: WeightsEntry(root, SIZE)}, dataset=DATASET, sampling=Sampling(),
                  max_staleness=2, weights=weights)
     return Manifest.from_raw(json.loads(m.to_json()))  # what a reader parses, checks included

@@ -104,11 +104,11 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     volunteer = load_policy(fetch_checkpoint(trainer.storage, trainer.manifest, tmp_path / "v"))
     problems = [trainer.problems[drawn_prompt(trainer, 0, "honest", i)] for i in range(64)]
     keys = [group_keys(trainer.run_id, 0, "honest", i, p.id, cfg.k) for i, p in enumerate(problems)]
-    out = sample(volunteer, encode_prompts(volunteer, [p.prompt for p in problems]),
+    out = sample(volunteer, encode_prompts(volunteer, [p["natural_language"] for p in problems]),
                  cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
     groups = [Group(p.id, 0, "honest", i, [
         Completion(x.token_ids, x.logprobs, x.text,
-                   completion_reward(x.token_ids, p.expression, volunteer.decode_all,
+                   completion_reward(x.token_ids, p["python_expression"], volunteer.decode_all,
                                      volunteer.eos_id, volunteer.special_ids))
         for x in samples]) for i, (p, samples) in enumerate(zip(problems, out))]
     # The real intake: rewards recomputed, every group of a new volunteer's shard replayed.

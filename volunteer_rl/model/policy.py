@@ -24,8 +24,6 @@ from volunteer_rl.model.vetting import (
 )
 
 PLAIN_TEMPLATE = "Q: {question}\nA: "
-CHAT_INSTRUCTION = ("Write the arithmetic below as one Python expression. "
-                    "Answer with the expression only.\n\n{question}")
 PROMPT_FORMATS = ("plain", "chat")
 
 
@@ -65,16 +63,20 @@ def bf16_rounded(policy: Policy) -> Policy:
     return Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
 
 
-def format_prompt(policy: Policy, question: str) -> str:
+def format_prompt(policy: Policy, question: str, instruction: str = "{question}") -> str:
+    """The text the model continues: `Q: <question>\nA: ` in the plain format; in the chat
+    format the tokenizer's template around one user message, the task's `instruction` with
+    the question in it."""
     if policy.prompt_format == "chat":
-        messages = [{"role": "user", "content": CHAT_INSTRUCTION.format(question=question)}]
+        messages = [{"role": "user", "content": instruction.replace("{question}", question)}]
         return policy.tokenizer.apply_chat_template(messages, tokenize=False,
                                                     add_generation_prompt=True)
     return PLAIN_TEMPLATE.format(question=question)
 
 
-def encode_prompts(policy: Policy, questions: list[str]) -> list[list[int]]:
-    texts = [format_prompt(policy, q) for q in questions]
+def encode_prompts(policy: Policy, questions: list[str],
+                   instruction: str = "{question}") -> list[list[int]]:
+    texts = [format_prompt(policy, q, instruction) for q in questions]
     return [list(ids) for ids in policy.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 

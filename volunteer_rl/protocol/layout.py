@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
 `weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
 4: the weights file is named by the root of its pieces (manifest.pieces_root), not by its
@@ -34,11 +34,12 @@ Gumbel-max over committed per-token noise (protocol.draws, "vrl-draw-v2"), not b
 6: a group's prompt is drawn from the manifest's `prompt_pool` by its number, and numbers run
 across the versions of a run (protocol.draws.pool_prompt). 7: the manifest's `quota` says how
 many groups of the version each volunteer should sample before it waits for the next
-(manifest.Quota). Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
+(manifest.Quota). 8: the manifest's `task` names the task's package and version too
+(manifest.TaskRef), and the calculator is one task of several. Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
 patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
 gives; one of schema 4 would sample tokens the replay rejects; one of schema 5 would choose its
 prompts, which the trainer refuses (`prompt_mismatch`); one of schema 6 would not stop at its
-quota."""
+quota; one of schema 7 would sample any task's prompts as calculator problems."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

@@ -175,6 +175,23 @@ class Dataset:
 
 
 @dataclass(frozen=True)
+class TaskRef:
+    """The task volunteers sample for (schema 8): its name, and the installed package that
+    provides it with that package's version. A volunteer runs it only from its own installed
+    packages (task.registry), never from the bucket."""
+
+    name: str
+    package: str
+    version: str
+
+
+TASK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+"""A task's name; its package's name and version are 1-100 printable characters of the
+same set plus '+', '!' (PEP 440 versions)."""
+_PACKAGE_TEXT = re.compile(r"[A-Za-z0-9_.+!-]{1,100}")
+
+
+@dataclass(frozen=True)
 class Manifest:
     run_id: str
     version: int
@@ -184,7 +201,8 @@ class Manifest:
     dataset: Dataset
     sampling: Sampling
     max_staleness: int
-    task: str = "calculator"
+    task: TaskRef
+    """The task (schema 8; a string, the task's name alone, before)."""
     prompt_format: str = "plain"
     weights_dtype: str = "float32"
     """dtype of the checkpoint's floating-point weights ("float32" or "bfloat16"). Absent in
@@ -237,7 +255,7 @@ class Manifest:
                 run_id=str(raw["run_id"]), version=raw["version"],
                 checkpoint=str(raw["checkpoint"]), files=files,
                 dataset=Dataset(**raw["dataset"]), sampling=Sampling(**raw["sampling"]),
-                max_staleness=int(raw["max_staleness"]), task=str(raw["task"]),
+                max_staleness=int(raw["max_staleness"]), task=_task(raw["task"]),
                 prompt_format=str(raw["prompt_format"]),
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
                 max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
@@ -265,6 +283,20 @@ class Manifest:
         if m.weights is not None:
             _check_weights(m)
         return m
+
+
+def _task(raw) -> TaskRef:
+    """The `task` object: name, package and version, each a short string of safe characters
+    (they are printed in a volunteer's one-line refusal and name a package to install)."""
+    if not isinstance(raw, dict) or set(raw) != {"name", "package", "version"}:
+        raise ValueError("task must be an object of name, package and version")
+    ref = TaskRef(**raw)
+    if not all(isinstance(v, str) for v in (ref.name, ref.package, ref.version)) \
+            or not TASK_NAME.fullmatch(ref.name) or not _PACKAGE_TEXT.fullmatch(ref.package) \
+            or not _PACKAGE_TEXT.fullmatch(ref.version):
+        raise ValueError("task: name, package or version is not a short string of "
+                         "[A-Za-z0-9_.+!-]")
+    return ref
 
 
 def _pool(raw) -> tuple[int, ...]:

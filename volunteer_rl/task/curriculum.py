@@ -16,7 +16,8 @@ were 58 % of everything volunteers made, and they cluster by difficulty. From on
         3          35 %         5 %         60 %
         4          84 %         1 %         15 %
 
-So the picker keeps, for each difficulty stratum (operator count), a decayed count of the
+So the picker keeps, for each difficulty stratum (the task's `stratum`: for the calculator,
+the operator count), a decayed count of the
 groups it saw and of the useful ones, and draws strata in proportion to their size times the
 square of their useful rate, with a floor so that no stratum starves and every estimate stays
 current as the policy learns. It also remembers prompts whose last group was uniform and
@@ -37,13 +38,11 @@ logic, no I/O.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
+from typing import Callable
 
-from volunteer_rl.task.dataset import Problem
+from volunteer_rl.task.base import Row
 
-_OPERATOR = re.compile(r"\*\*|//|[-+*/%]")
-MAX_STRATUM = 8
 DECAY = 0.995
 """Weight of an old observation after each new one in its stratum: about the last 200 count."""
 FLOOR = 0.05
@@ -57,11 +56,6 @@ MAX_REVISITS = 4096
 """Prompts remembered as last useful: the most recent ones, as a bound."""
 
 
-def stratum(problem: Problem) -> int:
-    """Difficulty class of a prompt: operators in its target expression (capped)."""
-    return min(len(_OPERATOR.findall(problem.expression)), MAX_STRATUM)
-
-
 @dataclass
 class _Tally:
     seen: float = 0.0
@@ -73,14 +67,17 @@ class _Tally:
 
 
 class PromptPicker:
-    def __init__(self, problems: list[Problem], rng: random.Random, adaptive: bool = True):
-        """`adaptive` False: uniform draws without replacement within a call, nothing learnt."""
+    def __init__(self, problems: list[Row], rng: random.Random, adaptive: bool = True,
+                 stratum: Callable[[Row], int] = lambda row: 0):
+        """`stratum`: the task's difficulty class of a row. `adaptive` False: uniform draws
+        without replacement within a call, nothing learnt."""
         self.problems = problems
+        self.strata = [stratum(p) for p in problems]
         self.rng = rng
         self.adaptive = adaptive
         self.by_stratum: dict[int, list[int]] = {}
-        for i, p in enumerate(problems):
-            self.by_stratum.setdefault(stratum(p), []).append(i)
+        for i, s in enumerate(self.strata):
+            self.by_stratum.setdefault(s, []).append(i)
         self.tally = {s: _Tally() for s in self.by_stratum}
         self.index = {p.id: i for i, p in enumerate(problems)}
         self.uniform: set[int] = set()  # indices whose last group had one reward for all K
@@ -94,7 +91,7 @@ class PromptPicker:
         norm = sum(floored.values())
         return {s: w / norm for s, w in floored.items()}
 
-    def pick(self, n: int) -> list[Problem]:
+    def pick(self, n: int) -> list[Row]:
         """`n` distinct prompts (fewer only if the dataset is smaller)."""
         n = min(n, len(self.problems))
         if not self.adaptive:
@@ -119,11 +116,11 @@ class PromptPicker:
         """`pick(n)` as the sorted dataset rows (prompt ids) a manifest's `prompt_pool` holds."""
         return tuple(sorted(p.id for p in self.pick(n)))
 
-    def observe(self, problem: Problem, rewards: list[float]) -> None:
+    def observe(self, problem: Row, rewards: list[float]) -> None:
         """Record the rewards of one group sampled for `problem`."""
         i = self.index[problem.id]
         useful = max(rewards) != min(rewards)
-        t = self.tally[stratum(problem)]
+        t = self.tally[self.strata[i]]
         t.seen = t.seen * DECAY + 1.0
         t.useful = t.useful * DECAY + (1.0 if useful else 0.0)
         if useful:

@@ -1,8 +1,8 @@
-"""The calculator task's dataset files: one Problem per row, the CSV format, reading it (one-line
-DatasetError naming file and row), writing it atomically, and the sha256 that pins which file
-a run trained on.
+"""Dataset files: reading a task's CSV into Rows (`load_rows`, one-line DatasetError naming file
+and row), the sha256 that pins which file a run trained on, and the calculator's own CSV
+format (Problem, load_csv, write_csv), which its generator, tests and benches use.
 
-A problem is a sentence such as
+A calculator problem is a sentence such as
 
     "add 12, 3, and 37, multiply that sum by 14, then subtract 15."
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from volunteer_rl.errors import VrlError
+from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.calculator import safe_eval
 
 # -----------------------------------------------------------------------------
@@ -34,80 +35,108 @@ class Problem:
     prompt: str  # the English text (CSV column natural_language)
     expression: str  # the target Python expression (CSV column python_expression)
 
+    @property
+    def row(self) -> Row:
+        """The problem as the calculator task's dataset row."""
+        return Row(self.id, {EXPRESSION_COLUMN: self.expression, PROMPT_COLUMN: self.prompt})
+
 
 class DatasetError(VrlError, ValueError):
     """A dataset file is missing or malformed. The message is one line naming the file."""
 
 
 # -----------------------------------------------------------------------------
-# CSV files
-
-EXPRESSION_COLUMN = "python_expression"
-PROMPT_COLUMN = "natural_language"
+# Reading and writing a CSV (any task's, the calculator's)
 
 
-def load_csv(path) -> list[Problem]:
-    """Load a CSV with header columns python_expression,natural_language (extra columns
-    ignored, order free).
+def load_rows(path, task: Task) -> list[Row]:
+    """The rows of a CSV whose header holds the task's columns (others ignored, order free),
+    each checked by `task.check`. Raises DatasetError (one line, naming the file and row) for
+    a missing, empty or unreadable file, a missing column or a row the task refuses. Row ids
+    are the 0-based data row indices."""
+    return _read(path, task.columns, task.check, f" for task {task.name!r}")
 
-    Raises DatasetError (one line, naming the file and row) for: missing file,
-    empty file, missing column, an empty prompt, or an expression that does
-    not safe_eval. Problem ids are the 0-based data row indices.
-    """
+
+def _read(path, columns: tuple[str, ...], check, whose: str = "") -> list[Row]:
     path = Path(path)
     try:
-        # utf-8-sig: tolerate a BOM from spreadsheet exports
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            return _read_rows(path, csv.DictReader(f))
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's BOM
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None:
+                raise DatasetError(f"{path}: empty file (no header row)")
+            fields = [(name or "").strip() for name in reader.fieldnames]
+            reader.fieldnames = fields  # tolerate ' natural_language' style headers
+            for column in columns:
+                if column not in fields:
+                    raise DatasetError(f"{path}: missing column {column!r}{whose} (header has "
+                                       f"{fields})")
+            rows = []
+            for i, raw in enumerate(reader):
+                row = Row(i, {c: (raw.get(c) or "").strip() for c in columns})
+                try:
+                    why = check(row)
+                except Exception as exc:  # a task's bug, reported like a bad row
+                    why = f"the task cannot check it ({type(exc).__name__}: {exc})"
+                if why:
+                    why = str(why).replace("\n", " ")
+                    raise DatasetError(f"{path}: row {i} (line {reader.line_num}): {why}")
+                rows.append(row)
     except FileNotFoundError:
         raise DatasetError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise DatasetError(f"{path}: is a directory, not a CSV file") from None
     except (UnicodeDecodeError, csv.Error) as e:
         raise DatasetError(f"{path}: cannot read as UTF-8 CSV: {e}".replace("\n", " ")) from None
-
-
-def _read_rows(path: Path, reader: csv.DictReader) -> list[Problem]:
-    if reader.fieldnames is None:
-        raise DatasetError(f"{path}: empty file (no header row)")
-    fields = [(name or "").strip() for name in reader.fieldnames]
-    reader.fieldnames = fields  # tolerate ' natural_language' style headers
-    for column in (EXPRESSION_COLUMN, PROMPT_COLUMN):
-        if column not in fields:
-            raise DatasetError(f"{path}: missing column {column!r} (header has {fields})")
-    problems = []
-    for i, row in enumerate(reader):
-        where = f"{path}: row {i} (line {reader.line_num})"
-        expression = (row.get(EXPRESSION_COLUMN) or "").strip()
-        prompt = (row.get(PROMPT_COLUMN) or "").strip()
-        if not prompt:
-            raise DatasetError(f"{where}: empty {PROMPT_COLUMN}")
-        if safe_eval(expression) is None:
-            shown = expression if len(expression) <= 60 else expression[:57] + "..."
-            raise DatasetError(f"{where}: {EXPRESSION_COLUMN} {shown!r} does not evaluate")
-        problems.append(Problem(i, prompt, expression))
-    if not problems:
+    if not rows:
         raise DatasetError(f"{path}: no data rows")
-    return problems
+    return rows
 
 
-def write_csv(path, problems) -> None:
-    """Write problems with header python_expression,natural_language; atomic (tmp file +
-    os.replace)."""
+def write_rows(path, header: tuple[str, ...], records) -> None:
+    """Write a CSV (header, then one list of strings per record) atomically: a temporary file
+    in the same folder, then os.replace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f, lineterminator="\n")
-            writer.writerow([EXPRESSION_COLUMN, PROMPT_COLUMN])
-            for p in problems:
-                writer.writerow([p.expression, p.prompt])
+            writer.writerow(header)
+            writer.writerows(records)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary shared data files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+EXPRESSION_COLUMN = "python_expression"
+PROMPT_COLUMN = "natural_language"
+
+
+def calculator_check(row: Row) -> str | None:
+    """Why a calculator row cannot be used (an empty prompt, a target that does not
+    evaluate), or None: the calculator task's `check`."""
+    if not row[PROMPT_COLUMN]:
+        return f"empty {PROMPT_COLUMN}"
+    expression = row[EXPRESSION_COLUMN]
+    if safe_eval(expression) is None:
+        shown = expression if len(expression) <= 60 else expression[:57] + "..."
+        return f"{EXPRESSION_COLUMN} {shown!r} does not evaluate"
+    return None
+
+
+def load_csv(path) -> list[Problem]:
+    """A calculator CSV (header columns python_expression,natural_language; extra columns
+    ignored, order free) as Problems. DatasetError as for load_rows."""
+    return [Problem(r.id, r[PROMPT_COLUMN], r[EXPRESSION_COLUMN])
+            for r in _read(path, (EXPRESSION_COLUMN, PROMPT_COLUMN), calculator_check)]
+
+
+def write_csv(path, problems) -> None:
+    """Write problems with header python_expression,natural_language; atomic."""
+    write_rows(path, (EXPRESSION_COLUMN, PROMPT_COLUMN),
+               ([p.expression, p.prompt] for p in problems))
 
 
 def file_sha256(path) -> str:

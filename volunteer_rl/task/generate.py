@@ -3,6 +3,7 @@ arithmetic sentences with many phrasings, and the train/eval split written to da
 tool: nothing imports it at run time.
 
 Regenerate the shipped data with:  python -m volunteer_rl.task.generate --out data
+(`--task countdown` makes the countdown task's files instead: task.countdown_generate)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator
 
+from volunteer_rl.task import countdown_generate
 from volunteer_rl.task.calculator import OP_CLASSES, render, safe_eval
 from volunteer_rl.task.dataset import Problem, file_sha256, load_csv, write_csv
 
@@ -579,12 +581,21 @@ def make_splits(out_dir, n_train=20000, n_eval=500, seed=1234) -> tuple[Path, Pa
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Regenerate the calculator task CSVs.")
+    parser = argparse.ArgumentParser(description="Regenerate a built-in task's CSVs.")
+    parser.add_argument("--task", choices=("calculator", "countdown"), default="calculator",
+                        help="calculator: train.csv, eval.csv (default); countdown: "
+                             "countdown-train.csv, countdown-eval.csv")
     parser.add_argument("--out", default="data", help="output directory (default: data)")
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-eval", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"default: 1234 (calculator), {countdown_generate.SEED} (countdown)")
     args = parser.parse_args(argv)
+    if args.task == "countdown":
+        seed = countdown_generate.SEED if args.seed is None else args.seed
+        countdown_generate.main(args.out, args.n_train, args.n_eval, seed)
+        return
+    args.seed = 1234 if args.seed is None else args.seed
     for path in make_splits(args.out, args.n_train, args.n_eval, args.seed):
         rows = load_csv(path)  # round-trip check: everything we ship must load
         print(f"{path}: {len(rows)} rows, sha256 {file_sha256(path)}")

@@ -11,8 +11,8 @@ hidden behind skipped special tokens) would give a positive advantage to whateve
 with a correct expression, and training would teach the policy to write that payload. Under
 this rule a rewarded completion carries nothing but the expression.
 
-`reward` judges decoded text; `completion_reward` judges sampled token ids, the form the
-trainer and the evaluator hold, and is the one to use wherever the ids are at hand.
+`reward` judges decoded text (task.calculator_task wraps it as a Task); `completion_reward`
+judges sampled token ids for a target expression.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from volunteer_rl.task.base import completion_text
 from volunteer_rl.task.calculator import safe_eval
 
 # -----------------------------------------------------------------------------
@@ -65,22 +66,8 @@ def reward(completion: str, target_expression: str) -> float:
 def completion_reward(token_ids: list[int], target_expression: str,
                       decode: Callable[[list[int]], str], eos_id: int,
                       special_ids: frozenset[int] | set[int]) -> float:
-    """1.0 iff `token_ids` ends with `eos_id`, no id before it is `eos_id` or in
-    `special_ids`, and `reward(decode(ids before the EOS), target_expression)` is 1.0; else
-    0.0 (a completion cut off before EOS included). Never raises.
-
-    `decode` must NOT skip special tokens (e.g. `lambda ids: tok.decode(ids,
-    skip_special_tokens=False)`): a special token missing from `special_ids` then shows up
-    as text and fails the expression, instead of vanishing from what is judged.
-    `special_ids` is the tokenizer's `all_special_ids`.
-    """
-    try:
-        ids = list(token_ids)
-        if not ids or ids[-1] != eos_id:
-            return 0.0
-        body = ids[:-1]
-        if any(t == eos_id or t in special_ids for t in body):
-            return 0.0
-        return reward(decode(body), target_expression)
-    except Exception:  # called on volunteers' uploads in the training loop: never raise
-        return 0.0
+    """The calculator's reward of sampled token ids, under vrl's rule for every task
+    (base.completion_text: ends at its first EOS, no other special token); for tests and
+    benches that hold a target expression rather than a row. Never raises."""
+    text = completion_text(token_ids, decode, eos_id, special_ids)
+    return 0.0 if text is None else reward(text, target_expression)

@@ -14,8 +14,9 @@ from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import Manifest, ManifestError, read_manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import StorageError, is_missing
-from volunteer_rl.task.dataset import Problem
-from volunteer_rl.task.reward import completion_reward
+from volunteer_rl.task.base import Row, Task, completion_text
+from volunteer_rl.task.dataset import load_rows
+from volunteer_rl.task.registry import TaskError, for_manifest
 
 
 EVAL_BATCH = 256
@@ -23,18 +24,31 @@ EVAL_BATCH = 256
 goes chunk by chunk, each one call, so its progress can be shown between calls."""
 
 
-def accuracy(policy: Policy, problems: list[Problem], temperature: float, samples: int = 1,
-             max_new_tokens: int = 32, advance: Callable[[int], None] = lambda n: None) -> float:
-    """Mean reward over `problems`, `samples` completions each (1 is enough for greedy), by
-    the trainer's rule on the sampled tokens (`completion_reward`): a completion that runs
-    out of tokens before EOS scores 0. `advance(n)` is told of each n completions made.
+def is_correct(task: Task, row: Row, token_ids: list[int], policy: Policy) -> bool:
+    """Whether a sampled completion solves `row`: vrl's rule on the tokens (it ends at its
+    first EOS, no other special token: task.base.completion_text), then the task's `correct`
+    on the text (a task that raises counts it wrong)."""
+    text = completion_text(token_ids, policy.decode_all, policy.eos_id, policy.special_ids)
+    try:
+        return text is not None and bool(task.correct(text, row))
+    except Exception:
+        return False
+
+
+def accuracy(policy: Policy, task: Task, problems: list[Row], temperature: float,
+             samples: int = 1, max_new_tokens: int = 32,
+             advance: Callable[[int], None] = lambda n: None) -> float:
+    """Share of completions over `problems`, `samples` each (1 is enough for greedy), that
+    solve their row (is_correct): a completion that runs out of tokens before EOS is wrong.
+    The completions are the trainer's own, so the task runs here, without the intake's
+    bounds. `advance(n)` is told of each n completions made.
 
     The prompts go in length order, EVAL_BATCH // K of them a call: the batches sample()
     would make of them all in one call, so the figures are the same."""
     if not problems:
         raise ValueError("no problems to evaluate on")
     k = 1 if temperature <= 0 else samples
-    prompts = encode_prompts(policy, [p.prompt for p in problems])
+    prompts = encode_prompts(policy, [task.prompt(p) for p in problems], task.instruction)
     order = sorted(range(len(problems)), key=lambda i: len(prompts[i]))
     per_call = max(1, EVAL_BATCH // k)
     was_training = policy.model.training
@@ -45,8 +59,7 @@ def accuracy(policy: Policy, problems: list[Problem], temperature: float, sample
             chunk = order[start:start + per_call]
             groups = sample(policy, [prompts[i] for i in chunk], k, temperature, max_new_tokens,
                             batch_size=EVAL_BATCH)
-            total += sum(completion_reward(s.token_ids, problems[i].expression, policy.decode_all,
-                                           policy.eos_id, policy.special_ids)
+            total += sum(is_correct(task, problems[i], s.token_ids, policy)
                          for i, g in zip(chunk, groups) for s in g)
             advance(len(chunk) * k)
     finally:
@@ -54,7 +67,7 @@ def accuracy(policy: Policy, problems: list[Problem], temperature: float, sample
     return total / (len(problems) * k)
 
 
-def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: float,
+def greedy_and_sampled(policy: Policy, task: Task, problems: list[Row], temperature: float,
                        samples: int = 4, max_new_tokens: int = 32, *,
                        log: Callable[[str], None] | None = None,
                        label: str = "eval") -> dict[str, float]:
@@ -62,10 +75,23 @@ def greedy_and_sampled(policy: Policy, problems: list[Problem], temperature: flo
     a bar on a terminal, else a line per STATUS_SECONDS through `log` (none without it)."""
     with progress(label, len(problems) * (1 + samples), log=log, unit="completions") as advance:
         return {
-            metrics.ACCURACY_GREEDY: accuracy(policy, problems, 0.0, 1, max_new_tokens, advance),
-            metrics.ACCURACY_SAMPLED: accuracy(policy, problems, temperature, samples,
+            metrics.ACCURACY_GREEDY: accuracy(policy, task, problems, 0.0, 1, max_new_tokens,
+                                              advance),
+            metrics.ACCURACY_SAMPLED: accuracy(policy, task, problems, temperature, samples,
                                                max_new_tokens, advance),
         }
+
+
+def held_out(manifest: Manifest, dataset: str | Path | None) -> tuple[Task, list[Row]]:
+    """The task `manifest` names (installed here: task.registry.for_manifest) and the rows of
+    `dataset`, else of the task's own held-out file."""
+    task, _ = for_manifest(manifest.task)
+    if dataset is None:
+        own = task.data()
+        if own is None:
+            raise TaskError(f"task {task.name!r} ships no held-out data: give --dataset")
+        dataset = own[1]
+    return task, load_rows(dataset, task)
 
 
 def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,

@@ -32,8 +32,8 @@ from volunteer_rl.protocol.shards import (
     iter_groups,
 )
 from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError, TooLarge
-from volunteer_rl.task.dataset import Problem
-from volunteer_rl.task.reward import completion_reward
+from volunteer_rl.task.base import Row, completion_text
+from volunteer_rl.task.bounded import RewardBoundExceeded
 from volunteer_rl.trainer.audit import Auditor, AuditStats
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.withheld import GroupNumbers
@@ -164,7 +164,7 @@ class Window:
 class Rules:
     """What the trainer accepts; built from the manifest it published."""
 
-    problems: list[Problem]
+    problems: list[Row]
     vocab_size: int
     k: int
     max_new_tokens: int
@@ -179,17 +179,48 @@ class Rules:
     """Groups per shard: the manifest's `max_shard_groups`."""
     run_id: str = ""
     """The run's id: with the version, volunteer and number, it draws each group's prompt."""
+    rewards: Callable[[list[tuple[str, Row]]], list[float]] | None = None
+    """The task's rewards of (completion text, row) pairs: in the trainer, a worker process
+    that runs them under the task's bounds (task.bounded.BoundedRewards.rewards, which raises
+    RewardBoundExceeded); task.base.in_process(task) in unit tests."""
 
     def reward(self, prompt_id: int, token_ids: list[int]) -> float:
-        key = (prompt_id, tuple(token_ids))
-        value = self.cache.get(key)
-        if value is None:
-            if len(self.cache) >= REWARD_CACHE_SIZE:
+        """The reward of one completion (score of one)."""
+        return self.score([(prompt_id, token_ids)])[0]
+
+    def score(self, completions: list[tuple[int, list[int]]]) -> list[float]:
+        """The rewards of (prompt id, token ids) pairs: 0 where vrl's rule refuses the tokens
+        (task.base.completion_text), else the task's, each computed once (the cache). Raises
+        ShardError (`reward_timeout`, `reward_memory`, `reward_crash`) when a completion makes
+        the task's reward break its bounds."""
+        values: list[float | None] = []
+        todo: dict[tuple, list[int]] = {}  # cache key -> positions waiting for it
+        items: list[tuple[str, Row]] = []
+        for i, (prompt_id, token_ids) in enumerate(completions):
+            key = (prompt_id, tuple(token_ids))
+            value = self.cache.get(key)
+            if value is None and key not in todo:
+                text = completion_text(token_ids, self.decode, self.eos_id, self.special_ids)
+                if text is None:
+                    value = 0.0
+                else:
+                    todo[key] = []
+                    items.append((text, self.problems[prompt_id]))
+            if key in todo:
+                todo[key].append(i)
+            values.append(value)
+        if items:
+            try:
+                found = self.rewards(items)
+            except RewardBoundExceeded as exc:
+                raise ShardError(exc.code, exc.detail) from None
+            if len(self.cache) + len(items) >= REWARD_CACHE_SIZE:
                 self.cache.clear()
-            value = completion_reward(token_ids, self.problems[prompt_id].expression, self.decode,
-                                      self.eos_id, self.special_ids)
-            self.cache[key] = value
-        return value
+            for key, value in zip(todo, found):
+                self.cache[key] = value
+                for i in todo[key]:
+                    values[i] = value
+        return values
 
 
 def split_fresh(groups: list[ScoredGroup], version: int,
@@ -255,7 +286,7 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, wi
 def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
     """Rescore every completion; a reward that differs from the volunteer's claim means it
     runs another task or lies, and its shard is not taken."""
-    rewards = [rules.reward(g.prompt_id, c.token_ids) for c in g.completions]
+    rewards = rules.score([(g.prompt_id, c.token_ids) for c in g.completions])
     for c, r in zip(g.completions, rewards):
         if abs(c.reward - r) > 1e-6:
             raise ShardError("reward_mismatch", f"claims reward {c.reward:g}, the trainer finds {r:g}")
@@ -289,6 +320,9 @@ def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[Scored
     for g in iter_groups(data, Budget(rules.k, rules.max_new_tokens, rules.max_groups)):
         check_group(g, version, volunteer, rules, win)  # stop paying at the first bad line
         groups.append(g)
+    # The whole shard's rewards in one batch (a worker's round trip per shard, not per group);
+    # each group's scoring then finds them in the cache.
+    rules.score([(g.prompt_id, c.token_ids) for g in groups for c in g.completions])
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]
 
 

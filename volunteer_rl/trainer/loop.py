@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
+from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.chain import fetch_weights
 from volunteer_rl.model.checkpoint import fetch_checkpoint
@@ -53,13 +53,22 @@ from volunteer_rl.observe.dashboard import TrainerDashboard
 from volunteer_rl.progress import Every
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, poll_manifest, read_manifest
+from volunteer_rl.protocol.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    TaskRef,
+    poll_manifest,
+    read_manifest,
+)
 from volunteer_rl.protocol.signing import Trust, public_key_text
 from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import AlreadyExists, StorageError
+from volunteer_rl.task.base import Row, Task
+from volunteer_rl.task.bounded import BoundedRewards
 from volunteer_rl.task.curriculum import PromptPicker
-from volunteer_rl.task.dataset import Problem, file_sha256, load_csv
+from volunteer_rl.task.dataset import file_sha256, load_rows
+from volunteer_rl.task.registry import load as load_task
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
 from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
@@ -107,28 +116,40 @@ RETENTION_STOP_WAIT = 5.0
 """Seconds a stopping trainer waits for its retention pass to reach its next request."""
 
 
-def dataset_paths(cfg: TrainerConfig) -> tuple[Path, Path]:
-    train = Path(cfg.dataset) if cfg.dataset else PACKAGE_DATA / "train.csv"
-    held_out = Path(cfg.eval_dataset) if cfg.eval_dataset else PACKAGE_DATA / "eval.csv"
-    return train, held_out
+def dataset_paths(cfg: TrainerConfig, task: Task | None = None) -> tuple[Path, Path]:
+    """--dataset and --eval-dataset, each defaulting to the task's own file (`task`: the one
+    --task names, loaded here if not given)."""
+    task = task or load_task(cfg.task)[0]
+    own = task.data() or (None, None)
+    train, held_out = cfg.dataset or own[0], cfg.eval_dataset or own[1]
+    if not (train and held_out):
+        raise TrainerError(f"task {task.name!r} ships no data: give --dataset and --eval-dataset")
+    return Path(train), Path(held_out)
 
 
 # ---------------------------------------------------------------------------------------------
 # Model set-up and publishing.
 
-def initial_policy(cfg: TrainerConfig, problems: list[Problem], device: torch.device,
+def initial_policy(cfg: TrainerConfig, task: Task, rows: list[Row], device: torch.device,
                    log: Callable[[str], None]) -> Policy:
-    """`tiny`: build tokenizer + model offline and warm-start them. Else: load the folder."""
+    """`tiny`: build tokenizer + model offline from the task's prompts and reference answers,
+    and warm-start them on those. Else: load the folder."""
     if cfg.model != "tiny":
         return load_policy(cfg.model, device)
-    texts = [p.prompt for p in problems] + [p.expression for p in problems]
-    tokenizer = build_tokenizer(texts)
+    questions = [task.prompt(r) for r in rows]
+    answers = [task.reference(r) for r in rows]
+    if not all(isinstance(a, str) and a for a in answers):
+        raise TrainerError(f"--model tiny: task {task.name!r} gives no reference answer for "
+                           "every row, which the tiny model's tokenizer and warm start need; "
+                           "give a model folder")
+    tokenizer = build_tokenizer(questions + answers)
     model = build_tiny_model(tokenizer, seed=cfg.seed).to(device)
     policy = Policy(model, tokenizer, "plain", device)
     n = sum(p.numel() for p in model.parameters())
     log(f"built tiny model: {n:,} parameters, vocab {len(tokenizer)}")
     if cfg.warm_start_steps > 0:
-        seconds = warm_start(policy, problems, cfg.warm_start_steps, seed=cfg.seed, log=log)
+        seconds = warm_start(policy, questions, answers, cfg.warm_start_steps, seed=cfg.seed,
+                             log=log, instruction=task.instruction)
         log(f"warm start: {cfg.warm_start_steps} steps in {seconds:.0f}s")
     return policy
 
@@ -151,6 +172,9 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.stop = stop or StopSignal(log)  # set by SIGINT/SIGTERM once handlers are installed
+        # The task first: a task not installed here is one line before anything is touched.
+        self.task, self.task_info = load_task(cfg.task)
+        self.cfg = cfg = cfg.with_task_defaults(self.task)
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         # Passes run on their own thread (a stop signal cuts them short): never on the publish path.
         self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log,
@@ -164,10 +188,10 @@ class Trainer:
             leave(self.ranks)
             raise TrainerError(f"--groups-per-step {cfg.groups_per_step}: not a multiple of the "
                                f"{self.ranks.world_size} ranks (each computes an equal share)")
-        train_path, eval_path = dataset_paths(cfg)
+        train_path, eval_path = dataset_paths(cfg, self.task)
         self.train_path = train_path
-        self.problems = load_csv(train_path)
-        self.held_out = load_csv(eval_path)
+        self.problems = load_rows(train_path, self.task)
+        self.held_out = load_rows(eval_path, self.task)
         self.metrics_buffer: list[dict] = []
         # Ranks share it: each writes its optimizer shards into a version's folder (state.py).
         self.state_root = Path(cfg.work_dir) / "state"
@@ -193,12 +217,23 @@ class Trainer:
                                   spill_to=Path(cfg.work_dir) / SPILLED if self.lean else None)
         self.last_publish_start = 0.0
         # The curriculum: fed with every group taken, it fills each version's prompt pool.
-        self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum)
+        self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum,
+                                   self.task.stratum)
+        # Every reward of a volunteer's completion runs in a worker process under the task's
+        # bounds (task.bounded): a completion that makes it slow or huge is a rejection.
+        self.rewards = BoundedRewards(self.task_info.value, self.task.reward_seconds,
+                                      self.task.reward_memory_mb)
         self.pools: dict[int, tuple[int, ...]] = {}  # the window's published prompt pools
         self.numbers = GroupNumbers()  # group numbers received; restored by _resume
         self.waiting = Every()  # why the loop waits for groups: at most one line per interval
         # What each version asks of each volunteer (the manifest's quota) and the useful fraction.
         self.balance = Balance(cfg.groups_per_step, cfg.publish_every, cfg.quota_headroom)
+
+    @property
+    def task_ref(self) -> TaskRef:
+        """How the manifest names the task: name, package and the package's version."""
+        info = self.task_info
+        return TaskRef(info.name, info.package, info.version)
 
     @property
     def lean(self) -> bool:
@@ -254,8 +289,10 @@ class Trainer:
         with its rules, and its auditor holding the window's weights if audits are on."""
         cfg, policy = self.cfg, self.policy
         rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
-                      policy.decode_all, policy.eos_id, policy.special_ids, run_id=self.run_id)
-        self.prompt_ids = dict(enumerate(encode_prompts(policy, [p.prompt for p in self.problems])))
+                      policy.decode_all, policy.eos_id, policy.special_ids, run_id=self.run_id,
+                      rewards=self.rewards.rewards)
+        self.prompt_ids = dict(enumerate(encode_prompts(
+            policy, [self.task.prompt(p) for p in self.problems], self.task.instruction)))
         auditor = None
         if cfg.audit_tolerance > 0:
             auditor = Auditor(self._replay, Budget(cfg.audit_share), cfg.audit_full_groups,
@@ -483,7 +520,7 @@ class Trainer:
     def _start_fresh(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.policy = initial_policy(cfg, self.problems, self.device, self.log)
+        self.policy = initial_policy(cfg, self.task, self.problems, self.device, self.log)
         self._make_optimizer()
         self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         with self.stop.shielded():  # from here on v0 goes out whole, metrics included
@@ -492,7 +529,8 @@ class Trainer:
             self.manifest, self.etag = publish(self.storage, self.policy, 0, cfg, self.run_id,
                                                self.dataset, None, self.key, self.chain,
                                                lambda: self._save(0), self._next_pool(),
-                                               self.balance.quota(time.time(), 0))
+                                               self.balance.quota(time.time(), 0),
+                                               task=self.task_ref)
             self._keep_window_weights()
             self.pools = {0: self.manifest.prompt_pool}
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
@@ -504,6 +542,9 @@ class Trainer:
         """Weights from the manifest's checkpoint; optimizer, step and counts from the state
         saved for that version; the ledger from the committed ledger objects of the window."""
         cfg = self.cfg
+        if manifest.task.name != self.task.name:
+            raise TrainerError(f"manifest.json: the run trains task {manifest.task.name!r}; "
+                               f"resume it with --task {manifest.task.name}")
         if manifest.dataset.sha256 != file_sha256(self.train_path):
             raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
                                f"{self.train_path}; resume with the same --dataset")
@@ -709,7 +750,7 @@ class Trainer:
 
     def _evaluate(self, version: int, full: bool = False) -> dict[str, float]:
         problems = self.held_out if full else self.held_out[: self.cfg.eval_prompts]
-        res = greedy_and_sampled(self.published_policy, problems, self.cfg.temperature,
+        res = greedy_and_sampled(self.published_policy, self.task, problems, self.cfg.temperature,
                                  self.cfg.eval_samples, self.cfg.max_new_tokens,
                                  log=self.log, label=f"eval v{version}")
         self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
@@ -745,19 +786,27 @@ class Trainer:
             with collective_errors(self.ranks, "while training"):
                 if self.ranks.is_follower:
                     manifest = self._follow()
-                    leave(self.ranks, meet=True)
+                    self._leave_together()
                     return manifest
                 try:
                     manifest = self._run()
                 except (VrlError, StorageError):
                     self._tell("stop")  # failed outside a collective (the bucket): let them go
-                    leave(self.ranks, meet=True)
+                    self._leave_together()
                     raise
                 self._tell("stop")
-                leave(self.ranks, meet=True)
+                self._leave_together()
                 return manifest
         finally:
+            self.rewards.close()
             leave(self.ranks)  # after a failed collective: the others may be gone
+
+    def _leave_together(self) -> None:
+        """End the reward worker, then leave the ranks after a barrier. The worker goes first
+        so that nothing runs between the barrier and the exit: gloo's teardown aborts a rank
+        that is still tearing down while another has gone (ranks.leave)."""
+        self.rewards.close()
+        leave(self.ranks, meet=True)
 
     def _run(self) -> Manifest:
         cfg = self.cfg
@@ -885,7 +934,8 @@ class Trainer:
                                            self.chain, lambda: self._save(version),
                                            self._next_pool(),
                                            self.balance.quota(time.time(), fresh_after),
-                                           source=self.policy.model if self.lean else None)
+                                           source=self.policy.model if self.lean else None,
+                                           task=self.task_ref)
         self.balance.after_publish(time.time())
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)

@@ -32,6 +32,7 @@ from volunteer_rl.protocol.manifest import (
     Manifest,
     Quota,
     Sampling,
+    TaskRef,
     Weights,
     WeightsEntry,
     pieces_root,
@@ -198,7 +199,8 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
             dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
             before_commit: Callable[[], None] = lambda: None,
             prompt_pool: tuple[int, ...] = (), quota: Quota | None = None,
-            source: torch.nn.Module | None = None) -> tuple[Manifest, str]:
+            source: torch.nn.Module | None = None, *,
+            task: TaskRef) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
@@ -213,7 +215,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     manifest and its etag. `source`: the model whose tensors make the weights file, when it
     is not `policy.model` (a sharded model: the writer rank gathers each tensor while the
     other ranks take part, model.weights.gather_along; `policy` then gives the config and
-    tokenizer)."""
+    tokenizer). `task` names the task volunteers sample for (the manifest's `task`)."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
     source = policy.model if source is None else source
     buf = byte_buffer(weights_size(source, dtype), chain.spare)
@@ -258,7 +260,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     manifest = Manifest(
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
         dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
-        max_staleness=cfg.max_staleness, prompt_format=policy.prompt_format,
+        max_staleness=cfg.max_staleness, task=task, prompt_format=policy.prompt_format,
         weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
         prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),
         quota=quota, weights=weights)

@@ -1,5 +1,5 @@
-"""Supervised warm start: a few hundred steps of next-token training on (prompt, expression)
-pairs so the first published policy already earns some reward. RL cannot learn from a policy
+"""Supervised warm start: a few hundred steps of next-token training on (prompt, reference
+answer) pairs (the task's `reference`) so the first published policy already earns some reward. RL cannot learn from a policy
 whose every sample scores 0: all its groups have zero variance and zero gradient."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from volunteer_rl.model.policy import Policy, encode_prompts
 from volunteer_rl.model.scoring import right_pad
 from volunteer_rl.progress import progress
 from volunteer_rl.stopping import check_stop
-from volunteer_rl.task.dataset import Problem
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -57,19 +56,20 @@ def target_nll(policy: Policy, prompts: list[list[int]], targets: list[list[int]
                                              labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def warm_start(policy: Policy, problems: list[Problem], steps: int, batch_size: int = 64,
-               lr: float = 2e-3, warmup: int = 30, seed: int = 0,
-               log: Callable[[str], None] = print) -> float:
-    """Train on `steps` batches of gold expressions; returns the seconds it took."""
+def warm_start(policy: Policy, questions: list[str], answers: list[str], steps: int,
+               batch_size: int = 64, lr: float = 2e-3, warmup: int = 30, seed: int = 0,
+               log: Callable[[str], None] = print, instruction: str = "{question}") -> float:
+    """Train on `steps` batches of (question, answer) pairs, each answer followed by EOS;
+    returns the seconds it took."""
     rng = random.Random(seed)
     tok = policy.tokenizer
-    prompts = encode_prompts(policy, [p.prompt for p in problems])
-    targets = [list(tok(p.expression, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
-               for p in problems]
+    prompts = encode_prompts(policy, questions, instruction)
+    targets = [list(tok(a, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
+               for a in answers]
     opt = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
     policy.model.train()
     lengths = [len(p) + len(t) for p, t in zip(prompts, targets)]
-    batches = shuffled_batches(lengths, min(batch_size, len(problems)), rng)
+    batches = shuffled_batches(lengths, min(batch_size, len(prompts)), rng)
     start = time.time()
     # The first and the last step get a line of their own; between them progress() shows a
     # bar on a terminal, else a status line with the loss every STATUS_SECONDS.

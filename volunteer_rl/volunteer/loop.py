@@ -41,8 +41,9 @@ from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Storage, StorageError, Transient, is_missing
-from volunteer_rl.task.dataset import DatasetError, Problem, load_csv
-from volunteer_rl.task.reward import completion_reward
+from volunteer_rl.task.base import Row, Task, completion_reward
+from volunteer_rl.task.dataset import DatasetError, load_rows
+from volunteer_rl.task.registry import for_manifest
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import GroupNumbers
@@ -111,6 +112,8 @@ class Volunteer:
         self.host = host_facts(str(self.device))
         self.work = Path(cfg.work_dir) / self.id
         self.policy: Policy | None = None
+        self.task: Task | None = None  # the manifest's task, from this machine's packages
+        self.problems: list[Row] = []
         self.held: Held | None = None  # the weights file of the version loaded, verified
         self.weights_buffer: memoryview | None = None  # reused by every fetch
         self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
@@ -181,14 +184,14 @@ class Volunteer:
             self.log(f"warning: {exc}; polling again in {self.outage_wait:.0f}s")
         return None
 
-    def _load_dataset(self, m: Manifest) -> list[Problem]:
+    def _load_dataset(self, m: Manifest, task: Task) -> list[Row]:
         data = self.storage.read(m.dataset.key, max_bytes=m.dataset.size)
         if sha256_bytes(data) != m.dataset.sha256:
             raise StorageError(f"{m.dataset.key}: sha256 does not match manifest.json")
         path = self.work / "dataset.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        return load_csv(path)
+        return load_rows(path, task)
 
     def switch(self, m: Manifest) -> None:
         """Move to the manifest's version: swap weights in place when only they changed.
@@ -204,8 +207,14 @@ class Volunteer:
         Either way the checkpoint is checked before any of it is downloaded (its file names,
         config.json, the weights' size: vetting.check_checkpoint) and a full load checks
         the folder again (load_policy). Nothing changes until the new version has loaded: on
-        any error the volunteer keeps the model, dataset and manifest it holds."""
+        any error the volunteer keeps the model, dataset and manifest it holds.
+
+        The manifest's task must be installed here, from the package and version it names
+        (task.registry.for_manifest): a TaskError, raised before anything is fetched, stops
+        the volunteer with one line saying what to install. Nothing of a task ever comes from
+        the bucket but its dataset's rows."""
         old = self.manifest
+        task = self.task if old is not None and old.task == m.task else for_manifest(m.task)[0]
         same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
                       and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS_FILE))
         folder = self.work / "checkpoint"
@@ -222,12 +231,12 @@ class Volunteer:
             load_weights(self.policy, fetched.buf)
         else:
             fetch_checkpoint(self.storage, m, folder, require_model=True, weights=fetched.buf)
-            new_data = old is None or old.dataset != m.dataset
-            problems = self._load_dataset(m) if new_data else self.problems
+            new_data = old is None or old.dataset != m.dataset or old.task != m.task
+            problems = self._load_dataset(m, task) if new_data else self.problems
             self._check_pool(m, problems)
             self.policy = load_policy(folder, self.device)
             if new_data:
-                self.problems = problems
+                self.problems, self.task = problems, task
             self.policy.model.eval()
             threads = set_sampling_threads(self.policy, self.cfg.threads)
             if threads != self.threads:
@@ -238,7 +247,7 @@ class Volunteer:
         self.log(f"now on v{m.version} of {m.run_id} ({fetched_text(fetched, m)})")
 
     @staticmethod
-    def _check_pool(m: Manifest, problems: list[Problem]) -> None:
+    def _check_pool(m: Manifest, problems: list[Row]) -> None:
         """Every row of the manifest's prompt pool is a row of the dataset held."""
         if max(m.prompt_pool) >= len(problems):
             raise DatasetError(f"{m.dataset.key}: {len(problems)} rows, but the prompt pool "
@@ -253,7 +262,8 @@ class Volunteer:
         first = self.numbers.take(m.run_id, count, lambda: self._reached(m.run_id))
         picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, first + i)]
                   for i in range(count)]
-        prompts = encode_prompts(policy, [p.prompt for p in picked])
+        task = self.task
+        prompts = encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction)
         s = m.sampling
         keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
                 for i, p in enumerate(picked)]
@@ -262,7 +272,7 @@ class Volunteer:
         groups = []
         for i, (p, samples) in enumerate(zip(picked, out)):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
-                                      completion_reward(x.token_ids, p.expression, policy.decode_all,
+                                      completion_reward(task, p, x.token_ids, policy.decode_all,
                                                         policy.eos_id, policy.special_ids))
                            for x in samples]
             groups.append(Group(p.id, m.version, self.id, first + i, completions))
