@@ -39,10 +39,15 @@ from volunteer_rl.trainer.ranks import TORCHRUN_ENV
 WEIGHT_TOLERANCE = 1e-5
 """Largest |single - ranks| allowed on any weight (the issue's figure)."""
 STEP_TOLERANCE = 1e-5
-"""Relative difference allowed on each step's loss and gradient norm..."""
+"""Relative difference allowed on each step's loss..."""
 LOSS_FLOOR = 1e-6
 """...and absolute on the loss: a GRPO loss is a sum of terms of both signs that nearly
 cancel (-0.0038 at one step, where the two runs differed by 5.4e-8: 1.4e-5 relative)."""
+NORM_TOLERANCE = 5e-5
+"""Relative difference allowed on each step's gradient norm: the same float32 sums in another
+order, and not in the same order from one run to the next (an idle run here differed by at
+most 3.4e-6 over the ten steps; one run of the whole suite beside a demo by 1.2e-5 at step 8,
+its loss and every weight still within the bounds above)."""
 STEPS, GROUPS = 10, 4
 HALF = STEPS // 2  # steps between publishes
 LAST = TEMPLATE_VERSION + STEPS // HALF  # the version published after the last step
@@ -134,7 +139,7 @@ def test_every_step_has_the_single_process_loss_and_gradient_norm(runs):
     assert len(single["steps"]) == len(two["steps"]) == STEPS
     for i, ((loss, norm), (r_loss, r_norm)) in enumerate(zip(single["steps"], two["steps"])):
         assert r_loss == pytest.approx(loss, rel=STEP_TOLERANCE, abs=LOSS_FLOOR), f"step {i + 1} loss"
-        assert r_norm == pytest.approx(norm, rel=STEP_TOLERANCE), f"step {i + 1} gradient norm"
+        assert r_norm == pytest.approx(norm, rel=NORM_TOLERANCE), f"step {i + 1} gradient norm"
 
 
 @pytest.mark.parametrize("change", ["2 then 1", "1 then 2"])
