@@ -69,8 +69,9 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def run_vrl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(vrl_command(*args), cwd=cwd, env=vrl_env(),
+def run_vrl(args: list[str], cwd: Path, timeout: float = 120,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(vrl_command(*args), cwd=cwd, env=vrl_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 

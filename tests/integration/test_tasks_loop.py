@@ -119,11 +119,7 @@ def test_vrl_tasks_lists_the_installed_ones(sort_plugin, tmp_path):
     assert bare.returncode == 0, bare.stderr
     names = [line.split()[0] for line in bare.stdout.splitlines() if line and not line[0].isspace()]
     assert names == ["calculator", "countdown"]
-    import subprocess
-
-    from volunteer_rl.launch import vrl_command, vrl_env
-    r = subprocess.run(vrl_command("tasks", "--verbose"), cwd=tmp_path, capture_output=True,
-                       text=True, env=vrl_env(plugin_env(sort_plugin)), timeout=120)
+    r = run_vrl(["tasks", "--verbose"], cwd=tmp_path, env=plugin_env(sort_plugin))
     assert r.returncode == 0, r.stderr
     assert re.search(r"^sort\s+vrl-task-sort 0\.1\.0\s+\(vrl_task_sort", r.stdout, re.M), r.stdout
     assert "columns numbers" in r.stdout

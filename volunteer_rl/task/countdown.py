@@ -38,6 +38,7 @@ from pathlib import Path
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.calculator import MAX_EXPRESSION_CHARS, _parse, safe_eval
+from volunteer_rl.task.dataset import quoted
 
 NUMBERS_COLUMN = "numbers"
 TARGET_COLUMN = "target"
@@ -174,15 +175,15 @@ class CountdownTask(Task):
     def check(self, row: Row) -> str | None:
         numbers = parse_numbers(row[NUMBERS_COLUMN])
         if numbers is None:
-            return (f"{NUMBERS_COLUMN} {_shown(row[NUMBERS_COLUMN])} is not {MIN_NUMBERS} to "
+            return (f"{NUMBERS_COLUMN} {quoted(row[NUMBERS_COLUMN])} is not {MIN_NUMBERS} to "
                     f"{MAX_NUMBERS} whole numbers from 1 to {MAX_NUMBER} separated by spaces")
         target = parse_target(row[TARGET_COLUMN])
         if target is None:
-            return (f"{TARGET_COLUMN} {_shown(row[TARGET_COLUMN])} is not a whole number "
+            return (f"{TARGET_COLUMN} {quoted(row[TARGET_COLUMN])} is not a whole number "
                     f"from 1 to {MAX_TARGET}")
         reward, why = judge(row[SOLUTION_COLUMN], numbers, target)
         if reward < 1.0:
-            return (f"{SOLUTION_COLUMN} {_shown(row[SOLUTION_COLUMN])} is no answer for "
+            return (f"{SOLUTION_COLUMN} {quoted(row[SOLUTION_COLUMN])} is no answer for "
                     f"numbers {' '.join(map(str, numbers))}, target {target}: {why}")
         return None
 
@@ -211,7 +212,3 @@ class CountdownTask(Task):
     def data(self) -> tuple[Path, Path]:
         return PACKAGE_DATA / TRAIN_FILE, PACKAGE_DATA / EVAL_FILE
 
-
-def _shown(text: str) -> str:
-    """repr of a field for a one-line message, shortened."""
-    return repr(text if len(text) <= 60 else text[:57] + "...")

@@ -119,11 +119,15 @@ def calculator_check(row: Row) -> str | None:
     evaluate), or None: the calculator task's `check`."""
     if not row[PROMPT_COLUMN]:
         return f"empty {PROMPT_COLUMN}"
-    expression = row[EXPRESSION_COLUMN]
-    if safe_eval(expression) is None:
-        shown = expression if len(expression) <= 60 else expression[:57] + "..."
-        return f"{EXPRESSION_COLUMN} {shown!r} does not evaluate"
+    if safe_eval(row[EXPRESSION_COLUMN]) is None:
+        return f"{EXPRESSION_COLUMN} {quoted(row[EXPRESSION_COLUMN])} does not evaluate"
     return None
+
+
+def quoted(text: str) -> str:
+    """A row's field for a one-line message: its repr (control characters escaped), cut to
+    60 characters."""
+    return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
 def load_csv(path) -> list[Problem]:

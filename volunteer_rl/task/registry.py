@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from volunteer_rl.errors import VrlError
-from volunteer_rl.protocol.manifest import TaskRef
+from volunteer_rl.protocol.manifest import TASK_NAME, TaskRef
 from volunteer_rl.task.base import Task
 
 GROUP = "volunteer_rl.tasks"
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
 BUILT_IN = {
     "calculator": ("volunteer_rl.task.calculator_task:CalculatorTask", "volunteer-rl"),
     "countdown": ("volunteer_rl.task.countdown:CountdownTask", "volunteer-rl"),
@@ -50,7 +49,7 @@ def installed() -> dict[str, TaskInfo]:
     found = {name: TaskInfo(name, value, package, _own_version())
              for name, (value, package) in BUILT_IN.items()}
     for ep in metadata.entry_points(group=GROUP):
-        if not NAME.fullmatch(ep.name):
+        if not TASK_NAME.fullmatch(ep.name):  # the manifest could not name it
             continue
         dist = getattr(ep, "dist", None)
         package = dist.metadata["Name"] if dist is not None else "?"
