@@ -9,11 +9,11 @@ purpose: a user who sends SIGINT to a process means it, however the shell starte
 CLI installs the handlers first, before it imports torch or transformers (seconds in which a
 signal must count too), which is why this module is stdlib only and sits below every room.
 
-The first signal sets an event. Where the process is only reading or computing (imports,
+The first signal sets a flag. Where the process is only reading or computing (imports,
 building or loading a model, the warm start, an evaluation, sampling a batch), code runs
 inside `abortable()` and the handler also raises `Stopped` there and then: nothing is lost by
 cutting that short. Everywhere else (the loop, a publish, any write to the bucket), the code
-sees the event at its next check and finishes what it was doing first. A signal that finds
+sees the request at its next check and finishes what it was doing first. A signal that finds
 an abortable phase inside an import ends the process there (exit 0): an exception raised
 into a C extension's initialisation cannot be undone (`_stop_here`). A second signal
 while stopping ends the process at once (exit 128 + signal), as `kill -9` would: the
@@ -26,6 +26,15 @@ import), or a library's `except BaseException`. So the handler does not raise in
 finalizer, and while an abortable phase still runs after a stop, the stop is delivered again
 every REDELIVER_SECONDS until it lands (`_redeliver`); long loops of our own also call
 `check()` between their steps.
+
+The handler takes no lock. It runs in the main thread between two bytecodes, wherever that
+thread is, and a lock the main thread already holds there is never released: a
+`threading.Event` set from the handler deadlocked the process whenever the signal landed
+inside that event's own `wait` (a volunteer waiting out its quota in 0.1-s waits, SIGKILLed
+by the demo after 60 s; each further signal ran into the same lock). So the stop request is a
+plain attribute, `wait` sleeps in slices of WAIT_SLICE_SECONDS looking at it, and the
+redelivery thread is started by `install`, not by the handler (starting a thread takes
+threading's own locks).
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ from typing import Callable, Iterator
 
 REDELIVER_SECONDS = 0.5
 """How often a stop is raised again in an abortable phase that is still running after it."""
+WAIT_SLICE_SECONDS = 0.05
+"""`wait` sleeps at most this long between two looks at the stop request: how late a stop
+can end a wait (a signal cuts the sleep short, but the sleep resumes after the handler)."""
 
 _installed: StopSignal | None = None  # the process's, once install() ran (signals are per process)
 
@@ -55,7 +67,7 @@ class Stopped(BaseException):
 
 
 class StopSignal:
-    """The stop request (an event), the handlers that set it, and the abortable phases.
+    """The stop request (a flag), the handlers that set it, and the abortable phases.
     `then` is what the process says it does when a signal finds it outside such a phase."""
 
     def __init__(self, log: Callable[[str], None] = print,
@@ -66,7 +78,9 @@ class StopSignal:
         self.last_words = last_words or (
             lambda signum: f"stopped by signal {signum} while loading libraries; nothing written")
         """The line the process ends with when a stop finds it inside an import (_stop_here)."""
-        self.event = threading.Event()
+        self.requested = False
+        """The stop request: set by the handler (or `set`), never cleared. A plain attribute,
+        not a threading.Event: the handler may take no lock (module docstring)."""
         self.signum: int | None = None
         self._abortable = False
         self._under_abortable = False  # a write inside an abortable phase: Stopped comes after it
@@ -74,19 +88,35 @@ class StopSignal:
         self._redeliverer: threading.Thread | None = None
 
     def is_set(self) -> bool:
-        return self.event.is_set()
+        return self.requested
+
+    def set(self) -> None:
+        """Request the stop without a signal (a program of its own, a test): what the
+        handler records."""
+        self.requested = True
 
     def wait(self, seconds: float) -> bool:
-        """Sleep up to `seconds`, waking at once when a stop is requested."""
-        return self.event.wait(seconds)
+        """Sleep up to `seconds`, ending within WAIT_SLICE_SECONDS of a stop request; True
+        if one came. From any thread."""
+        deadline = time.monotonic() + seconds
+        while not self.requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, WAIT_SLICE_SECONDS))
+        return True
 
     def install(self) -> StopSignal:
         """SIGINT and SIGTERM to `_handle`, whatever the process inherited (SIG_IGN
-        included). Main thread only."""
+        included), and the redelivery thread. Main thread only."""
         global _installed
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         _installed = self
+        if self._redeliverer is None:
+            self._redeliverer = threading.Thread(target=self._redeliver, daemon=True,
+                                                 name="stop-redelivery")
+            self._redeliverer.start()
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -95,13 +125,12 @@ class StopSignal:
             if self._abortable and not _in_finalizer(frame):
                 self._stop_here(frame)
             return
-        if self.event.is_set():
+        if self.requested:
             self._say(f"signal {signum} again: exiting now")
             os._exit(128 + signum)
         self.signum = signum
-        self.event.set()
+        self.requested = True
         if self._abortable:
-            self._start_redelivery()
             if not _in_finalizer(frame):
                 self._stop_here(frame)
             return
@@ -125,19 +154,15 @@ class StopSignal:
             os._exit(0)
         raise Stopped(self.signum)
 
-    def _start_redelivery(self) -> None:
-        # Only for the installed handlers: interrupt_main reaches whatever handles the signal.
-        if self._redeliverer is None and _installed is self:
-            self._redeliverer = threading.Thread(target=self._redeliver, daemon=True,
-                                                 name="stop-redelivery")
-            self._redeliverer.start()
-
     def _redeliver(self) -> None:
         """While the main thread is still in an abortable phase after the stop (the Stopped
-        raised there was swallowed, or deferred out of a finalizer), raise it again."""
+        raised there was swallowed, or deferred out of a finalizer), raise it again. Only
+        for the installed handlers: interrupt_main reaches whatever handles the signal."""
         while True:
             time.sleep(REDELIVER_SECONDS)
-            if self._abortable and not self._again:
+            if _installed is not self:
+                return
+            if self.requested and self._abortable and not self._again:
                 self._again = True
                 _thread.interrupt_main(self.signum)  # runs _handle in the main thread
 
@@ -154,12 +179,12 @@ class StopSignal:
         outer, under = self._abortable, self._under_abortable
         self._abortable, self._under_abortable = abortable, outer or under
         try:
-            if abortable and self.event.is_set():
+            if abortable and self.requested:
                 raise Stopped(self.signum)  # it came before this phase began
             yield
         finally:
             self._abortable, self._under_abortable = outer, under
-        if (outer or abortable) and self.event.is_set():
+        if (outer or abortable) and self.requested:
             # It came while shielded: stop as soon as it is safe. Or this abortable phase
             # ran to its end although a stop came during it (swallowed on the way).
             raise Stopped(self.signum)
@@ -175,7 +200,7 @@ class StopSignal:
     def check(self) -> None:
         """Raise Stopped if a stop was requested and this is an abortable phase: for a long
         loop of our own, between its steps, in case the handler's Stopped was swallowed."""
-        if self._abortable and self.event.is_set():
+        if self._abortable and self.requested:
             raise Stopped(self.signum)
 
 

@@ -281,7 +281,7 @@ def test_a_stopping_trainer_does_not_wait_for_a_hung_pass(tmp_path, monkeypatch)
     trainer, held, junk, logs = held_trainer(tmp_path, monkeypatch)
     trainer.publish_next()
     assert held.entered.wait(120)
-    trainer.stop.event.set()  # what SIGINT or SIGTERM does
+    trainer.stop.set()  # what SIGINT or SIGTERM does
     trainer.run()  # stops at once: no step, the views' last write, retention abandoned
     thread = trainer.retention._thread
     assert thread.is_alive()

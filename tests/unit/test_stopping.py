@@ -93,3 +93,48 @@ def test_a_stop_inside_an_import_ends_the_process_there_with_its_last_words(tmp_
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (0, f"last words after signal {signal.SIGTERM}\n"), r
     assert "Traceback" not in r.stderr, r.stderr
+
+
+# The volunteer waits out its quota and the trainer its rollouts in short waits, so a signal
+# often lands while the main thread is inside `wait`. The handler ran `threading.Event.set`,
+# whose lock `Event.wait` holds around its own sleep: a signal landing there deadlocked the
+# process for good (every further signal ran into the same lock). Many trials, each a new
+# stop signalled at a random moment of a tight loop of zero-length waits, must all end.
+WAITING_STOPPED = '''
+import os, random, signal, sys, threading
+sys.path.insert(0, sys.argv[1])
+from volunteer_rl.stopping import StopSignal
+rng = random.Random(0)
+for trial in range(int(sys.argv[2])):
+    stop = StopSignal(lambda line: None).install()
+    threading.Timer(rng.uniform(0, 0.002), os.kill, (os.getpid(), signal.SIGTERM)).start()
+    while not stop.wait(0):
+        pass
+print("all stopped")
+'''
+
+
+def test_a_signal_landing_inside_a_wait_stops_it_every_time():
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(stopping.__file__).resolve().parents[1])
+    try:
+        r = subprocess.run([sys.executable, "-c", WAITING_STOPPED, root, "300"],
+                           capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a stop signal that landed inside StopSignal.wait hung the process")
+    assert (r.returncode, r.stdout) == (0, "all stopped\n"), r
+
+
+def test_wait_returns_at_its_timeout_or_soon_after_a_stop_from_another_thread():
+    import threading
+
+    stop = StopSignal(lambda line: None)
+    started = time.monotonic()
+    assert stop.wait(0.1) is False
+    assert time.monotonic() - started >= 0.1
+    threading.Timer(0.05, stop.set).start()
+    started = time.monotonic()
+    assert stop.wait(30) is True
+    assert time.monotonic() - started < 10  # a slice, not the 30 s asked for
