@@ -10,9 +10,11 @@ warm-started for a short while (WARM_STEPS) so that completions end where a volu
 back with `load_policy`, as a volunteer gets it. Sampling settings are the trainer's
 defaults: K = 8, temperature 1.0, max_new_tokens 32.
 
-- vrl: the volunteer's own path (`Volunteer._generate`): its default prompts_per_batch
-  prompts per round, encoded with `encode_prompts` and sampled with `sampling.sample`, under
-  the thread count the volunteer sets (`set_sampling_threads` with its default `threads`).
+- vrl: the volunteer's own path (`Volunteer._generate`): its default prompts per round
+  (`devices.sampling_prompts`: 32 for this model), encoded with `encode_prompts`, each
+  group's committed draw keys computed (`protocol.draws.group_keys`), sampled with
+  `sampling.sample`, under the thread count the volunteer sets (`set_sampling_threads` with
+  its default `threads`).
 - naive: what a plain script does: for each prompt one `model.generate(...,
   num_return_sequences=K, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
   output_scores=True)`, the behavior logprobs taken from the returned scores, completions cut
@@ -42,12 +44,14 @@ import torch
 
 from bench.common import Row, cli
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig, VolunteerConfig
-from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, set_sampling_threads
+from volunteer_rl.model.devices import (TORCH_DEFAULT_THREADS, sampling_prompts,
+                                        set_sampling_threads)
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.model.weights import save_policy
+from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem, load_csv
 from volunteer_rl.trainer.warmstart import warm_start
@@ -92,14 +96,16 @@ def make_model(problems: list[Problem], steps: int, folder: Path) -> Policy:
 
 def vrl_round(policy: Policy, questions: list[str], k: int, temperature: float,
               max_new_tokens: int, prompts_per_call: int, threads: int) -> Tally:
-    """The volunteer's round (Volunteer._generate) over `questions`, `prompts_per_call` at a time."""
+    """The volunteer's round (Volunteer._generate) over `questions`, `prompts_per_call` at a
+    time, each group with its committed draw keys as a volunteer computes them."""
     set_sampling_threads(policy, threads)
     start = time.perf_counter()
     completions = tokens = 0
     for i in range(0, len(questions), prompts_per_call):
         prompts = encode_prompts(policy, questions[i:i + prompts_per_call])
+        keys = [group_keys("bench-run", 0, "bench", i + j, i + j, k) for j in range(len(prompts))]
         groups = sample(policy, prompts, k, temperature, max_new_tokens,
-                        batch_size=max(256, prompts_per_call * k))
+                        batch_size=max(256, prompts_per_call * k), draw_keys=keys)
         completions += sum(len(g) for g in groups)
         tokens += sum(len(s.token_ids) for g in groups for s in g)
     return Tally(completions, tokens, time.perf_counter() - start)
@@ -155,7 +161,6 @@ def results(quick: bool) -> list[Row]:
     tcfg = TrainerConfig(bucket="unused").with_task_defaults(CalculatorTask())
     vcfg = VolunteerConfig(bucket="unused")
     k, temperature, max_new = tcfg.k, tcfg.temperature, tcfg.max_new_tokens
-    ppb = vcfg.prompts_per_batch
     n_prompts = QUICK_PROMPTS if quick else PROMPTS
     rounds = QUICK_ROUNDS if quick else ROUNDS
     problems = load_csv(Path(PACKAGE_DATA) / "train.csv")
@@ -168,6 +173,7 @@ def results(quick: bool) -> list[Row]:
     questions = [p.prompt for p in rng.sample(problems, n_prompts * rounds)]
     big = min(PROMPTS_BIG, n_prompts)
     threads = set_sampling_threads(policy, vcfg.threads)
+    ppb = sampling_prompts(policy, vcfg.prompts_per_batch)
     torch.manual_seed(0)
 
     # Warm-up, not timed: first calls allocate and pick kernels.

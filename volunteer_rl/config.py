@@ -259,8 +259,10 @@ class VolunteerConfig(Checked):
     """Volunteer id, the name in object keys (default: the one this --work-dir saved, else a
     new one, the sanitized hostname plus a random suffix, saved there for the next start;
     volunteer/identity.py)."""
-    prompts_per_batch: int = setting(16, at_least=1)
-    """Prompts sampled per generate round (each gets K completions, all in one batched call)."""
+    prompts_per_batch: int = setting(0, at_least=0)
+    """Prompts sampled per generate round, K completions each, in batched calls of at most 256
+    completions (0: auto, 32 for a model under 5 M parameters, 16 for bigger ones, whose rows'
+    KV cache takes memory)."""
     shard_groups: int = setting(32, at_least=1)
     """Upload a shard once it holds this many groups..."""
     shard_seconds: float = setting(20.0, at_least=0)

@@ -50,7 +50,7 @@ RULES = [
     (T, "prompt_pool", 4097, "--prompt-pool: must be at most 4096, not 4097", MAX_POOL),
     (T, "quota_headroom", -0.5, "--quota-headroom: must be at least 0, not -0.5", 0.0),
     (T, "quota_headroom", 101.0, "--quota-headroom: must be at most 100, not 101.0", 100.0),
-    (V, "prompts_per_batch", 0, "--prompts-per-batch: must be at least 1, not 0", 1),
+    (V, "prompts_per_batch", -1, "--prompts-per-batch: must be at least 0, not -1", 0),
     (V, "shard_groups", 0, "--shard-groups: must be at least 1, not 0", 1),
     (V, "heartbeat_seconds", -0.5, "--heartbeat-seconds: must be at least 0, not -0.5", 0.0),
     (V, "nice", -1, "--nice: must be at least 0, not -1", 0),

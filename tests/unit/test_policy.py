@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, sampling_threads, set_sampling_threads
+from volunteer_rl.model.devices import (TORCH_DEFAULT_THREADS, sampling_prompts, sampling_threads,
+                                        set_sampling_threads)
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import draw, gumbel_noise, perturbed, sample
 from volunteer_rl.model.scoring import token_logprobs
@@ -190,6 +191,14 @@ def test_rows_stop_at_max_new_tokens_or_their_first_eos(tiny):
         assert policy.eos_id not in s.token_ids[:-1]
         assert len(s.token_ids) == 3 or s.token_ids[-1] == policy.eos_id
     assert all(s.token_ids == [] for g in sample(policy, prompts, 2, 1.0, 0) for s in g)
+
+
+def test_small_models_sample_32_prompts_a_round_big_ones_16(tiny):
+    policy, _ = tiny
+    assert sampling_prompts(policy) == 32                 # 0.5 M parameters
+    assert sampling_prompts(policy, prompts=7) == 7       # --prompts-per-batch wins
+    big = Policy(torch.nn.Linear(2500, 2500), policy.tokenizer, "plain", torch.device("cpu"))
+    assert sampling_prompts(big) == 16                    # 6.3 M parameters: its KV cache counts
 
 
 def test_small_models_sample_on_one_thread_big_ones_on_torchs_default(tiny):

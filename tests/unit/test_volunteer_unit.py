@@ -77,9 +77,10 @@ def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
     assert v.at_cap(w)            # and then it pauses again
 
 
-def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
-    """Threads follow the model the volunteer loads: auto (0) gives a small CPU model one
-    thread, --threads N gives N; the count is logged when it changes."""
+def test_a_loaded_model_sets_the_sampling_threads_and_round(tmp_path, monkeypatch):
+    """Threads and prompts per round follow the model the volunteer loads: auto (0) gives a
+    small CPU model one thread and 32 prompts, --threads N and --prompts-per-batch N give N;
+    the thread count is logged when it changes."""
     import torch
 
     from volunteer_rl.config import VolunteerConfig
@@ -110,6 +111,11 @@ def test_a_loaded_model_sets_the_sampling_threads(tmp_path, monkeypatch):
             v.switch(M())
             assert torch.get_num_threads() == expected == v.threads
             assert f"sampling with {expected} torch thread" in logs[0] and f"({how})" in logs[0]
+            assert v.batch == v.allowance.batch == 32  # auto prompts per round: a small model
+        v = Volunteer(VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", device="cpu",
+                                      prompts_per_batch=5), log=lambda line: None)
+        v.switch(M())
+        assert v.batch == v.allowance.batch == 5  # --prompts-per-batch wins
     finally:
         torch.set_num_threads(before)
 

@@ -25,7 +25,8 @@ from typing import Callable
 from volunteer_rl.config import VolunteerConfig
 from volunteer_rl.model.chain import Fetched, Held, fetch_weights
 from volunteer_rl.model.checkpoint import fetch_checkpoint
-from volunteer_rl.model.devices import pick_device, set_sampling_threads
+from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
+                                        set_sampling_threads)
 from volunteer_rl.model.hashing import CheckpointError, sha256_bytes
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
@@ -117,6 +118,7 @@ class Volunteer:
         self.held: Held | None = None  # the weights file of the version loaded, verified
         self.weights_buffer: memoryview | None = None  # reused by every fetch
         self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
+        self.batch = cfg.prompts_per_batch  # prompts per round; auto (0) resolved at each load
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
@@ -124,7 +126,7 @@ class Volunteer:
         self.manifest_etag: str | None = None
         self.latest: Manifest | None = None  # newest manifest read, loaded or not
         # The manifest's quota and --max-groups-per-version: how much of a version to sample.
-        self.allowance = Allowance(cfg.max_groups_per_version, cfg.prompts_per_batch,
+        self.allowance = Allowance(cfg.max_groups_per_version, cfg.prompts_per_batch or MODEL_PROMPTS,
                                    cfg.cap_patience_seconds, log)
         self.tally = Tally(started_at=time.time())
         self.summary = Every()  # the upload summary line's interval
@@ -238,6 +240,8 @@ class Volunteer:
             if new_data:
                 self.problems, self.task = problems, task
             self.policy.model.eval()
+            self.batch = sampling_prompts(self.policy, self.cfg.prompts_per_batch)
+            self.allowance.batch = self.batch
             threads = set_sampling_threads(self.policy, self.cfg.threads)
             if threads != self.threads:
                 how = "--threads" if self.cfg.threads > 0 else "auto"
@@ -407,7 +411,7 @@ class Volunteer:
                         writer.flush()
                     self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
-                groups = self._generate(min(cfg.prompts_per_batch, room))
+                groups = self._generate(min(self.batch, room))
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
