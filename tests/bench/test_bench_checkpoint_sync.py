@@ -19,6 +19,7 @@ def test_checkpoint_sync_quick_rows_are_sane():
     for r in timed:
         assert r.vrl > 0 and r.baseline > 0
         assert math.isclose(r.ratio, r.baseline / r.vrl)  # times: raw / vrl, > 1 = vrl faster
-        assert r.met == (r.ratio >= 0.8)
+        # fetch-and-load rows report a figure with no goal; the others meet theirs or say not
+        assert r.met == (None if r.benchmark == "checkpoint fetch and load" else r.ratio >= 0.8)
     (size,) = [r for r in rows if r.benchmark == "checkpoint bytes per version"]
     assert 1.8 < size.ratio < 2.0 and math.isclose(size.ratio, size.baseline / size.vrl)

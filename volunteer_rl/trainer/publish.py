@@ -125,10 +125,13 @@ class WeightsChain:
         if self._follows(version, len(buf)):
             limit = self.patch_max_fraction * len(buf)
             # Skip making a patch that cannot pay: zstd never got the changed bf16 values below
-            # half their raw size here. fp32 weights change in every word at every step, yet
-            # their deltas are small integers at RL learning rates: one step of lr 1e-6 to
-            # 1e-4 on weights of std 0.02 gave patches of 0.19-0.24 of the file, 1e-3 0.41
-            # (protocol.patch.make_patch on 4 M words, 2026-11-27), so they are made.
+            # half their raw size here. fp32 weights change in every word at every step, so
+            # at the default --patch-max-fraction 0.5 this skips them (every word changed, at
+            # half its bytes, is the limit) and an fp32 run publishes keyframes. A bigger
+            # fraction lets them be tried: one step of lr 1e-6 to 1e-4 on weights of std 0.02
+            # gave patches of 0.19-0.24 of the file, 1e-3 0.41 (protocol.patch.make_patch on
+            # 4 M words, 2026-11-27); the demo's tiny model at lr 3e-4 gave 0.71, one version
+            # to the next (so its keyframes are right).
             held = self.last[2]
             try:
                 changed = (count_changed(held, buf, word) if held is not None
