@@ -50,7 +50,7 @@ import torch
 
 from bench.generation import make_model
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig, VolunteerConfig
-from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS
+from volunteer_rl.model.devices import TORCH_DEFAULT_THREADS, sampling_prompts
 from volunteer_rl.model.policy import Policy, bf16_rounded, encode_prompts, load_policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.sampling import Sample, sample
@@ -163,7 +163,7 @@ def run(policy: Policy, problems, n_groups: int, log=print) -> list[Setting]:
     tcfg = TrainerConfig(bucket="unused").with_task_defaults(CalculatorTask())
     vcfg = VolunteerConfig(bucket="unused")
     k, temperature, max_new = tcfg.k, tcfg.temperature, tcfg.max_new_tokens
-    per_call = vcfg.prompts_per_batch
+    per_call = sampling_prompts(policy, vcfg.prompts_per_batch)  # the volunteer's round
     groups = make_groups(policy, problems, n_groups, k, max_new)
     settings: list[Setting] = []
     accel = accelerator()
