@@ -17,7 +17,8 @@ data/train.csv, `build_tiny_model`, WARM_STEPS warm-start steps so distributions
 trained model's, saved and loaded as a volunteer gets it), or `--model PATH` (any HF folder,
 `load_policy`). GROUPS groups of K = 8 completions, temperature 1.0, 32 new tokens (the
 trainer's defaults), prompts drawn at random from data/train.csv (mixed lengths), sampled as
-a volunteer samples them: 16 prompts per `sample` call, each completion with its committed
+a volunteer samples them: its round per `sample` call (32 prompts for the tiny model, 16 for
+a model of 5 M parameters or more: `devices.sampling_prompts`), each completion with its committed
 key (seq = the group's number). Every setting samples the same groups and replays them
 REPLAY_GROUPS groups per call (a different batch composition from the sampler's):
 
