@@ -171,11 +171,9 @@ class Publisher:
         self.spare = None
 
     def publish(self) -> None:
-        from volunteer_rl.protocol.manifest import TaskRef
         from volunteer_rl.task.registry import info
         from volunteer_rl.trainer.publish import WeightsChain, publish
 
-        calc = info("calculator")  # the manifest names a task; the bench's data is its CSV
         chain = self.chain
         if chain is None:  # a keyframe: a chain with no last version, the last file's buffer reused
             chain = WeightsChain(self.cfg.keyframe_every, self.cfg.patch_max_fraction)
@@ -183,7 +181,7 @@ class Publisher:
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
                                            "bench", self.dataset, self.etag, self.key, chain,
-                                           task=TaskRef(calc.name, calc.package, calc.version))
+                                           task=info("calculator").ref)
         self.spare = chain.last[2]
 
 

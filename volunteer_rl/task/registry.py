@@ -37,6 +37,11 @@ class TaskInfo:
     package: str
     version: str
 
+    @property
+    def ref(self) -> TaskRef:
+        """How a manifest names this task: name, package and the package's version."""
+        return TaskRef(self.name, self.package, self.version)
+
 
 def _own_version() -> str:
     from volunteer_rl import __version__

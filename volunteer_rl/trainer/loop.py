@@ -53,13 +53,7 @@ from volunteer_rl.observe.dashboard import TrainerDashboard
 from volunteer_rl.progress import Every
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import (
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    TaskRef,
-    poll_manifest,
-    read_manifest,
-)
+from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, poll_manifest, read_manifest
 from volunteer_rl.protocol.signing import Trust, public_key_text
 from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
@@ -228,12 +222,6 @@ class Trainer:
         self.waiting = Every()  # why the loop waits for groups: at most one line per interval
         # What each version asks of each volunteer (the manifest's quota) and the useful fraction.
         self.balance = Balance(cfg.groups_per_step, cfg.publish_every, cfg.quota_headroom)
-
-    @property
-    def task_ref(self) -> TaskRef:
-        """How the manifest names the task: name, package and the package's version."""
-        info = self.task_info
-        return TaskRef(info.name, info.package, info.version)
 
     @property
     def lean(self) -> bool:
@@ -530,7 +518,7 @@ class Trainer:
                                                self.dataset, None, self.key, self.chain,
                                                lambda: self._save(0), self._next_pool(),
                                                self.balance.quota(time.time(), 0),
-                                               task=self.task_ref)
+                                               task=self.task_info.ref)
             self._keep_window_weights()
             self.pools = {0: self.manifest.prompt_pool}
             self.log(f"published v0 of {self.run_id} to {self.storage.uri}")
@@ -935,7 +923,7 @@ class Trainer:
                                            self._next_pool(),
                                            self.balance.quota(time.time(), fresh_after),
                                            source=self.policy.model if self.lean else None,
-                                           task=self.task_ref)
+                                           task=self.task_info.ref)
         self.balance.after_publish(time.time())
         self._keep_window_weights()
         self.retention.after_publish(self.manifest)

@@ -118,7 +118,6 @@ class Volunteer:
         self.held: Held | None = None  # the weights file of the version loaded, verified
         self.weights_buffer: memoryview | None = None  # reused by every fetch
         self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
-        self.batch = cfg.prompts_per_batch  # prompts per round; auto (0) resolved at each load
         self.manifest: Manifest | None = None
         self.last_manifest_ok = 0.0
         self.warned: dict[str, str] = {}
@@ -240,8 +239,7 @@ class Volunteer:
             if new_data:
                 self.problems, self.task = problems, task
             self.policy.model.eval()
-            self.batch = sampling_prompts(self.policy, self.cfg.prompts_per_batch)
-            self.allowance.batch = self.batch
+            self.allowance.batch = sampling_prompts(self.policy, self.cfg.prompts_per_batch)
             threads = set_sampling_threads(self.policy, self.cfg.threads)
             if threads != self.threads:
                 how = "--threads" if self.cfg.threads > 0 else "auto"
@@ -411,7 +409,7 @@ class Volunteer:
                         writer.flush()
                     self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
-                groups = self._generate(min(self.batch, room))
+                groups = self._generate(min(self.allowance.batch, room))
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)

@@ -54,7 +54,8 @@ class Allowance:
     cap: int = 0
     """--max-groups-per-version (0: none)."""
     batch: int = 16
-    """--prompts-per-batch: what the own cap grows by after its patience."""
+    """Prompts per generate round (--prompts-per-batch, its auto value resolved when a model
+    loads: devices.sampling_prompts); also what the own cap grows by after its patience."""
     cap_patience: float = 2.0
     log: Callable[[str], None] = print
     version: tuple[str, int] | None = None
