@@ -69,8 +69,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def run_vrl(args: list[str], cwd: Path, timeout: float = 120,
+def run_vrl(args: list[str], cwd: Path, timeout: float = 600,
             env: dict | None = None) -> subprocess.CompletedProcess:
+    """`vrl <args>` to its end. `timeout` is a hang guard, not a pace: `vrl eval` of 500
+    prompts takes most of a minute on an idle 2-core machine and several beside a demo."""
     return subprocess.run(vrl_command(*args), cwd=cwd, env=vrl_env(env),
                           capture_output=True, text=True, timeout=timeout)
 

@@ -136,7 +136,7 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
                 "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path, ONE_THREAD)
     try:
         assert trainer.wait(120) == 0, trainer.text()[-3000:]
-        wait_for(lambda: f"now on v{VERSIONS} " in vol.text(), 30, f"the volunteer on v{VERSIONS}")
+        wait_for(lambda: f"now on v{VERSIONS} " in vol.text(), 120, f"the volunteer on v{VERSIONS}")
         assert vol.terminate() == 0, vol.text()[-3000:]
     finally:
         for p in (trainer, vol):

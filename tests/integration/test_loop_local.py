@@ -211,13 +211,18 @@ def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
     without_quota(bucket, run["root"] / "tw" / "signing-key.pem")
     v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
               "--shard-groups", "100000", "--shard-seconds", "100000", "--max-groups-per-version", "160",
-              "--log-shards",
+              "--log-shards", "--heartbeat-seconds", "0.5",
               "--work-dir", str(run["root"] / "vw3")], run["root"] / "ctrlc.log", run["root"])
+    heartbeat = bucket / layout.heartbeat_key("ctrlc")
+
+    def groups_made() -> int:
+        return json.loads(heartbeat.read_text())["groups_total"] if heartbeat.exists() else 0
     try:
-        wait_for(lambda: "now on v" in v.text(), 60, "the volunteer to load the checkpoint")
+        wait_for(lambda: "now on v" in v.text(), 120, "the volunteer to load the checkpoint")
         before = len(list((bucket / "rollouts").rglob("*.jsonl.gz")))
-        import time
-        time.sleep(3)  # a few batches: nothing uploaded yet, all of it buffered
+        # A batch made, as its heartbeat counts (a sleep would ask the machine for a pace):
+        # nothing uploaded yet, all of it buffered.
+        wait_for(lambda: groups_made() >= 16, 300, "a batch of groups made", 0.1)
         assert "uploaded" not in v.text()
         v.p.send_signal(signal.SIGINT)
         assert v.wait(60) == 0, v.text()

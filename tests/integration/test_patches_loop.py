@@ -66,7 +66,10 @@ def test_most_versions_are_patches_and_keyframes_come_on_cadence(run):
     later = [k for k in keyframes if k >= first - 1]
     assert all(b - a == KEYFRAME_EVERY for a, b in zip(later, later[1:])), keyframes
     assert VERSIONS - later[-1] < KEYFRAME_EVERY and first <= 20, keyframes
-    assert len(patched) >= 0.85 * VERSIONS, len(patched)
+    # From the first patch on (v20 at the latest) every version has one, the cadence's
+    # keyframes too: most of them. How many is not held to a fixed share: the first patch
+    # moves with the batches the trainer happened to get.
+    assert patched == list(range(first, VERSIONS + 1)), (patched, keyframes)
     size = ms[-1].files[KEYFRAME_FILE].size
     assert max(p.size for m in ms for p in m.weights.patches) <= 0.5 * size
     assert len(ms[-1].weights.patches) == KEYFRAME_EVERY

@@ -186,5 +186,7 @@ def test_a_rank_whose_peers_never_come_fails_with_one_line_after_its_timeout():
     assert message.startswith(f"rank 1 of 2 did not join the gloo group at 127.0.0.1:{port} "
                               "within 3s: "), message
     assert "\n" not in message and "socket.cpp" not in message  # no C++ log line glued on
+    # Hang guards: the join gives up after its 3 s, where the failure waits forever (60 s
+    # with the process's start-up), not a pace.
     assert float(waited[:-1]) < 20, proc.stdout  # the join's own time, from the inside
     assert time.monotonic() - started < 60

@@ -1,6 +1,6 @@
 """`vrl status` against a live fleet: a trainer and two volunteers (real processes) on a folder
-bucket, heartbeats every second. Both show up producing; a volunteer killed with SIGKILL is
-called offline within two heartbeat periods (plus the time `vrl status` itself takes); one
+bucket, heartbeats every PERIOD seconds. Both show up producing; a volunteer killed with SIGKILL is
+called offline by every `vrl status` that begins two heartbeat periods after its last one; one
 stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashboard/ up, and
 headless Chromium renders it."""
 from __future__ import annotations
@@ -18,15 +18,18 @@ from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.observe.dashboard import PLOTS
 from volunteer_rl.protocol import layout
 
-PERIOD = 1.0
+PERIOD = 2.0
+"""The live run's heartbeat period: short, for a quick offline, but two of them without a
+beat from a live volunteer would take a machine busier than any the suite runs on."""
+OFFLINE_PERIODS = 2
+"""observe's rule: offline after this many of its own heartbeat periods without one."""
 
 
-def status(bucket: Path, cwd: Path) -> tuple[dict, float]:
-    """The `vrl status --json` document and how long the command took."""
-    t0 = time.time()
-    r = run_vrl(["status", "--bucket", str(bucket), "--json"], cwd=cwd, timeout=60)
+def status(bucket: Path, cwd: Path) -> dict:
+    """The `vrl status --json` document."""
+    r = run_vrl(["status", "--bucket", str(bucket), "--json"], cwd=cwd, timeout=120)
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout), time.time() - t0
+    return json.loads(r.stdout)
 
 
 def by_id(doc: dict) -> dict[str, dict]:
@@ -63,31 +66,33 @@ def live_run(tmp_path_factory, template) -> dict:
         print(f"v4 after {time.time() - started:.0f}s")
 
         def both_producing():
-            doc, _ = status(bucket, tmp_path)
+            doc = status(bucket, tmp_path)
             rows = by_id(doc)
             ok = all(rows.get(v, {}).get("state") == "producing"
                      and rows[v]["completions_per_minute"] > 0
                      and rows[v]["acceptance_rate"] is not None for v in vols)
             return doc if ok else None
 
-        run["producing"] = wait_for(both_producing, 60,
+        run["producing"] = wait_for(both_producing, 240,
                                     "both volunteers producing, accepted by the trainer", 0.5)
         run["table"] = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
         (tmp_path / "status.txt").write_text(run["table"].stdout)  # a real sample for the docs
 
-        # Time one status call, then kill a volunteer as hard as possible.
-        _, run["cli_seconds"] = status(bucket, tmp_path)
+        # Kill a volunteer as hard as possible, then call `vrl status` until it says offline
+        # (120 s is a hang guard), noting when each call began.
         vols["vol-2"].kill()
-        killed = time.time()
-        while True:
-            doc, _ = status(bucket, tmp_path)
-            if by_id(doc)["vol-2"]["state"] == "offline" or time.time() - killed > 30:
+        killed, calls = time.time(), []
+        while time.time() - killed < 120:
+            began = time.time()
+            doc = status(bucket, tmp_path)
+            calls.append((began, by_id(doc)["vol-2"]["state"]))
+            if calls[-1][1] == "offline":
                 break
-        run["seen_offline"], run["after_kill"] = time.time() - killed, by_id(doc)
-        print(f"offline seen after {run['seen_offline']:.2f}s; "
-              f"one status call takes {run['cli_seconds']:.2f}s")
+        run["after_kill"], run["calls after kill"] = by_id(doc), calls
+        run["last beat"] = json.loads((bucket / layout.heartbeat_key("vol-2")).read_text())["updated_at"]
+        print(f"offline seen after {time.time() - killed:.2f}s, {len(calls)} status calls")
         run["vol-1 exit"] = vols["vol-1"].terminate()
-        run["after_stop"] = by_id(status(bucket, tmp_path)[0])
+        run["after_stop"] = by_id(status(bucket, tmp_path))
         run["page"] = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
         return run
     except AssertionError as exc:
@@ -110,10 +115,12 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(live_run):
 
     rows = live_run["after_kill"]
     assert rows["vol-2"]["state"] == "offline", rows["vol-2"]
-    # The last heartbeat was at most one period old when it died: offline after 2 periods,
-    # seen by the first status call that starts after that (each call takes cli_seconds).
-    seen_offline, cli_seconds = live_run["seen_offline"], live_run["cli_seconds"]
-    assert seen_offline <= offline_bound(cli_seconds), (seen_offline, cli_seconds)
+    # Offline once its last heartbeat is OFFLINE_PERIODS old: every call that began after
+    # that said so (the calls stop at the first that does). Judged by when each call began,
+    # not by how long calls take, which a busy machine stretches.
+    due = live_run["last beat"] + OFFLINE_PERIODS * PERIOD
+    calls = live_run["calls after kill"]
+    assert all(state == "offline" for began, state in calls if began > due), (due, calls)
     assert rows["vol-1"]["state"] == "producing", rows["vol-1"]
     assert rows["vol-2"]["reported_state"] == "running"  # no goodbye after SIGKILL
 
@@ -123,12 +130,6 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(live_run):
     assert rows["vol-1"]["shards_uploaded"] >= 1
     page = live_run["page"]
     assert "<td>vol-1</td>" in page and (live_run["bucket"] / "dashboard" / "reward.png").exists()
-
-
-def offline_bound(cli_seconds: float) -> float:
-    """2 periods, then at worst one call that just missed it and one that sees it, plus 1 s
-    of slack for a loaded machine."""
-    return 2 * PERIOD + 2 * cli_seconds + 1.0
 
 
 ARTIFACTS = Path(os.environ.get("VRL_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
@@ -148,10 +149,15 @@ def test_dashboard_renders_in_headless_chromium(live_run, tmp_path):
 
 def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_publishes(template, tmp_path):
     """Issue 12's case, live: a volunteer with the default 30 s heartbeat feeding a trainer that
-    publishes several versions a second. By the time `vrl status` reads the heartbeat the
-    trainer is far past the version it names (the old rule called it stale-version, lag 48);
-    judged at the heartbeat's own time, it is producing. v0 is the template's warm-started
-    model (conftest): no warm start to wait for."""
+    publishes a version per group it gets. By the time `vrl status` reads the heartbeat the
+    trainer is past the window of the version it names (the old rule called it stale-version,
+    lag 48 in the issue); judged at the heartbeat's own time, it is producing. Nothing here
+    asks for a pace: the test waits (600 s is only a hang guard) until `vrl status` has read
+    the heartbeat three times when the trainer was more than the window's versions past it
+    (counted from the bucket; each of the volunteer's 8-group shards makes 8 versions in a
+    row, so this comes soon after a heartbeat on any machine), then checks what each read
+    said. v0 is the template's warm-started model
+    (conftest): no warm start to wait for."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     window = 4
@@ -167,29 +173,31 @@ def test_a_producer_with_slow_heartbeats_is_producing_however_fast_the_trainer_p
                 "--shard-seconds", "1", "--poll-seconds", "0.1", "--work-dir", str(tmp_path / "vw")],
                tmp_path / "vol.log", tmp_path, {"OMP_NUM_THREADS": "1"})
     try:
-        def named_version():  # the first heartbeat is written before any weights are loaded
+        def producing_beat():
+            """A heartbeat with completions made on v1 or later. The first is written before
+            any weights are loaded; and fleet.json's timeline has no point for v0 (the trainer
+            adds one at each publish after it), so a heartbeat written while v0 was current,
+            as a slow machine's can be, has no known lag then (`version_lag` None)."""
             hb = bucket / layout.heartbeat_key("slow-beat")
-            return hb.exists() and json.loads(hb.read_text()).get("version") is not None
-        wait_for(named_version, 180, "a heartbeat naming a version")
+            beat = json.loads(hb.read_text()) if hb.exists() else {}
+            return (beat.get("version") or 0) >= 1 and (beat.get("completions_per_minute") or 0) > 0
+        wait_for(producing_beat, 300, "a heartbeat with completions made on v1 or later")
         seen = []
-        deadline = time.time() + 75
-        while time.time() < deadline:
-            doc, _ = status(bucket, tmp_path)
+
+        def read_late_three_times():
+            doc = status(bucket, tmp_path)
             row = by_id(doc)["slow-beat"]
-            seen.append((time.time(), doc["trainer"]["version"], row["state"],
+            seen.append((round(time.time(), 1), doc["trainer"]["version"], row["state"],
                          row["version_lag"], row["version_lag_now"]))
-            if sum(s[4] is not None and s[4] > 3 * window for s in seen) >= 3:
-                break
-            time.sleep(1.0)
-        far_behind = [s for s in seen if s[4] is not None and s[4] > 3 * window]
-        (t0, v0, *_), (t1, v1, *_) = seen[0], seen[-1]
-        rate = (v1 - v0) / (t1 - t0)
-        print(f"trainer published {rate:.1f} versions/s; samples (time, version, state, lag then, "
-              f"lag now): {seen}")
-        assert rate >= 2, seen  # several versions a second
-        assert len(far_behind) >= 3, seen  # the heartbeat was long out of date when read
-        assert all(s[2] == "producing" for s in seen), seen
-        assert all(s[3] is not None and s[3] <= window for s in far_behind), seen
+            return sum(s[4] is not None and s[4] > window for s in seen) >= 3
+        try:
+            wait_for(read_late_three_times, 600, "three status reads of a heartbeat out of the window now", 1.0)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; (time, version, state, lag then, lag now): {seen}") from None
+        late = [s for s in seen if s[4] is not None and s[4] > window]
+        print(f"samples (time, version, state, lag then, lag now): {seen}")
+        assert all(s[2] == "producing" for s in seen), seen  # never stale-version, never idle
+        assert all(s[3] is not None and s[3] <= window for s in late), seen  # in its window then
         assert json.loads((bucket / layout.FLEET).read_text())["timeline"]
     finally:
         for p in (trainer, vol):

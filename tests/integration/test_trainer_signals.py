@@ -4,7 +4,7 @@ bash starts `vrl trainer ... &` with SIGINT ignored, so Python installs no Keybo
 handler: `kill -INT` used to leave such a trainer polling forever, and `kill -TERM` ended it
 mid-step. Here the trainer is started the way bash starts it (vrlproc.as_background_job)
 and stopped by a signal while a real volunteer feeds it, and once during its warm start.
-It must exit 0 within STOP_SECONDS, leaving a valid manifest whose checkpoint is complete,
+It must exit 0 (within STOP_SECONDS, a hang guard), leaving a valid manifest whose checkpoint is complete,
 metrics for every step it took, fleet.json and dashboard/ of its last version, and nothing
 of any version above the manifest's. The phases of the handler are unit-tested in-process.
 """
@@ -25,7 +25,11 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.storage import open_storage
 from volunteer_rl.stopping import Stopped, StopSignal
 
-STOP_SECONDS = 10.0
+STOP_SECONDS = 60.0
+"""Signal to exit: a hang guard. The stop itself takes about a second (the current step, the
+last publish, the views), then the interpreter's teardown, which a busy machine slows most;
+the failures this catches never exit (a trainer that ignored the signal polls forever, or
+runs its 100000 warm-start steps)."""
 VERSIONED = (layout.CHECKPOINTS, layout.MANIFESTS, layout.METRICS, layout.LEDGER,
              layout.ROLLOUTS, layout.QUARANTINE)
 

@@ -37,7 +37,9 @@ class Board:
 
     def __init__(self, world: int = 2):
         self.slots: list = [None] * world
-        self.barrier = threading.Barrier(world, timeout=30)
+        # a hang guard (a rank that never comes), not a pace: a rank's audits between two
+        # meetings take seconds on a busy machine
+        self.barrier = threading.Barrier(world, timeout=300)
 
 
 class ThreadShare:
