@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from volunteer_rl.config import TrainerConfig, VolunteerConfig
+from volunteer_rl.errors import ConfigError
 from volunteer_rl_cli.config_file import config_option
 from volunteer_rl_cli.options import (
     ALLOW_UNSIGNED,
@@ -43,10 +44,12 @@ def gc(
     trust_key: Optional[str] = GC_TRUST_KEY,
     allow_unsigned: bool = ALLOW_UNSIGNED,
 ):
-    """Retention: delete checkpoints and rollout shards of versions older than the newest
-    --keep-versions and the staleness window. The manifest's version, manifest.json,
-    manifests/, metrics/ and datasets/ are never deleted. Run it with the trainer's
-    credentials; it is safe while the trainer runs.
+    """Retention: delete old versions' checkpoints and rollout shards.
+
+    It deletes those of the versions older than both the newest --keep-versions and the
+    staleness window. The manifest's version, manifest.json, manifests/, metrics/ and
+    datasets/ are never deleted. Run it with the trainer's credentials; it is safe while the
+    trainer runs.
 
     Example: vrl gc --bucket s3://my-bucket/run1 --keep-versions 20 --dry-run
     """
@@ -72,13 +75,36 @@ def gc(
 
 @app.command("public-key")
 def public_key(config: Optional[str] = config_option(TrainerConfig),
-               signing_key: Optional[str] = SIGNING_KEY, work_dir: str = TRAINER_WORK_DIR):
-    """Print the trainer's manifest signing key (public half), creating the key pair if there
-    is none yet, so it can be handed to volunteers before the trainer starts.
+               bucket: Optional[str] = typer.Option(
+                   None, "--bucket", "-b",
+                   help="The run whose trainer key to print: the key in the trainer's default "
+                        "--work-dir for this bucket."),
+               endpoint_url: Optional[str] = ENDPOINT_URL,
+               signing_key: Optional[str] = SIGNING_KEY,
+               work_dir: Optional[str] = TRAINER_WORK_DIR):
+    """Print the trainer's public key, for volunteers' --trust-key.
 
-    Example: vrl public-key --work-dir .vrl/trainer
+    The public half of the key that signs every manifest, as `ed25519:...`; the key pair is
+    created if there is none yet, so it can be handed to volunteers before the trainer starts.
+    With --bucket it is the key `vrl trainer --bucket` uses by default (one per bucket), and
+    none is made for a bucket whose run another key signs.
+
+    Example: vrl public-key --bucket s3://my-bucket/run1
     """
+    from volunteer_rl.config import default_work_dir
     from volunteer_rl.protocol.signing import key_path, load_or_create_key, public_key_text
 
-    key, _ = load_or_create_key(key_path(signing_key, work_dir))
+    if not (bucket or work_dir or signing_key):
+        raise ConfigError("vrl public-key: give --bucket (the trainer keeps a key per bucket), "
+                          "--work-dir or --signing-key")
+    path = key_path(signing_key, work_dir or default_work_dir("trainer", bucket or ""))
+    if bucket and not path.exists():
+        from volunteer_rl.storage import local_folder, open_storage
+        from volunteer_rl.trainer.preflight import refuse_new_key
+
+        folder = local_folder(bucket)
+        if folder is None or folder.expanduser().is_dir():  # a folder not made yet has no run
+            refuse_new_key(open_storage(bucket, endpoint_url, create=False), path,
+                           allow_unsigned=True)
+    key, _ = load_or_create_key(path)
     print(public_key_text(key))

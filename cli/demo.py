@@ -27,10 +27,18 @@ def demo(
     algo: str = option(TrainerConfig, "algo"),
     lr: float = option(TrainerConfig, "lr"),
 ):
-    """The embedded default: a trainer and volunteers as separate processes on a local folder
-    bucket; ends with held-out accuracy of v0 and of the last version.
+    """Run it all on one machine: a trainer and volunteers.
 
-    Examples: vrl demo --volunteers 2 --rl-seconds 300;  vrl demo --task countdown
+    The trainer warm-starts v0 with --warm-start-steps supervised steps, then it and the
+    volunteers, separate processes sharing only a local folder bucket, run --rl-seconds of
+    RL; the demo ends with the held-out accuracy of v0 and of the last version. The last
+    example is a quick try of a task: a shorter warm start and a minute of RL.
+
+    \b
+    Examples:
+      vrl demo
+      vrl demo --task countdown
+      vrl demo --task countdown --warm-start-steps 200 --rl-seconds 60
     """
     with usage_errors():
         settings = DemoSettings(**ctx.params)

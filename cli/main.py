@@ -7,10 +7,13 @@ is cli/errors.py's business, for every command at once.
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 
 from volunteer_rl_cli import admin, demo, observe, tasks, train, volunteer
 from volunteer_rl_cli.errors import KnownErrorsAsOneLine
+from volunteer_rl_cli.options import command_help
 
 DISTRIBUTION = "volunteer-rl"  # the name pip installs vrl under (pyproject.toml)
 
@@ -21,6 +24,18 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 for group in (train, volunteer, observe, admin, tasks, demo):
     app.add_typer(group.app)
+
+
+def _help_from_docstrings(commands: typer.Typer) -> None:
+    """Every command's help and the line `vrl --help` lists for it, from its docstring
+    (options.command_help), in `commands` and the groups below it."""
+    for info in commands.registered_commands:
+        info.help, info.short_help = command_help(info.help or inspect.getdoc(info.callback))
+    for group in commands.registered_groups:
+        _help_from_docstrings(group.typer_instance)
+
+
+_help_from_docstrings(app)
 
 
 def _print_version(value: bool) -> None:

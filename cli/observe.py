@@ -31,20 +31,28 @@ def eval_(
     dataset: Optional[str] = option(TrainerConfig, "eval_dataset", flags=("--dataset",)),
     samples: int = option(TrainerConfig, "eval_samples", flags=("--samples",)),
     device: str = DEVICE,
-    work_dir: str = typer.Option(".vrl/eval", help="Local cache for checkpoints."),
+    work_dir: Optional[str] = typer.Option(
+        None, help="Local cache of checkpoints, pinned keys and the newest manifest seen "
+                   "(default: eval/<bucket>-<hash> in the per-user state folder, as the "
+                   "volunteer's --work-dir)."),
     trust_key: Optional[str] = TRUST_KEY,
     allow_unsigned: bool = ALLOW_UNSIGNED,
 ):
-    """Held-out accuracy of a published version, greedy and at its sampling temperature.
+    """Held-out accuracy of a published version.
+
+    Greedy and at the version's sampling temperature, on the held-out rows of the task its
+    manifest names (that task must be installed here).
 
     Example: vrl eval --bucket ./bucket --version 0
     """
+    from volunteer_rl.config import default_work_dir
     from volunteer_rl.model.devices import pick_device
     from volunteer_rl.protocol.signing import reader_trust
     from volunteer_rl.storage import open_storage
     from volunteer_rl.trainer.evaluate import greedy_and_sampled, held_out, load_version
 
     storage = open_storage(bucket, endpoint_url, create=False)
+    work_dir = work_dir or str(default_work_dir("eval", bucket))
     trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
     m, policy = load_version(storage, version, work_dir, pick_device(device), trust=trust)
     task, problems = held_out(m, dataset)
@@ -67,9 +75,11 @@ def status(
         False, "--watch", help="Redraw in place every --interval seconds until Ctrl-C."),
     interval: float = typer.Option(5.0, min=0.5, help="Seconds between redraws with --watch."),
 ):
-    """The fleet and the trainer at a glance: each volunteer's state (producing, idle,
-    stale-version, offline) from its heartbeat, its rate, totals and acceptance by the
-    trainer; the trainer's version, step, reward and held-out accuracy trend.
+    """The fleet and the trainer at a glance.
+
+    Each volunteer's state (producing, idle, stale-version, offline) from its heartbeat, its
+    rate, totals and acceptance by the trainer; the trainer's version, step, reward and
+    held-out accuracy trend.
 
     Example: vrl status --bucket s3://my-bucket/run1 --watch
     """
@@ -95,9 +105,11 @@ def status(
 @app.command()
 def dashboard(config: Optional[str] = config_option(TrainerConfig), bucket: str = BUCKET,
               endpoint_url: Optional[str] = ENDPOINT_URL):
-    """Write dashboard/index.html and its plots (held-out accuracy and reward against version
-    and time, fleet throughput, staleness) into the bucket, from all of metrics/ and the
-    fleet's heartbeats. Open dashboard/index.html of a folder bucket in a browser.
+    """Write a page and plots for people into the bucket's dashboard/.
+
+    dashboard/index.html and its plots (held-out accuracy and reward against version and
+    time, fleet throughput, staleness), from all of metrics/ and the fleet's heartbeats. Open
+    dashboard/index.html of a folder bucket in a browser.
 
     Example: vrl dashboard --bucket ./bucket
     """

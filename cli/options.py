@@ -7,7 +7,8 @@ docstring under the field, its range the field's bounds (config.setting). So a s
 default, meaning and limits are written once, in volunteer_rl/config.py. Reading the
 docstrings parses config.py with ast (a few milliseconds); nothing heavy is imported here.
 Each option also goes into the help panel PANELS names for its setting, the same on every
-command.
+command. A command's own help is its docstring, made into paragraphs by command_help (main.py
+applies it to every command), and no flag's help shows a type (_flags_show_no_type).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import typer
 from typer.models import OptionInfo
 
 from volunteer_rl.config import TrainerConfig, VolunteerConfig, flag, range_text, why_not
+from volunteer_rl.progress import LOG
 
 # Short flags and environment variables, by setting name, on every command that has them.
 _SHORT = {"bucket": "-b", "k": "-k"}
@@ -32,8 +34,8 @@ _ENVVARS = {"endpoint_url": "VRL_ENDPOINT_URL", "trust_key": "VRL_TRUST_KEY"}
 # its ~40 options by these). A setting in no panel is listed under typer's "Options".
 PANELS = {
     "Storage": ("bucket", "endpoint_url", "work_dir"),
-    "Model": ("model", "weights_dtype", "warm_start_steps", "seed"),
-    "Machine": ("device", "threads", "nice", "rank_timeout"),
+    "Model": ("model", "weights_dtype", "warm_start_steps", "warm_start_max_passes", "seed"),
+    "Machine": ("device", "threads", "warm_start_threads", "nice", "rank_timeout"),
     "Data": ("task", "dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
            "groups_per_step", "micro_batch"),
@@ -46,7 +48,8 @@ PANELS = {
                      "max_groups_per_version"),
     "Demo": ("volunteers", "rl_seconds", "groups_per_version"),
     "Run and reports": ("max_steps", "max_seconds", "poll_seconds", "eval_every",
-                        "eval_samples", "dashboard_every", "heartbeat_seconds", "log_shards"),
+                        "eval_samples", "dashboard_every", "heartbeat_seconds", "log_shards",
+                        "log_level", "report_to", "logging_dir"),
 }
 _PANEL = {name: panel for panel, names in PANELS.items() for name in names}
 
@@ -91,6 +94,42 @@ def first_sentence(text: str) -> str:
     return match.group(0) if match else text
 
 
+def command_help(doc: str) -> tuple[str, str]:
+    """(help, short help) of a command from its docstring, which opens with a one-line
+    summary, then a blank line, then paragraphs. The short help (the line `vrl --help` lists)
+    is the summary. In the help, each paragraph is one line that the terminal's width wraps:
+    typer's rich help would print a docstring's line breaks as they are, cutting sentences at
+    the source's 100 columns. A paragraph that opens with a line holding only `\\b` (click's
+    mark for text not to rewrap, such as examples) keeps its lines, without the mark."""
+    paragraphs = []
+    for paragraph in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
+        lines = paragraph.splitlines()
+        paragraphs.append("\n".join(lines[1:]) if lines[0].strip() == "\b"
+                          else " ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs), paragraphs[0]
+
+
+def _flags_show_no_type() -> None:
+    """A flag takes no value, so its help shows no type. typer's rich help (0.2x) shows a
+    flag's as `<bool>` (`--help <bool>`), unless the option has a metavar, which click's own
+    --help cannot be given: so every flag's type, --help's included, is left out here, as
+    click's plain help does. Typer versions without this method (older ones) show none."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "no_type_on_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich.no_type_on_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
+
 _METAVARS = {"int": "INT", "float": "FLOAT", "str": "TEXT"}
 
 
@@ -131,10 +170,9 @@ def option(cls: type, name: str, *, flags: tuple[str, ...] = (), help: str | Non
                         callback=_setting_check(cls, name), rich_help_panel=_PANEL.get(name))
 
 
-def log(line: str) -> None:
-    """How every command logs (the `log` the library takes): stdout, flushed at once, so a
-    parent process (the demo, a test) sees each line as it happens."""
-    print(line, flush=True)
+# How every command logs (the `log` the library takes): progress.Log, stdout, flushed at
+# once; its level is --log-level's, a trainer rank's lines carry the rank.
+log = LOG
 
 
 # Options with the same flag, default and help on every command that has them.
@@ -147,3 +185,10 @@ KEEP_VERSIONS = option(TrainerConfig, "keep_versions")
 # A reader of the bucket (volunteer, eval) and the key it trusts; gc trusts otherwise.
 TRUST_KEY = option(VolunteerConfig, "trust_key")
 ALLOW_UNSIGNED = option(VolunteerConfig, "allow_unsigned")
+# `vrl volunteer --seed N` is accepted and ignored, and not shown in its help, so command lines
+# written for builds before schema 6 still run: since then a volunteer makes no random choice
+# (the manifest's pool gives each group number its prompt, and the sampling noise is
+# committed), so no setting holds it.
+IGNORED_VOLUNTEER_SEED = typer.Option(
+    None, "--seed", min=0, hidden=True, expose_value=False,
+    help="Ignored: a volunteer makes no random choice (accepted for older command lines).")

@@ -14,9 +14,12 @@ def tasks(
     verbose: bool = typer.Option(False, "--verbose", "-v",
                                  help="Also show each task's columns, sampling and reward bounds."),
 ):
-    """The tasks installed on this machine, the ones `vrl trainer --task` can train and a
-    volunteer can sample: vrl's own and every package that declares the entry point group
-    volunteer_rl.tasks (docs/TASKS.md).
+    """List the tasks installed here, the ones a run can use.
+
+    `vrl trainer --task NAME` trains one, and a volunteer samples a run's task only where it
+    is installed too. The list holds vrl's own (calculator, countdown) and those of every
+    installed package that declares the entry point group volunteer_rl.tasks (docs/TASKS.md
+    says how to write one).
 
     Example: vrl tasks --verbose
     """

@@ -51,6 +51,8 @@ def trainer(
     gc_every: int = T("gc_every"),
     eval_every: int = T("eval_every"),
     warm_start_steps: int = T("warm_start_steps"),
+    warm_start_max_passes: float = T("warm_start_max_passes"),
+    warm_start_threads: int = T("warm_start_threads"),
     max_steps: int = T("max_steps"),
     max_seconds: float = T("max_seconds"),
     seed: int = T("seed"),
@@ -74,26 +76,40 @@ def trainer(
     log_shards: bool = T("log_shards"),
     dashboard_every: float = T("dashboard_every"),
     quota_headroom: float = T("quota_headroom"),
+    log_level: str = T("log_level"),
+    report_to: str = T("report_to"),
+    logging_dir: Optional[str] = T("logging_dir"),
 ):
-    """Run the central trainer: publish v0 on an empty bucket (or resume), learn from fresh
-    rollout shards, publish a new version every --publish-every steps. Ctrl-C or SIGTERM,
-    also to a trainer started in the background (`vrl trainer ... &`), finishes the current
-    step, publishes the steps not yet published (without the final evaluation), writes their
-    metrics, fleet.json and dashboard/, and exits 0; before the first step it stops at once,
-    leaving no half-made version. A second signal while stopping exits at once.
+    """Train on volunteers' rollouts and publish new versions.
 
-    Example: vrl trainer --bucket s3://my-bucket/run1 --algo grpo --max-staleness 2
+    The trainer publishes v0 on an empty bucket (or resumes from its manifest), learns from
+    fresh rollout shards and publishes a new version every --publish-every steps. It is the
+    only process that writes checkpoints and the manifest.
 
-    As N ranks sharing the model (FSDP2): torchrun --nproc-per-node N -m volunteer_rl_cli
-    trainer --bucket ... (docs/SCALE.md)
+    Ctrl-C or SIGTERM, also to a trainer started in the background (`vrl trainer ... &`),
+    finishes the current step, publishes the steps not yet published (without the final
+    evaluation), writes their metrics, fleet.json and dashboard/, and exits 0; before the
+    first step it stops at once, leaving no half-made version. A second signal while stopping
+    exits at once.
+
+    \b
+    Examples:
+      vrl trainer --bucket s3://bucket/run1 --algo grpo --max-staleness 2
+    As 8 ranks sharing the model with FSDP2 (docs/SCALE.md):
+      torchrun --nproc-per-node 8 -m volunteer_rl_cli trainer -b s3://bucket/run1
     """
     from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage import check_bucket
+    from volunteer_rl.trainer.preflight import read_inputs
 
     with usage_errors():
         cfg = TrainerConfig(**ctx.params)
-    # Before seconds of imports: a bad --bucket fails at once, and a new folder bucket exists
-    # by the time volunteers started beside the trainer look for it.
+    log.level = cfg.log_level
+    # Before seconds of imports: the task, its datasets and the key's place are checked (one
+    # line, and nothing made, if one is wrong); then a bad --bucket fails, and a new folder
+    # bucket is made, so that it exists by the time volunteers started beside the trainer
+    # look for it.
+    inputs = read_inputs(cfg)
     check_bucket(cfg.bucket, cfg.endpoint_url)
     trainer_ = None
 
@@ -105,13 +121,15 @@ def trainer(
     def build(stop):
         from volunteer_rl.trainer.loop import Trainer
 
-        return Trainer(cfg, log=log, stop=stop)
+        return Trainer(cfg, log=log, stop=stop, inputs=inputs)
 
     try:
         trainer_ = start_stoppable(cfg.threads, stopped_early, build)  # cli/starting.py
         trainer_.start()
         manifest = trainer_.run()
     except Stopped as exc:
-        log(stopped_early(exc.signum))
+        if trainer_ is None or trainer_.ranks.is_writer:  # once, not once per torchrun rank
+            log(stopped_early(exc.signum))
         return
-    log(f"trainer stopped at v{manifest.version}")
+    if trainer_.ranks.is_writer:
+        log(f"trainer stopped at v{manifest.version}")

@@ -16,6 +16,7 @@ from volunteer_rl_cli.options import (
     BUCKET,
     DEVICE,
     ENDPOINT_URL,
+    IGNORED_VOLUNTEER_SEED,
     TRUST_KEY,
     log,
     option,
@@ -41,24 +42,32 @@ def volunteer(
     max_seconds: float = V("max_seconds"),
     heartbeat_seconds: float = V("heartbeat_seconds"),
     log_shards: bool = V("log_shards"),
-    seed: Optional[int] = V("seed"),
+    seed: Optional[int] = IGNORED_VOLUNTEER_SEED,
     threads: int = V("threads"),
     nice: int = V("nice"),
     device: str = DEVICE,
     work_dir: str = V("work_dir"),
     trust_key: Optional[str] = TRUST_KEY,
     allow_unsigned: bool = ALLOW_UNSIGNED,
+    log_level: str = V("log_level"),
 ):
-    """Donate compute: follow the bucket's manifest, sample rollouts with the newest weights,
-    upload shards. Ctrl-C or SIGTERM uploads the partial shard and exits 0.
+    """Donate compute: sample rollouts and upload them.
 
-    Example: vrl volunteer --bucket s3://my-bucket/run1 --endpoint-url https://minio.example.org
+    The volunteer follows the bucket's manifest, samples K completions per prompt of the task
+    the manifest names (it must be installed here: `vrl tasks`) and uploads them as shards,
+    with a heartbeat in volunteers/ID.json. Ctrl-C or SIGTERM uploads the partial shard and
+    exits 0.
+
+    \b
+    Example:
+      vrl volunteer --bucket s3://my-bucket/run1 --trust-key ed25519:...
     """
     from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage import check_bucket
 
     with usage_errors():
         cfg = VolunteerConfig(**ctx.params)
+    log.level = cfg.log_level
     check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
 
     def stopped_early(signum: int) -> str:
@@ -130,7 +139,9 @@ def _edit_denylist(bucket: str, endpoint_url: str | None, volunteer_id: str, den
 @denylist.command("allow")
 def volunteers_allow(volunteer_id: VolunteerId, config: Optional[str] = config_option(VolunteerConfig),
                      bucket: str = BUCKET, endpoint_url: Optional[str] = ENDPOINT_URL):
-    """Lift a denial: the trainer reads this volunteer's shards again, counts reset.
+    """Lift a denial: the trainer reads this volunteer's shards again.
+
+    Its counts of accepted and rejected shards start again from zero.
 
     Example: vrl volunteers allow laptop-3f2a --bucket s3://my-bucket/run1
     """
@@ -146,7 +157,9 @@ def volunteers_deny(
     endpoint_url: Optional[str] = ENDPOINT_URL,
     reason: str = typer.Option("denied by an operator", help="Why, for the record."),
 ):
-    """Stop the trainer from reading a volunteer's shards until `vrl volunteers allow`.
+    """Deny a volunteer: the trainer skips its shards from now on.
+
+    The trainer no longer lists its folders, until `vrl volunteers allow` lifts the denial.
 
     Example: vrl volunteers deny laptop-3f2a --bucket s3://my-bucket/run1 --reason "spam"
     """

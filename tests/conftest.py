@@ -1,6 +1,7 @@
 """Shared fixtures: a published run to start trainers from, and real rollouts of its policy."""
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -23,6 +24,12 @@ MAX_NUMBERS = 400
 # Hypothesis's own files go to the system's temp folder, not into the repository.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
                       os.path.join(tempfile.gettempdir(), "volunteer_rl-hypothesis"))
+
+# A command run without --work-dir keeps its state in the per-user state folder
+# (config.user_state_dir, $XDG_STATE_HOME first on every platform): here one of this test
+# process's own, inherited by every `vrl` it starts, so no test writes into the real home.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="volunteer_rl-state-")
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
 
 
 @contextmanager

@@ -10,6 +10,10 @@ embedded demo's choices.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import sys
 from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Mapping
@@ -19,8 +23,54 @@ from volunteer_rl.errors import ConfigError
 
 PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
 
+
+# ---------------------------------------------------------------------------------------------
+# Where a command keeps its local state when --work-dir is not given: a folder per user and
+# per bucket, so a trainer or volunteer restarted from another folder finds the same signing
+# key, optimizer state, volunteer ids and pinned keys (a default relative to the current
+# folder made a new key there, which then could not resume the run).
+
+def user_state_dir() -> Path:
+    """The per-user folder of vrl's state: $XDG_STATE_HOME/vrl where that is set (to an
+    absolute path, as the XDG spec asks), else ~/Library/Application Support/vrl on macOS,
+    %LOCALAPPDATA%\\vrl on Windows, and ~/.local/state/vrl (XDG's default) elsewhere."""
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "vrl"
+    if sys.platform == "win32":
+        local = os.environ.get("LOCALAPPDATA", "")
+        return (Path(local) if os.path.isabs(local) else Path.home() / "AppData" / "Local") / "vrl"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "vrl"
+    return Path.home() / ".local" / "state" / "vrl"
+
+
+def bucket_folder_name(bucket: str) -> str:
+    """A folder name for a bucket: its URI's readable tail, then 10 hex digits of the sha256 of
+    the URI (a folder bucket's absolute path, so `./b` from two folders are two buckets and
+    one folder reached by two relative paths is one). The endpoint is not part of it: one
+    s3:// bucket reached through two endpoint spellings keeps one state."""
+    local = bucket[len("file://"):] if bucket.startswith("file://") else (
+        None if "://" in bucket else bucket)
+    uri = str(Path(local).expanduser().resolve()) if local is not None else bucket.rstrip("/")
+    tail = Path(uri).name if local is not None else uri.replace("://", "-")
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", tail).strip("-.")[-40:].lstrip("-.") or "bucket"
+    return f"{readable}-{hashlib.sha256(uri.encode()).hexdigest()[:10]}"
+
+
+def default_work_dir(role: str, bucket: str) -> Path:
+    """Where `role` (trainer, volunteer, eval) keeps its state for `bucket` without
+    --work-dir: user_state_dir()/<role>/<bucket_folder_name>. Nothing is created here."""
+    return user_state_dir() / role / bucket_folder_name(bucket)
+
+
 ALGOS = ("reinforce", "grpo")
 WEIGHTS_DTYPES = ("fp32", "bf16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""progress.LOG_LEVELS, which this room cannot import (tests/unit/test_logging.py checks
+they are the same)."""
+REPORT_TO = ("tensorboard", "wandb")
+"""Where `--report-to` can send the trainer's metrics besides the bucket (trainer.reporters)."""
 
 # Settings whose flag is not `--` plus the field name with dashes.
 _FLAGS = {"volunteer_id": "--id"}
@@ -32,10 +82,13 @@ def flag(name: str) -> str:
 
 
 def setting(default: Any, *, at_least: float | None = None, at_most: float | None = None,
-            above: float | None = None, one_of: tuple[str, ...] | None = None) -> Any:
+            above: float | None = None, one_of: tuple[str, ...] | None = None,
+            list_of: tuple[str, ...] | None = None) -> Any:
     """A field with `default` that accepts only at_least <= value <= at_most, value > above,
-    or one of `one_of`; checked when the settings object is built."""
-    rules = {"at_least": at_least, "at_most": at_most, "above": above, "one_of": one_of}
+    one of `one_of`, or `none` or a comma-separated list of `list_of` (`listed`); checked when
+    the settings object is built."""
+    rules = {"at_least": at_least, "at_most": at_most, "above": above, "one_of": one_of,
+             "list_of": list_of}
     return field(default=default, metadata={k: v for k, v in rules.items() if v is not None})
 
 
@@ -46,6 +99,10 @@ def _why_not(rules: Mapping[str, Any], value: Any) -> str | None:
         return None
     if "one_of" in rules and value not in rules["one_of"]:
         return f"use {' or '.join(rules['one_of'])}, not {value!r}"
+    if "list_of" in rules and value != "none" and (
+            not all(name in rules["list_of"] for name in value.split(","))):
+        return (f"use none or a comma-separated list of {', '.join(rules['list_of'])}, "
+                f"not {value!r}")
     # `not (value >= x)` rather than `value < x`: NaN fails every comparison and is refused.
     if "at_least" in rules and not value >= rules["at_least"]:
         return f"must be at least {rules['at_least']}, not {value!r}"
@@ -71,6 +128,8 @@ def range_text(cls: type, name: str) -> str | None:
     rules = _field(cls, name).metadata
     if "one_of" in rules:
         return "|".join(rules["one_of"])
+    if "list_of" in rules:
+        return "none|" + ",".join(rules["list_of"])
     low = (f"{rules['at_least']}<=" if "at_least" in rules
            else f"{rules['above']}<" if "above" in rules else "")
     if "at_most" in rules:
@@ -78,6 +137,11 @@ def range_text(cls: type, name: str) -> str | None:
     if low:  # one-sided: written as x>=1, x>0
         return "x" + (f">={rules['at_least']}" if "at_least" in rules else f">{rules['above']}")
     return None
+
+
+def listed(value: str) -> tuple[str, ...]:
+    """The names of a `list_of` setting's value: `tensorboard,wandb` -> both, `none` -> ()."""
+    return () if value == "none" else tuple(dict.fromkeys(value.split(",")))
 
 
 def check(cls: type, name: str, value: Any, where: str | None = None) -> None:
@@ -109,11 +173,11 @@ class TrainerConfig(Checked):
     task: str = "calculator"
     """The task to train: an installed task's name (`vrl tasks` lists them; docs/TASKS.md)."""
     dataset: str | None = None
-    """Train CSV with the task's columns (default: the task's own; the calculator's is
-    data/train.csv)."""
+    """Train CSV with the task's columns (default: the task's own train rows, shipped with
+    it)."""
     eval_dataset: str | None = None
-    """Held-out CSV of the same columns (default: the task's own; the calculator's is
-    data/eval.csv)."""
+    """Held-out CSV of the same columns (default: the task's own held-out rows, shipped with
+    it)."""
     algo: str = setting("grpo", one_of=ALGOS)
     """`reinforce` (advantage r - group mean) or `grpo` (normalized advantage, clipped ratio)."""
     lr: float = setting(3e-4, above=0)
@@ -149,8 +213,8 @@ class TrainerConfig(Checked):
     (gc_every)."""
     gc_every: int = setting(0, at_least=0)
     """Run a retention pass after every this many publishes (0: never; `vrl gc` does the same
-    by hand), on a thread of its own, each pass bounded in listings and deletes (retention.py);
-    the next pass goes on where one stopped."""
+    by hand), on a thread of its own, each pass bounded in listings and deletes; the next pass
+    goes on where one stopped."""
     eval_every: int = setting(10, at_least=0)
     """Versions between held-out evaluations (0: none)."""
     eval_prompts: int = setting(200, at_least=1)
@@ -159,14 +223,22 @@ class TrainerConfig(Checked):
     """Samples per prompt for the sampled-accuracy estimate."""
     warm_start_steps: int = setting(900, at_least=0)
     """Supervised steps before v0 when the model is built from scratch (`tiny`)."""
+    warm_start_max_passes: float = setting(4.0, at_least=0)
+    """When the warm start's steps of 64 rows would pass over the training rows more than this
+    many times (a small dataset), it trains on half of the rows only and RL samples the other
+    half: a warm start that memorises the rows RL samples leaves RL nothing to learn. 0:
+    never split."""
+    warm_start_threads: int = setting(0, at_least=0)
+    """torch CPU threads during the warm start alone (0: as --threads). Before v0 volunteers
+    have nothing to sample: `vrl demo` gives the warm start every core, RL --threads 1."""
     seed: int = setting(0, at_least=0)
     """Seeds model init, the warm start, batch order and the curriculum's pools."""
     curriculum: bool = True
     """Fill each version's prompt pool where groups are likely to have reward variance, by
-    difficulty stratum, skipping most prompts whose last group was all right or all wrong
-    (task/curriculum.py); off: uniformly at random."""
+    difficulty stratum, skipping most prompts whose last group was all right or all wrong;
+    off: uniformly at random."""
     prompt_pool: int = setting(256, at_least=1, at_most=4096)
-    """Prompts in each version's pool (the manifest's `prompt_pool`, at most its MAX_POOL):
+    """Prompts in each version's pool (the manifest's `prompt_pool`, at most 4,096):
     volunteers' groups are drawn from it by group number. Large enough that the
     groups of one version rarely share a prompt."""
     max_steps: int = setting(0, at_least=0)
@@ -177,8 +249,8 @@ class TrainerConfig(Checked):
     """Seconds between bucket listings while waiting for rollouts (one LIST per window
     version)."""
     threads: int = setting(0, at_least=0)
-    """torch CPU threads of the whole process, from its start: model build, warm start and RL
-    (0: torch's default, one per core)."""
+    """torch CPU threads of the whole process, from its start: model build, warm start (unless
+    --warm-start-threads) and RL (0: torch's default, one per core)."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
     rank_timeout: float = setting(600.0, above=0)
@@ -186,9 +258,13 @@ class TrainerConfig(Checked):
     collective after that, before it fails with an error instead of hanging. The other ranks
     wait in a collective while the writer (rank 0) warm-starts, publishes, evaluates or reads
     shards, so it must cover the longest of those. A single process ignores it."""
-    work_dir: str = ".vrl/trainer"
-    """Local scratch folder: checkpoint staging, and in its state/ the optimizer between
-    publishes."""
+    work_dir: str | None = None
+    """Local folder of this trainer's state: its signing key, the optimizer between publishes
+    (state/) and checkpoint staging (default: trainer/<bucket>-<hash> in the per-user state
+    folder, $XDG_STATE_HOME/vrl or ~/.local/state/vrl on Linux, ~/Library/Application
+    Support/vrl on macOS, %LOCALAPPDATA%\\vrl on Windows): one per bucket, so a trainer
+    restarted from any folder finds the same key and state. Under torchrun on several nodes
+    give one folder they all share."""
     micro_batch: int = setting(256, at_least=1)
     """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
     weights_dtype: str = setting("fp32", one_of=WEIGHTS_DTYPES)
@@ -230,9 +306,24 @@ class TrainerConfig(Checked):
     `vrl dashboard` does the same by hand). Step metrics record it as `time/dashboard`."""
     log_shards: bool = False
     """Log one line per shard taken (usable, zero-variance, duplicate groups)."""
+    log_level: str = setting("info", one_of=LOG_LEVELS)
+    """Log lines of this level and above: `debug`, `info` (steps, publishes, status lines),
+    `warning` or `error` (the lines that start with `warning:` or `error:`). Under torchrun
+    each rank's lines start with `[rank R]`."""
+    report_to: str = setting("none", list_of=REPORT_TO)
+    """Also report every metrics line to `tensorboard`, `wandb`, both (`tensorboard,wandb`)
+    or `none`, as the Hugging Face trainers' report_to does. The same names and values as
+    metrics/ in the bucket (the numbers only), at the step they belong to; rank 0 alone
+    reports. tensorboard: event files under --logging-dir (pip install
+    tensorboard); wandb: Weights & Biases in offline mode, where it is
+    installed (`wandb sync` uploads the run later)."""
+    logging_dir: str | None = None
+    """Folder of the --report-to files (default: <work_dir>/runs/<run id>)."""
     signing_key: str | None = None
-    """The trainer's Ed25519 private key (PEM) that signs every manifest, created if missing
-    (default: <work_dir>/signing-key.pem). Keep it on this host, never in the bucket."""
+    """The trainer's Ed25519 private key (PEM) that signs every manifest (default:
+    <work_dir>/signing-key.pem). Created if missing only while the bucket has no signed
+    manifest: a bucket that has a run is resumed only with the key that signed it. Keep it on
+    this host, never in the bucket."""
     allow_unsigned: bool = False
     """Resume a bucket whose manifest is unsigned (written by a trainer from before signing)."""
     # -- balance (trainer/balance.py) --
@@ -241,6 +332,11 @@ class TrainerConfig(Checked):
     no quota, volunteers sample until the next version). The manifest's `quota`: groups per
     step, less the usable groups in hand, over the share of groups received that are usable
     and over the volunteers sending them (trainer/balance.py)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.work_dir is None:  # resolved once, so every part of the trainer sees one folder
+            self.work_dir = str(default_work_dir("trainer", self.bucket))
 
     def with_task_defaults(self, task) -> "TrainerConfig":
         """These settings with each one left unset (k, max_new_tokens) taken from the task's
@@ -257,8 +353,7 @@ class VolunteerConfig(Checked):
     """S3-compatible endpoint, as for the trainer."""
     volunteer_id: str | None = None
     """Volunteer id, the name in object keys (default: the one this --work-dir saved, else a
-    new one, the sanitized hostname plus a random suffix, saved there for the next start;
-    volunteer/identity.py)."""
+    new one, the sanitized hostname plus a random suffix, saved there for the next start)."""
     prompts_per_batch: int = setting(0, at_least=0)
     """Prompts sampled per generate round, K completions each, in batched calls of at most 256
     completions (0: auto, 32 for a model under 5 M parameters, 16 for bigger ones, whose rows'
@@ -284,25 +379,32 @@ class VolunteerConfig(Checked):
     """Stop after this many seconds (0: until Ctrl-C or SIGTERM)."""
     log_shards: bool = False
     """Log one line per shard uploaded (its key, groups, mean reward). Without it a volunteer
-    logs one summary line per progress.STATUS_SECONDS."""
+    logs one summary line every 10 s."""
+    log_level: str = setting("info", one_of=LOG_LEVELS)
+    """Log lines of this level and above: `debug`, `info` (uploads, versions, status lines),
+    `warning` or `error` (the lines that start with `warning:` or `error:`)."""
     threads: int = setting(0, at_least=0)
     """torch CPU threads of the whole process, from its start: loading and sampling (0: auto,
     torch's default while loading, then for sampling one thread for a model of under 5 M
-    parameters on the CPU and torch's default otherwise; see devices.sampling_threads)."""
+    parameters on the CPU and torch's default otherwise)."""
     nice: int = setting(10, at_least=0, at_most=19)
     """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.
     On one machine shared with a trainer it also leaves the trainer, the bottleneck, its core."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
-    work_dir: str = ".vrl/volunteer"
-    """Local cache for the dataset and checkpoints."""
-    seed: int | None = setting(None, at_least=0)
-    """Accepted and unused since schema 6, so older command lines still run: a volunteer
-    makes no random choice. Its prompts are drawn from the manifest's pool by group number
-    and its sampling noise is committed (protocol.draws)."""
+    work_dir: str | None = None
+    """Local folder of this volunteer's state: its saved ids, pinned keys, group numbers, the
+    cached dataset and checkpoints (default: volunteer/<bucket>-<hash> in the per-user state
+    folder, $XDG_STATE_HOME/vrl or ~/.local/state/vrl on Linux). One per bucket, as for the
+    trainer, so a volunteer restarted from any folder comes back with the same id."""
     trust_key: str | None = None
     """The trainer's public key (`ed25519:...` or a file holding it); without it the key of the
     first manifest seen is trusted and pinned for this bucket, in <work_dir>/trusted-keys.json."""
     allow_unsigned: bool = False
     """Accept manifests with no signature (an older trainer); signed ones are still checked."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.work_dir is None:
+            self.work_dir = str(default_work_dir("volunteer", self.bucket))

@@ -20,8 +20,49 @@ in silence, rarely enough that a log stays readable (a volunteer uploads about 7
 second on the demo's machine; one line per shard buried everything else)."""
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""--log-level's values, least severe first. A line's level is how it starts (`level_of`):
+every message of vrl that is a warning or an error says so in its first word."""
+
+
+def level_of(line: str) -> str:
+    """`error: ...` is an error, `warning: ...` a warning, `debug: ...` debug, the rest info
+    (a step, a publish, a status line)."""
+    for level in ("error", "warning", "debug"):
+        if line.startswith(level + ":"):
+            return level
+    return "info"
+
+
+class Log:
+    """How a command logs (the `log` the library takes): stdout, flushed at once, so a parent
+    process (the demo, a test) sees each line as it happens. Lines below `level` are dropped.
+    Under torchrun every line of a rank starts with `[rank R] ` (`prefix`): torchrun merges
+    the ranks' output into one stream, and a follower's lines (its share of the shards, its
+    warnings) are its own, not repeats of the writer's, so they are kept and named."""
+
+    def __init__(self, level: str = "info", prefix: str = ""):
+        self.level, self.prefix = level, prefix
+
+    def shows(self, level: str) -> bool:
+        return LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.level)
+
+    def __call__(self, line: str) -> None:
+        if self.shows(level_of(line)):
+            # One write per line, its newline included: torchrun's ranks share one stdout,
+            # and print's two writes (text, then newline) let another rank's line in between.
+            sys.stdout.write("".join(self.prefix + part + "\n" for part in line.split("\n")))
+            sys.stdout.flush()
+
+
+LOG = Log()
+"""This process's log: `vrl trainer` and `vrl volunteer` set its level from --log-level, a
+trainer rank under torchrun its prefix (trainer.loop)."""
+
+
 def interactive() -> bool:
-    return sys.stderr.isatty()
+    """A rich bar is drawn on a terminal, unless the log level hides info lines."""
+    return sys.stderr.isatty() and LOG.shows("info")
 
 
 class Every:

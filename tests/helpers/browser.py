@@ -2,7 +2,9 @@
 
 The bucket is served as a static website, as people would serve it; a small checker page on
 the same origin loads dashboard/index.html in a frame and, once the frame has loaded (with
-its images), writes what it found as JSON into its own DOM, which `--dump-dom` prints.
+its images, and the page's own script has run), writes what it found as JSON into its own
+DOM, which `--dump-dom` prints: the images, the fleet table's ids and `seen` cells, whether
+the page reloads itself, and its text as shown.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ document.getElementById('f').onload = function () {
   const images = [...d.images].map(i => ({src: i.getAttribute('src'),
                                           loaded: i.complete && i.naturalWidth > 0}));
   const volunteers = [...d.querySelectorAll('table tr')].slice(1).map(r => r.cells[0].textContent);
-  document.getElementById('out').textContent = JSON.stringify({images, volunteers});
+  const refresh = d.querySelector('meta[http-equiv="refresh"]') !== null;
+  const seen = [...d.querySelectorAll('table tr')].slice(1).map(r => r.cells[2].textContent);
+  const text = d.body.innerText;  // as shown: hidden elements left out, the script's ages in
+  document.getElementById('out').textContent = JSON.stringify({images, volunteers, refresh, seen, text});
 };
 </script></body></html>"""
 
@@ -60,8 +65,8 @@ def _chromium(profile: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def inspect_dashboard(bucket: Path, work: Path, screenshot: Path) -> dict:
-    """{'images': [{src, loaded}], 'volunteers': [...]} as Chromium saw the page; also
-    saves a screenshot of it."""
+    """{'images': [{src, loaded}], 'volunteers': [...], 'seen': [...], 'refresh': bool,
+    'text': str} as Chromium saw the page; also saves a screenshot of it."""
     server, base = serve(bucket)
     try:
         out = _chromium(work / "profile", "--virtual-time-budget=15000", "--dump-dom",

@@ -21,9 +21,10 @@ def stand_ins(monkeypatch) -> list:
     seen: list = []
 
     class Trainer:
-        def __init__(self, cfg, log, stop):
+        def __init__(self, cfg, log, stop, inputs=None):
             seen.append(cfg)
             self.manifest = types.SimpleNamespace(version=3)
+            self.ranks = types.SimpleNamespace(is_writer=True)  # a single process
 
         def start(self):
             pass

@@ -42,6 +42,12 @@ def test_a_default_run_writes_the_dashboard(template, tmp_path):
     assert log.count("wrote dashboard/ in ") == 1
     steps = step_lines(bucket)
     assert len(steps) == 2 and all(0 <= m["time/dashboard"] < 0.1 for m in steps)
+    # The trainer stopped (--max-steps): its last fleet.json says so and that it ran as one
+    # process; the page says so, no longer reloads and claims no rank count (issue 39).
+    trainer = json.loads((bucket / layout.FLEET).read_text())["trainer"]
+    assert trainer["ranks"] == 1 and trainer["stopped_at"] is not None
+    assert "The trainer stopped at" in page and 'http-equiv="refresh"' not in page
+    assert "ranks" not in page and f"reward {steps[-1]['rollout/reward_mean']:.3f} (step 2)" in page
 
 
 def test_dashboard_every_0_writes_none(template, tmp_path):

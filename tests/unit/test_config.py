@@ -59,6 +59,9 @@ RULES = [
     (T, "eval_every", -1, "--eval-every: must be at least 0, not -1", 0),
     (T, "eval_prompts", 0, "--eval-prompts: must be at least 1, not 0", 1),
     (T, "warm_start_steps", -1, "--warm-start-steps: must be at least 0, not -1", 0),
+    (T, "warm_start_max_passes", -1.0, "--warm-start-max-passes: must be at least 0, not -1.0",
+     0.0),
+    (T, "warm_start_threads", -1, "--warm-start-threads: must be at least 0, not -1", 0),
     (T, "seed", -1, "--seed: must be at least 0, not -1", 0),
     (T, "max_steps", -5, "--max-steps: must be at least 0, not -5", 0),
     (T, "max_seconds", -1.0, "--max-seconds: must be at least 0, not -1.0", 0.0),
@@ -76,10 +79,17 @@ RULES = [
      0.0),
     (V, "max_seconds", -1.0, "--max-seconds: must be at least 0, not -1.0", 0.0),
     (V, "threads", -1, "--threads: must be at least 0, not -1", 0),
-    (V, "seed", -1, "--seed: must be at least 0, not -1", None),
+    # issue 39: log levels and report_to
+    (T, "log_level", "loud", "--log-level: use debug or info or warning or error, not 'loud'",
+     "error"),
+    (V, "log_level", "INFO", "--log-level: use debug or info or warning or error, not 'INFO'",
+     "debug"),
+    (T, "report_to", "tensorboard,mlflow", "--report-to: use none or a comma-separated list "
+     "of tensorboard, wandb, not 'tensorboard,mlflow'", "tensorboard,wandb"),
     (D, "volunteers", 0, "--volunteers: must be at least 1, not 0", 1),
     (D, "rl_seconds", -5.0, "--rl-seconds: must be more than 0, not -5.0", 0.5),
     (D, "threads", -1, "--threads: must be at least 0, not -1", 0),
+    (D, "warm_start_threads", -1, "--warm-start-threads: must be at least 0, not -1", 0),
     (D, "groups_per_version", -1, "--groups-per-version: must be at least 0, not -1", 0),
 ]
 
@@ -140,7 +150,8 @@ SHARED = {"bucket", "endpoint_url", "device"}  # one option on every command, fr
 @pytest.mark.parametrize("command,cls", [("trainer", T), ("volunteer", V)])
 def test_defaults_and_help_shown_in_help_are_the_dataclass_defaults(command, cls):
     click_command = typer.main.get_command(app).commands[command]
-    params = {p.name: p for p in click_command.params if p.name not in ("ctx", "config")}
+    params = {p.name: p for p in click_command.params
+              if p.name not in ("ctx", "config") and not p.hidden}  # hidden: the volunteer's --seed
     assert set(params) == {f.name for f in fields(cls)} - NOT_FLAGS[cls]
     for f in fields(cls):
         if f.name not in params:

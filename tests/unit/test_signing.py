@@ -177,15 +177,17 @@ def test_trust_key_from_text_or_file(tmp_path):
 
 def test_trainer_refuses_a_signing_key_inside_a_folder_bucket(tmp_path):
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.trainer.publish import TrainerError, signing_key
+    from volunteer_rl.trainer.preflight import TrainerError, signing_key_path
+    from volunteer_rl.trainer.publish import signing_key
 
     bucket = str((tmp_path / "bucket").resolve())
     cfg = TrainerConfig(bucket=bucket, signing_key=str(tmp_path / "bucket" / "keys" / "k.pem"))
     with pytest.raises(TrainerError, match="inside the bucket folder"):
-        signing_key(cfg, bucket, print)
+        signing_key_path(cfg)
     assert not (tmp_path / "bucket").exists()
     cfg.signing_key = str(tmp_path / "k.pem")
-    assert public_key_text(signing_key(cfg, bucket, print))
+    key, _ = signing_key(cfg, open_storage("memory://no-run-yet"), print)
+    assert public_key_text(key)
 
 
 # --- trust on first use ------------------------------------------------------------------------

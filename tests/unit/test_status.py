@@ -214,7 +214,8 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     clock[0] += 5
     summary.after_publish(manifest(7), 12, [], fleet)
     doc = json.loads(s.read(layout.FLEET))
-    assert doc["trainer"] == {"version": 7, "step": 12, "max_staleness": 2}
+    assert doc["trainer"] == {"version": 7, "step": 12, "max_staleness": 2, "ranks": 1,
+                              "stopped_at": None}
     assert doc["volunteers"]["a"] == {"accepted_shards": 3, "rejected_shards": 1, "audited_shards": 0,
                                       "groups_numbered": 0, "groups_missing": 0,
                                       "next_group_number": 0, "groups_trained": 8,
@@ -297,5 +298,122 @@ def test_missing_group_numbers_show_in_status_and_on_the_dashboard():
     assert (row["groups_missing"], row["groups_missing_rate"]) == (10, 0.25)
     assert "<td>25% (10)</td>" in fleet_rows_html(status)
     console = Console(width=120, record=True)
-    console.print(volunteer_table(status))
+    console.print(volunteer_table(status, 120)[0])
     assert "25%" in console.export_text()
+
+
+# --- the trainer stopped, its ranks, the newest reward (issue 39) -----------------------------
+
+def text_at(doc: dict, width: int) -> str:
+    from rich.console import Console
+
+    console = Console(record=True, width=width)
+    console.print(render(doc))
+    return console.export_text()
+
+
+def test_the_trainers_last_write_says_it_stopped_and_how_many_ranks_it_ran_as():
+    s = open_storage("memory://summary-stop")
+    clock = [NOW]
+    summary = FleetSummary(s, print, clock=lambda: clock[0], ranks=2)
+    summary.after_publish(manifest(5), 10, [], Fleet())
+    assert json.loads(s.read(layout.FLEET))["trainer"] == {
+        "version": 5, "step": 10, "max_staleness": 2, "ranks": 2, "stopped_at": None}
+    clock[0] += 1
+    summary.after_publish(manifest(6), 11, [], Fleet(), final=True)  # not due, but the last
+    assert json.loads(s.read(layout.FLEET))["trainer"]["stopped_at"] == NOW + 1
+
+
+def test_status_says_when_the_trainer_stopped_and_its_ranks():
+    from volunteer_rl.observe.status import utc_clock
+
+    trainer = {"version": 42, "step": 84, "max_staleness": 2, "ranks": 2, "stopped_at": NOW - 1200}
+    summary = {"run_id": "r1", "trainer": trainer}
+    m = manifest(42)
+    doc = build_status("/b", m, {}, summary, [], [], NOW)
+    assert (doc["trainer"]["stopped_at"], doc["trainer"]["ranks"]) == (NOW - 1200, 2)
+    text = text_at(doc, 200)
+    assert f"stopped {utc_clock(NOW - 1200, NOW)} (20m ago)" in text and ", 2 ranks" in text
+    # A manifest that old would be flagged OLD; the trainer's own word replaces the guess.
+    old = build_status("/b", manifest(42).__class__(**{**m.__dict__, "created_at": NOW - 3600}),
+                       {}, summary, [], [], NOW)
+    assert old["trainer"]["manifest_old"] and "OLD" not in text_at(old, 200)
+    # A version published after the stop (a restarted trainer) or another run's file: running.
+    for later in (build_status("/b", manifest(43), {}, summary, [], [], NOW),
+                  build_status("/b", manifest(42, run_id="r2"), {}, summary, [], [], NOW)):
+        assert later["trainer"]["stopped_at"] is None and "stopped" not in text_at(later, 200)
+    # One process, an older fleet.json or nonsense: no ranks said.
+    for ranks in (1, None, "2", 0, -3, 2.5, 10 ** 30, True):
+        doc = build_status("/b", m, {}, {"trainer": {"ranks": ranks}}, [], [], NOW)
+        assert doc["trainer"]["ranks"] in (1, None) and "ranks" not in text_at(doc, 200)
+
+
+def test_the_reward_is_the_newest_steps_of_metrics_and_fleet_json():
+    """fleet.json can be newer than the metrics read (they go up after it): the reward shown
+    is the highest step's, whichever source has it, and names that step."""
+    rows = [{"kind": "step", "step": n, "version": n, "rollout/reward_mean": n / 10} for n in (3, 1, 2)]
+    newer = {"last_step": {"step": 4, "version": 4, "reward_mean": 0.4}}
+    doc = build_status("/b", manifest(), {}, newer, [], parse_lines(rows), NOW)
+    assert (doc["trainer"]["reward_mean"], doc["trainer"]["reward_step"]) == (0.4, 4)
+    older = {"last_step": {"step": 2, "version": 2, "reward_mean": 0.9}}
+    doc = build_status("/b", manifest(), {}, older, [], parse_lines(rows + rows), NOW)
+    assert (doc["trainer"]["reward_mean"], doc["trainer"]["reward_step"]) == (0.3, 3)
+    assert [r["step"] for r in doc["trainer"]["rewards"]] == [1, 2, 3]  # each step once
+
+
+# --- `vrl status` at 80 columns and piped ------------------------------------------------------
+
+def narrow_bucket(root) -> str:
+    import dataclasses
+    import time
+
+    now = time.time()  # `vrl status` judges with the real clock
+    s = open_storage(str(root))
+    s.write(layout.MANIFEST, dataclasses.replace(manifest(), created_at=now - 3).to_json())
+    evals = [{"version": v, "accuracy_sampled": 0.3 + v / 1000, "accuracy_greedy": 0.4}
+             for v in range(0, 42, 6)]
+    volunteers = {"alice-laptop": {"accepted_shards": 1090, "rejected_shards": 1,
+                                   "groups_trained": 109000, "groups_numbered": 200000,
+                                   "groups_missing": 3, "audited_shards": 100},
+                  "a-volunteer-with-a-long-id": {"accepted_shards": 2, "rejected_shards": 0}}
+    balance = {"window_seconds": 60, "groups_received": 1990, "groups_trained": 1234,
+               "useful_fraction": 0.62, "usable_fraction": 0.7,
+               "quota": {"groups": 40, "wait_seconds": 2}}
+    s.write(layout.FLEET, json.dumps({"run_id": "r1", "evals": evals, "balance": balance,
+                                      "trainer": {"version": 42, "step": 84, "ranks": 2},
+                                      "volunteers": volunteers}).encode())
+    s.write(layout.heartbeat_key("alice-laptop"), json.dumps(beat(
+        updated_at=now - 1, completions_total=109234.0, host={"device": "cuda:0 NVIDIA H100"})).encode())
+    s.write(layout.heartbeat_key("a-volunteer-with-a-long-id"), json.dumps(beat(
+        updated_at=now - 100, completions_total=5e6)).encode())
+    return str(root)
+
+
+@pytest.mark.parametrize("env", [{"COLUMNS": "80"}, {"COLUMNS": None}], ids=["80 columns", "piped"])
+def test_vrl_status_at_80_columns_or_piped_shows_fewer_columns_each_whole(tmp_path, env):
+    """Issue 39: every column was cut to an ellipsis (`s…`, `vers…`, `109,…`). Now the table
+    drops columns (README: device first) and shows the rest whole; the lines above it break
+    between their parts, and the held-out line keeps the newest evaluations that fit."""
+    from typer.testing import CliRunner
+
+    from volunteer_rl_cli.main import app
+
+    r = CliRunner().invoke(app, ["status", "--bucket", narrow_bucket(tmp_path)], env=env)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert "…" not in r.stdout and all(len(line.rstrip()) <= 80 for line in lines), r.stdout
+    header = next(line for line in lines if line.startswith("volunteer ")).split()
+    assert header == ["volunteer", "state", "seen", "version", "/min", "accepted", "trained",
+                      "useful"], r.stdout
+    alice = next(line for line in lines if line.startswith("alice-laptop ")).split()
+    assert alice[:2] + alice[3:] == ["alice-laptop", "producing", "v40", "-2", "120", "100%", "of",
+                                     "1091", "109,000", "-"] and alice[2].endswith("s"), r.stdout
+    assert "left out at 80 columns: made, audited, missing, device (--json has every field)" in r.stdout
+    (held,) = [i for i, line in enumerate(lines) if line.startswith("held-out accuracy")]
+    assert lines[held].endswith("v36 33.6% (40.0% greedy)") and lines[held + 1].startswith("useful:")
+    assert "2 ranks" in r.stdout
+
+    wide = CliRunner().invoke(app, ["status", "--bucket", str(tmp_path)], env={"COLUMNS": "250"})
+    header = next(line for line in wide.stdout.splitlines() if line.startswith("volunteer ")).split()
+    assert header[-1] == "device" and len(header) == 12 and "left out" not in wide.stdout
+    assert "a-volunteer-with-a-long-id" in wide.stdout and "cuda:0 NVIDIA H100" in wide.stdout

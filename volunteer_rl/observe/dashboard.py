@@ -1,9 +1,17 @@
 """A static dashboard in the bucket: `dashboard/index.html` and four PNG plots.
 
-It opens straight from a folder bucket (relative links only, no script, no server) and from
-any bucket served as a static site. Plots: held-out accuracy and reward against version and
+It opens straight from a folder bucket (relative links only, no server) and from any bucket
+served as a static site. Plots: held-out accuracy (percent) and reward against version and
 wall time, fleet throughput (trained groups per minute, per volunteer), and the staleness of
-trained groups. The fleet table is `vrl status`'s document rendered as HTML, under the
+trained groups.
+
+The page is a snapshot and says so: the time it was written, every time on it as a UTC clock
+time, and one small inline script (AGES_SCRIPT, numbers only) that adds each one's age at the
+time the page is viewed and, while the trainer has not said it stopped, warns once no version
+was published for OLD_MANIFEST_SECONDS. Once fleet.json says the trainer stopped (its last
+write), the page says when, and no longer reloads itself. Its reward is `vrl status`'s
+(status.latest_step, with the publish's metrics that are not in the bucket yet), the step the
+reward plot ends on. The fleet table is `vrl status`'s document rendered as HTML, under the
 fleet's balance (the share of the groups received in the last minute that were trained, and
 the quota asked of each volunteer).
 
@@ -26,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from volunteer_rl.observe.status import READ_WORKERS, balance_line, read_status
+from volunteer_rl.observe.status import READ_WORKERS, balance_line, ranks_text, read_status, utc_clock
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import OLD_MANIFEST_SECONDS
 from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord, read_metrics
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.storage.base import Storage
@@ -109,14 +118,22 @@ def _start(history: History) -> float:
     return min(times) if times else 0.0
 
 
-def _pair(history_rows: list[dict], t0: float, series: dict[str, str], title: str, ylabel: str) -> bytes:
-    """Two panels: the series against version (left) and against wall time (right)."""
+def plotted(rows: list[dict], key: str) -> list[dict]:
+    """The rows a plot of `key` draws, in order: those with a value and a time."""
+    return [r for r in rows if r.get(key) is not None and r.get("time")]
+
+
+def _pair(history_rows: list[dict], t0: float, series: dict[str, str], title: str, ylabel: str,
+          scale: float = 1.0):
+    """Two panels: the series (times `scale`) against version (left) and against wall time
+    (right)."""
     fig = _figure(title)
     by_version, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for key, label in series.items():
-        rows = [r for r in history_rows if r.get(key) is not None and r.get("time")]
-        by_version.plot([r["version"] for r in rows], [r[key] for r in rows], label=label, marker=".")
-        by_time.plot(_minutes([r["time"] for r in rows], t0), [r[key] for r in rows], label=label, marker=".")
+        rows = plotted(history_rows, key)
+        values = [r[key] * scale for r in rows]
+        by_version.plot([r["version"] for r in rows], values, label=label, marker=".")
+        by_time.plot(_minutes([r["time"] for r in rows], t0), values, label=label, marker=".")
     by_version.set_xlabel("version")
     by_time.set_xlabel("minutes since the first record")
     for ax in (by_version, by_time):
@@ -124,17 +141,27 @@ def _pair(history_rows: list[dict], t0: float, series: dict[str, str], title: st
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend()
-    return _png(fig)
+    return fig
+
+
+def accuracy_figure(history: History):
+    """Held-out accuracy in percent (0-100, ticks `40%`), as the page's text gives it."""
+    from matplotlib.ticker import PercentFormatter
+
+    fig = _pair(history.evals, _start(history), {"sampled": "sampled", "greedy": "greedy"},
+                "held-out accuracy", "accuracy (%)", scale=100.0)
+    for ax in fig.axes:
+        ax.yaxis.set_major_formatter(PercentFormatter(100, decimals=0))
+    return fig
 
 
 def accuracy_plot(history: History) -> bytes:
-    return _pair(history.evals, _start(history), {"sampled": "sampled", "greedy": "greedy"},
-                 "held-out accuracy", "accuracy")
+    return _png(accuracy_figure(history))
 
 
 def reward_plot(history: History) -> bytes:
-    return _pair(history.steps, _start(history), {"reward": "reward mean"},
-                 "reward of the trained groups", "reward")
+    return _png(_pair(history.steps, _start(history), {"reward": "reward mean"},
+                      "reward of the trained groups", "reward"))
 
 
 def bin_seconds(history: History) -> float:
@@ -211,38 +238,88 @@ def _missing(row: dict) -> str | None:
     return None if rate is None else f"{rate:.0%} ({n:,})"
 
 
+def _when(t: float, now: float, text: str | None = None) -> str:
+    """A time on the page: its UTC clock time (or `text`), to which AGES_SCRIPT adds its age
+    when the page is viewed. Numbers only go into the attribute."""
+    return f'<time data-t="{t:.3f}">{html.escape(text or utc_clock(t, now))}</time>'
+
+
 def fleet_rows_html(status: dict) -> str:
     rows = []
     for r in status["volunteers"]:
         rate = r["completions_per_minute"] if r["state"] != "offline" else None
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         seen = r["seconds_since_heartbeat"]
-        cells = [r["id"], r["state"] + (" (denied)" if r["denied"] else ""),
-                 "-" if seen is None else f"{seen:.0f}s ago",
-                 None if r["version"] is None else f"v{r['version']}", r["version_lag"],
-                 None if rate is None else f"{rate:,.0f}", r["completions_total"] and f"{r['completions_total']:,.0f}",
-                 f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} ({acc})",
-                 _missing(r), r["groups_trained"],
-                 None if r["useful_fraction"] is None else f"{r['useful_fraction']:.0%}",
-                 (r["host"] or {}).get("device")]
+        cells = [_cell(c) for c in (r["id"], r["state"] + (" (denied)" if r["denied"] else ""))]
+        cells.append("-" if seen is None else _when(status["time"] - seen, status["time"]))
+        cells += [_cell(c) for c in (
+            None if r["version"] is None else f"v{r['version']}", r["version_lag"],
+            None if rate is None else f"{rate:,.0f}", r["completions_total"] and f"{r['completions_total']:,.0f}",
+            f"{r['accepted_shards']}/{r['accepted_shards'] + r['rejected_shards']} ({acc})",
+            _missing(r), r["groups_trained"],
+            None if r["useful_fraction"] is None else f"{r['useful_fraction']:.0%}",
+            (r["host"] or {}).get("device"))]
         rows.append(f'<tr class="{html.escape(r["state"])}">' +
-                    "".join(f"<td>{_cell(c)}</td>" for c in cells) + "</tr>")
+                    "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return "\n".join(rows)
 
 
+AGES_SCRIPT = """<script>
+// Ages at the time the page is viewed: each <time data-t> gets "(N ago)" after its UTC clock
+// time, and #old shows once the last publish is older than its data-after seconds.
+(function () {
+  var now = Date.now() / 1000;
+  function ago(s) {
+    s = Math.max(0, s);
+    return s < 120 ? Math.round(s) + "s ago" : s < 7200 ? Math.round(s / 60) + "m ago"
+      : (s / 3600).toFixed(1) + "h ago";
+  }
+  document.querySelectorAll("time[data-t]").forEach(function (e) {
+    e.textContent += " (" + ago(now - Number(e.dataset.t)) + ")";
+  });
+  var old = document.getElementById("old");
+  if (old && now - Number(old.dataset.published) > Number(old.dataset.after)) old.hidden = false;
+})();
+</script>"""
+
+
+def when_html(status: dict, now: float) -> str:
+    """What the page is a snapshot of: the run stopped at T (it no longer reloads), or the
+    time it was written, reloading every REFRESH_SECONDS, with the warning AGES_SCRIPT shows
+    once no version was published for OLD_MANIFEST_SECONDS."""
+    t = status["trainer"]
+    at = t.get("published_at")
+    if at is None:
+        return f'<p class="when">A snapshot written at {_when(now, now)}.</p>'
+    published = _when(at, now)
+    if t.get("stopped_at") is not None:
+        return (f'<p class="when"><strong>The trainer stopped at {_when(t["stopped_at"], now)}'
+                f"</strong>, after publishing version {t['version']} at {published}. This page "
+                f"was written at {_when(now, now)} and no longer reloads.</p>")
+    hidden = "" if t.get("manifest_old") else " hidden"
+    return (f'<p class="when">A snapshot written at {_when(now, now)}; version {t["version"]} '
+            f"published at {published}. It reloads every {REFRESH_SECONDS} s while the trainer "
+            f'rewrites it. <strong id="old"{hidden} data-published="{at:.3f}" '
+            f'data-after="{OLD_MANIFEST_SECONDS}">No version published for over '
+            f"{OLD_MANIFEST_SECONDS / 60:.0f} min: is the trainer running?</strong></p>")
+
+
 def index_html(status: dict, now: float) -> str:
-    """The page: trainer line, fleet table, the four plots (relative links)."""
+    """The page: what it is a snapshot of, the trainer line, fleet table, the four plots
+    (relative links)."""
     t = status["trainer"]
     evals = t["evals"]
     last_eval = (f"v{evals[-1]['version']}: sampled {evals[-1].get('accuracy_sampled') or 0:.1%}, "
                  f"greedy {evals[-1].get('accuracy_greedy') or 0:.1%}") if evals else "none yet"
-    reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f}"
-    head = ("volunteer", "state", "seen", "version", "lag", "compl/min", "completions",
+    reward = "-" if t["reward_mean"] is None else f"{t['reward_mean']:.3f} (step {t['reward_step']})"
+    ranks = f"; trained as {ranks_text(t)} (torchrun)" if ranks_text(t) else ""
+    head = ("volunteer", "state", "seen (UTC)", "version", "lag", "compl/min", "completions",
             "accepted shards", "groups missing", "groups trained", "useful (last min)", "device")
     plots = "\n".join(f'<img src="{plot_file(p)}" alt="{p}">' for p in PLOTS)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
+    refresh = ("" if t.get("stopped_at") is not None
+               else f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">')
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_SECONDS}">
+<html><head><meta charset="utf-8">{refresh}
 <title>vrl {html.escape(printable(t['run_id']))} v{t['version']}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1.5em; }} table {{ border-collapse: collapse; }}
@@ -250,17 +327,20 @@ td, th {{ padding: 0.2em 0.7em; text-align: right; border-bottom: 1px solid #ddd
 td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; display: block; margin: 1em 0; }}
 .producing td:nth-child(2) {{ color: green; }} .idle td:nth-child(2) {{ color: #b58900; }}
 .stale-version td:nth-child(2) {{ color: purple; }} .offline td:nth-child(2) {{ color: #c00; }}
+#old {{ color: #c00; }}
 </style></head><body>
 <h1>run {html.escape(printable(t['run_id']))}: version {t['version']}</h1>
-<p>step {t['step']}, staleness window {t['max_staleness']}, reward {reward}; last held-out
-evaluation {html.escape(last_eval)}. Written {stamp}; reloads every {REFRESH_SECONDS} s.</p>
+{when_html(status, now)}
+<p>step {t['step']}, staleness window {t['max_staleness']}, reward {reward}{ranks}; last held-out
+evaluation {html.escape(last_eval)}.</p>
 <p>{html.escape(balance_line(status["balance"]))}.</p>
-<h2>fleet</h2>
+<h2>fleet as of {html.escape(utc_clock(status["time"], now))}</h2>
 <table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
 {fleet_rows_html(status)}
 </table>
 <h2>plots</h2>
 {plots}
+{AGES_SCRIPT}
 </body></html>
 """
 
@@ -274,9 +354,10 @@ def render_dashboard(history: History, status: dict, now: float) -> dict[str, by
     return out
 
 
-def write_dashboard(storage: Storage, history: History) -> list[str]:
-    """Render and upload, plots first, the page last. Returns the keys written."""
-    objects = render_dashboard(history, read_status(storage), time.time())
+def write_dashboard(storage: Storage, history: History, pending: list[Record] = ()) -> list[str]:
+    """Render and upload, plots first, the page last. Returns the keys written. `pending`:
+    metric records in `history` but not in the bucket yet (the trainer's, at a publish)."""
+    objects = render_dashboard(history, read_status(storage, pending=pending), time.time())
     for key, data in objects.items():
         storage.write(key, data)
     return list(objects)
@@ -328,7 +409,7 @@ class TrainerDashboard:
                 history = read_history(self.storage)
                 history.add(records)
                 self.history = history
-            write_dashboard(self.storage, self.history)
+            write_dashboard(self.storage, self.history, records)
         except Exception as exc:  # plots are for people: never stop training for them
             if not self.failing:
                 self.log(f"warning: {layout.DASHBOARD}/ not written ({type(exc).__name__}: {exc})")

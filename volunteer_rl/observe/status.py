@@ -5,24 +5,11 @@ that prefix, at most MAX_VOLUNTEERS objects), the trainer's `fleet.json` and `ma
 and the metrics objects of the newest METRICS_VERSIONS versions (read by key, never listed).
 
 The logic is pure: `classify` judges one heartbeat against a clock, `build_status` joins
-everything into one JSON-able document, `render` turns that into rich tables. `read_status`
-is the only function that touches the bucket.
+everything into one JSON-able document, `render` turns that into rich tables fitted to the
+width they are printed at (observe.fit). `read_status` is the only function that touches the
+bucket.
 
-A heartbeat names the version in use when it was written, up to a period ago; a trainer
-publishing several versions a second has moved on since. So the lag is taken against the
-trainer's version *at the heartbeat's time*, read off fleet.json's timeline (and the manifest),
-never against the version now.
-
-States, judged with the reader's clock (keep clocks NTP-synced):
-- `offline`: no heartbeat for more than OFFLINE_PERIODS of the period the volunteer itself
-  reports, or its last heartbeat says `stopped`;
-- `stale-version`: alive, but the version it reports was out of the trainer's staleness window
-  when the heartbeat was written (or of another run), and the trainer has not trained on its
-  groups lately: what it makes would be dropped;
-- `producing`: alive and it made completions in the last minute;
-- `idle`: alive and it made none (waiting for a version, at its quota, ...: its heartbeat's
-  `waiting` says why);
-- `unknown`: the trainer has shards from it but there is no heartbeat (an older build).
+States are judged in observe.states (its module doc says how).
 """
 
 from __future__ import annotations
@@ -32,6 +19,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
+from volunteer_rl.observe.fit import cells, fit_columns, newest_that_fit, pack
+from volunteer_rl.observe.states import (  # noqa: F401 (version_at: re-exported)
+    DEFAULT_PERIOD,
+    STATES,
+    classify,
+    heartbeat_lag,
+    heartbeat_period,
+    recently_trained,
+    seconds_since,
+    timeline_points,
+    version_at,
+)
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES, read_denylist
 from volunteer_rl.protocol.heartbeat import MAX_HEARTBEAT_BYTES
@@ -48,90 +47,13 @@ from volunteer_rl.protocol.printable import markup_safe, printable
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 
 STATUS_SCHEMA = 1
-OFFLINE_PERIODS = 2
-DEFAULT_PERIOD = 30.0
-PERIOD_BOUNDS = (0.1, 3600.0)
-"""A reported period is clamped to this: a heartbeat claiming an hour-long period is still
-called offline after two hours."""
 MAX_VOLUNTEERS = 1000
 METRICS_VERSIONS = 10
 READ_WORKERS = 8
-STATES = ("producing", "idle", "stale-version", "offline", "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure: judging heartbeats and joining the sources.
-
-def heartbeat_period(hb: dict) -> float:
-    """The period the volunteer reports, clamped to PERIOD_BOUNDS (default 30 s)."""
-    period = json_number(hb.get("heartbeat_seconds"))
-    if period is None or period <= 0:
-        period = DEFAULT_PERIOD
-    return min(max(period, PERIOD_BOUNDS[0]), PERIOD_BOUNDS[1])
-
-
-def seconds_since(hb: dict, now: float) -> float | None:
-    """Age of the heartbeat by its `updated_at` (a clock ahead of ours counts as 0)."""
-    updated = json_number(hb.get("updated_at"))
-    return None if updated is None else max(0.0, now - updated)
-
-
-def timeline_points(summary_timeline, published_at: float | None, version: int) -> list[tuple[float, int]]:
-    """(time, version) points, oldest first: fleet.json's timeline (bad points dropped) and
-    the manifest's own publish time."""
-    points = []
-    if isinstance(summary_timeline, list):
-        for p in summary_timeline[:4 * 256]:
-            if (isinstance(p, list) and len(p) == 2 and json_number(p[0]) is not None
-                    and json_int(p[1]) is not None):
-                points.append((json_number(p[0]), json_int(p[1])))
-    if json_number(published_at) is not None:
-        points.append((json_number(published_at), version))
-    return sorted(points)
-
-
-def version_at(points: list[tuple[float, int]], when: float) -> int | None:
-    """The newest version known to be published at or before `when` (None: `when` is older
-    than every point). Thinned points make this a lower bound, never an overestimate."""
-    best = None
-    for t, v in points:
-        if t <= when:
-            best = v if best is None else max(best, v)
-    return best
-
-
-def heartbeat_lag(hb: dict, now: float, points: list[tuple[float, int]]) -> int | None:
-    """Versions the heartbeat's own version was behind the trainer's when it was written
-    (clamped at 0; None when either is unknown)."""
-    used, written = json_int(hb.get("version")), json_number(hb.get("updated_at"))
-    if used is None or written is None:
-        return None
-    current = version_at(points, min(written, now))
-    return None if current is None else max(0, current - used)
-
-
-def recently_trained(trained: dict | None, now: float, period: float) -> bool:
-    """The trainer stepped on this volunteer's groups within two of its heartbeat periods
-    (at least a minute): hard evidence it makes usable work, whatever the heartbeat says."""
-    at = json_number((trained or {}).get("last_trained_at"))
-    return at is not None and now - at <= max(60.0, OFFLINE_PERIODS * period)
-
-
-def classify(hb: dict | None, now: float, run_id: str, max_staleness: int,
-             lag: int | None, trained_lately: bool = False) -> str:
-    """One of STATES for a volunteer whose last heartbeat is `hb` (None: none found); `lag`
-    is `heartbeat_lag` of it."""
-    if hb is None:
-        return "unknown"
-    age = seconds_since(hb, now)
-    if hb.get("state") == "stopped" or age is None or age > OFFLINE_PERIODS * heartbeat_period(hb):
-        return "offline"
-    if json_int(hb.get("version")) is not None and hb.get("run_id") != run_id:
-        return "stale-version"
-    if lag is not None and not layout.in_window(lag, max_staleness) and not trained_lately:
-        return "stale-version"
-    return "producing" if (json_number(hb.get("completions_per_minute")) or 0) > 0 else "idle"
-
+# Pure: joining the sources (observe.states judges each heartbeat).
 
 def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool, now: float,
                   version: int, max_staleness: int, run_id: str,
@@ -207,14 +129,50 @@ def metric_trends(records: Iterable[Record], summary_evals: Iterable[dict]) -> d
     for e in summary_evals:
         if isinstance(e, dict) and json_int(e.get("version")) is not None:
             evals[json_int(e["version"])] = e
+    by_step: dict = {}
     for r in records:
         if isinstance(r, StepRecord) and r.reward_mean is not None:
-            steps.append({"step": r.step, "version": r.version, "time": r.time,
-                          "reward_mean": r.reward_mean})
+            row = {"step": r.step, "version": r.version, "time": r.time, "reward_mean": r.reward_mean}
+            if r.step is None:
+                steps.append(row)
+            else:  # a step read twice (from the bucket and pending) counts once
+                by_step[r.step] = row
         elif isinstance(r, EvalRecord):
             evals[r.version] = r.short()
-    steps.sort(key=lambda s: (s["step"] is None, s["step"]))
+    steps = [by_step[n] for n in sorted(by_step)] + steps
     return {"rewards": steps, "evals": [evals[v] for v in sorted(evals)]}
+
+
+def latest_step(rewards: list[dict], summary_last: dict | None) -> dict:
+    """The newest step with a reward: the highest step number of the metrics read and of
+    fleet.json's `last_step` ({} when neither has one). `vrl status`'s reward and the
+    dashboard's header come from here, so they name the step the reward plot ends on."""
+    rows = [r for r in rewards if json_int(r.get("step")) is not None]
+    if isinstance(summary_last, dict) and json_int(summary_last.get("step")) is not None \
+            and json_number(summary_last.get("reward_mean")) is not None:
+        rows.append(summary_last)
+    if rows:
+        return max(rows, key=lambda r: json_int(r["step"]))
+    return rewards[-1] if rewards else {}
+
+
+MAX_RANKS = 1 << 20
+
+
+def trainer_ranks(trainer: dict) -> int | None:
+    """fleet.json's `trainer.ranks`: the processes the trainer runs as (None: an older file
+    or nonsense)."""
+    n = json_int(trainer.get("ranks"))
+    return n if n is not None and 1 <= n <= MAX_RANKS else None
+
+
+def stopped_at(summary: dict, trainer: dict, run_id: str, version: int) -> float | None:
+    """When the trainer stopped, if fleet.json says it did after publishing the current
+    manifest of this run; None while it runs (or a newer publish came after the stop)."""
+    at, last = json_number(trainer.get("stopped_at")), json_int(trainer.get("version"))
+    if at is None or last is None or summary.get("run_id", run_id) != run_id or last < version:
+        return None
+    return at
 
 
 def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None],
@@ -232,7 +190,7 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
     trends = metric_trends(metrics, summary.get("evals") or [])
     trainer = summary.get("trainer") if isinstance(summary.get("trainer"), dict) else {}
     steps = [s["step"] for s in trends["rewards"] if s["step"] is not None]
-    last = trends["rewards"][-1] if trends["rewards"] else (summary.get("last_step") or {})
+    last = latest_step(trends["rewards"], summary.get("last_step"))
     counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
     from volunteer_rl.protocol.manifest import OLD_MANIFEST_SECONDS
     age = now - manifest.created_at  # negative if the trainer's clock is ahead of ours
@@ -242,7 +200,10 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
                         "manifest_age_seconds": age, "manifest_old": age > OLD_MANIFEST_SECONDS,
                         "manifest_old_after_seconds": OLD_MANIFEST_SECONDS,
                         "step": max(steps + [json_int(trainer.get("step")) or 0]),
-                        "reward_mean": last.get("reward_mean"),
+                        "reward_mean": json_number(last.get("reward_mean")),
+                        "reward_step": json_int(last.get("step")),
+                        "ranks": trainer_ranks(trainer),
+                        "stopped_at": stopped_at(summary, trainer, run_id, version),
                         "summary_updated_at": json_number(summary.get("updated_at")),
                         "rewards": trends["rewards"], "evals": trends["evals"]},
             "balance": balance_doc(summary.get("balance")),
@@ -270,8 +231,10 @@ def read_manifest_unverified(storage: Storage) -> Manifest:
 
 
 def read_status(storage: Storage, now: float | None = None,
-                metrics_versions: int = METRICS_VERSIONS) -> dict:
-    """Read the bucket (bounded, see the module doc) and build the status document."""
+                metrics_versions: int = METRICS_VERSIONS, pending: Iterable[Record] = ()) -> dict:
+    """Read the bucket (bounded, see the module doc) and build the status document.
+    `pending`: metric records not in the bucket yet (the trainer's dashboard is written just
+    before the publish's metrics object)."""
     manifest = read_manifest_unverified(storage)
     ids = [vid for vid in map(layout.parse_heartbeat_key, storage.list(layout.VOLUNTEERS)) if vid]
     ids = ids[:MAX_VOLUNTEERS]
@@ -280,7 +243,7 @@ def read_status(storage: Storage, now: float | None = None,
         beats = pool.map(lambda v: _read_json(storage, layout.heartbeat_key(v), MAX_HEARTBEAT_BYTES), ids)
         chunks = pool.map(lambda v: read_metrics(storage, layout.metrics_key(v)), versions)
         heartbeats = dict(zip(ids, beats))
-        records = [r for chunk in chunks for r in chunk]
+        records = [r for chunk in chunks for r in chunk] + list(pending)
     summary = _read_json(storage, layout.FLEET, MAX_SUMMARY_BYTES)
     try:
         denied, _ = read_denylist(storage)
@@ -307,6 +270,17 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+def utc_clock(t: float, now: float) -> str:
+    """`14:03:27 UTC` (the date too when `t` is not of `now`'s UTC day)."""
+    same_day = time.gmtime(t)[:3] == time.gmtime(now)[:3]
+    return time.strftime("%H:%M:%S UTC" if same_day else "%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+def ranks_text(t: dict) -> str | None:
+    """`2 ranks` when the trainer runs as several processes; None for one (or unknown)."""
+    return f"{t['ranks']} ranks" if (t.get("ranks") or 1) > 1 else None
+
+
 def _pct(x) -> str:
     return "-" if json_number(x) is None else f"{x:.1%}"
 
@@ -315,29 +289,46 @@ def _count(x) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
-def eval_trend(evals: list[dict], last: int = 4) -> str:
-    """`v0 20.2% → v10 31.0%` (sampled accuracy, greedy in brackets) of the newest evals."""
+EVAL_HEAD = "held-out accuracy (sampled): "
+EVAL_SEP = " → "
+
+
+def eval_trend(evals: list[dict], last: int = 4, width: int | None = None) -> str:
+    """`v0 20.2% → v10 31.0%` (sampled accuracy, greedy in brackets) of the newest `last`
+    evals, as many of them as fit in `width` after EVAL_HEAD."""
     parts = [f"v{e['version']} {_pct(e.get('accuracy_sampled'))} ({_pct(e.get('accuracy_greedy'))} greedy)"
              for e in evals[-last:]]
-    return " → ".join(parts) if parts else "no evaluation yet"
+    if not parts:
+        return "no evaluation yet"
+    return newest_that_fit(EVAL_HEAD, parts, width, EVAL_SEP)[len(EVAL_HEAD):]
 
 
-def trainer_lines(status: dict) -> list[str]:
+def trainer_lines(status: dict, width: int | None = None) -> list[str]:
+    """The lines above the table (rich markup), each broken between its parts to fit in
+    `width` (None: one line each)."""
     t = status["trainer"]
     age = status["time"] - t["published_at"] if json_number(t.get("published_at")) else None
     reward = t.get("reward_mean")
     recent = [r["reward_mean"] for r in t["rewards"][-20:]]
-    avg = f", mean of last {len(recent)} steps {sum(recent) / len(recent):.3f}" if recent else ""
     counts = ", ".join(f"{n} {s}" for s, n in status["counts"].items() if n)
-    old = ""
-    if t.get("manifest_old"):  # no publish for that long: the trainer stopped, or a put-back manifest
-        old = (f", [bold red]OLD: over {t['manifest_old_after_seconds'] / 60:.0f} min, is the "
-               "trainer running?[/bold red]")
-    return [f"[bold]{markup_safe(status['bucket'])}[/bold]  run {markup_safe(t['run_id'])}",
-            f"trainer: v{t['version']} (published {_ago(age)}{old}), step {t['step']}, window "
-            f"{t['max_staleness']}, reward {'-' if reward is None else f'{reward:.3f}'}{avg}",
-            f"held-out accuracy (sampled): {eval_trend(t['evals'])}",
-            balance_line(status["balance"]),
+    head = [f"trainer: v{t['version']} (published {_ago(age)})"]
+    if t.get("stopped_at") is not None:  # its last write said so: no guessing from the age
+        head.append(f"[bold]stopped {utc_clock(t['stopped_at'], status['time'])} "
+                    f"({_ago(max(0.0, status['time'] - t['stopped_at']))})[/bold]")
+    elif t.get("manifest_old"):  # no publish for that long: the trainer died, or a put-back manifest
+        head.append(f"[bold red]OLD: over {t['manifest_old_after_seconds'] / 60:.0f} min, is the "
+                    "trainer running?[/bold red]")
+    head += [f"step {t['step']}", f"window {t['max_staleness']}",
+             f"reward {'-' if reward is None else f'{reward:.3f}'}"]
+    if recent:
+        head.append(f"mean of last {len(recent)} steps {sum(recent) / len(recent):.3f}")
+    if ranks_text(t):
+        head.append(ranks_text(t))
+    return [*pack([f"[bold]{markup_safe(status['bucket'])}[/bold]", f"run {markup_safe(t['run_id'])}"],
+                  width, sep="  "),
+            *pack(head, width),
+            EVAL_HEAD + eval_trend(t["evals"], width=width),
+            *pack(balance_line(status["balance"]).split("; "), width, sep="; "),
             f"volunteers: {counts or 'none yet'}"]
 
 
@@ -375,38 +366,77 @@ def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def volunteer_table(status: dict):
-    """One row per volunteer, narrow enough for an 80-column terminal."""
+COLUMNS = ("volunteer", "state", "seen", "version", "/min", "made", "accepted", "audited",
+           "missing", "trained", "useful", "device")
+LEFT = ("volunteer", "state", "device")
+DROP_ORDER = ("device", "audited", "missing", "made", "useful", "accepted", "trained", "/min",
+              "seen")
+"""Too narrow for every column: these go first to last (the volunteer, its state and
+version always stay; README's `vrl status` says so)."""
+ID_MIN = 12
+"""The volunteer column's least width: a longer id is folded over lines, never cut."""
+
+
+def _cells(r: dict) -> list[str]:
+    """One volunteer's cells in COLUMNS order (rich markup; its own strings escaped)."""
+    state = r["state"] + (" denied" if r["denied"] else "") + (
+        " (waiting)" if r["state"] == "idle" and r["waiting"] else "")
+    rate = r["completions_per_minute"] if r["state"] != "offline" else None
+    return [markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
+            _short_ago(r["seconds_since_heartbeat"]), _version(r),
+            "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
+            _accepted(r), _share(r["audit_coverage"]),
+            _share(r["groups_missing_rate"]), _count(r["groups_trained"]),
+            _share(r["useful_fraction"]), markup_safe((r["host"] or {}).get("device", "-"), 20)]
+
+
+def volunteer_table(status: dict, width: int | None = None):
+    """(table, names of the columns left out): one row per volunteer, every value whole; at
+    a `width` too narrow for all columns, columns go in DROP_ORDER until the rest fit."""
     from rich.table import Table
 
+    rows = [_cells(r) for r in status["volunteers"]]
+    widths = [max([len(name)] + [cells(row[i]) for row in rows]) for i, name in enumerate(COLUMNS)]
+    widths[0] = min(widths[0], max(ID_MIN, len(COLUMNS[0])))  # a long id folds
+    kept = fit_columns(widths, [COLUMNS.index(c) for c in DROP_ORDER], width)
     table = Table(box=None, header_style="bold", pad_edge=False)
-    widest = max([len(r["id"]) for r in status["volunteers"]] + [9])
-    table.add_column("volunteer", no_wrap=True, min_width=min(widest, 20), overflow="ellipsis")
-    for col, justify in (("state", "left"), ("seen", "right"), ("version", "right"),
-                         ("/min", "right"), ("made", "right"), ("accepted", "right"),
-                         ("audited", "right"), ("missing", "right"),
-                         ("trained", "right"), ("useful", "right"), ("device", "left")):
-        table.add_column(col, justify=justify, no_wrap=True)
-    for r in status["volunteers"]:
-        state = r["state"] + (" denied" if r["denied"] else "") + (
-            " (waiting)" if r["state"] == "idle" and r["waiting"] else "")
-        rate = r["completions_per_minute"] if r["state"] != "offline" else None
-        table.add_row(markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
-                      _short_ago(r["seconds_since_heartbeat"]), _version(r),
-                      "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
-                      _accepted(r), _share(r["audit_coverage"]),
-                      _share(r["groups_missing_rate"]), _count(r["groups_trained"]),
-                      _share(r["useful_fraction"]), markup_safe((r["host"] or {}).get("device", "-"), 20))
-    return table
+    for i in kept:
+        if i == 0:  # the id: as wide as the others leave, folded over lines beyond that
+            room = None if width is None else width - sum(widths[k] + 2 for k in kept[1:])
+            table.add_column(COLUMNS[0], overflow="fold",
+                             min_width=widths[0], max_width=None if room is None else max(widths[0], room))
+        else:
+            table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in LEFT else "right",
+                             no_wrap=True, min_width=widths[i])
+    for row in rows:
+        table.add_row(*[row[i] for i in kept])
+    return table, [COLUMNS[i] for i in range(len(COLUMNS)) if i not in kept]
 
 
-def render(status: dict):
+class StatusView:
+    """The rich renderable of `render`: laid out for the width it is drawn at (a terminal's,
+    or 80 columns for a pipe), each time it is drawn (`--watch` too)."""
+
+    def __init__(self, status: dict):
+        self.status = status
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        width = options.max_width
+        for line in trainer_lines(self.status, width):
+            yield Text.from_markup(line)
+        yield Text("")
+        table, dropped = volunteer_table(self.status, width)
+        yield table
+        if dropped and self.status["volunteers"]:
+            yield Text(f"left out at {width} columns: {', '.join(dropped)} (--json has every field)",
+                       style="dim")
+
+
+def render(status: dict) -> StatusView:
     """A rich renderable: the trainer lines above the volunteer table."""
-    from rich.console import Group
-    from rich.text import Text
-
-    return Group(*[Text.from_markup(line) for line in trainer_lines(status)], Text(""),
-                 volunteer_table(status))
+    return StatusView(status)
 
 
 def watch(storage: Storage, interval: float, console) -> None:

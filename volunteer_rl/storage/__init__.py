@@ -33,8 +33,9 @@ from volunteer_rl.storage.retry import Retrying
 FSSPEC_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "memory": None,
                   "az": "adlfs", "abfs": "adlfs"}
 """Schemes served by fsspec, and the package that brings each (None: fsspec's own)."""
-EXTRAS = {"gcsfs": "volunteer-rl[gcs]"}
-"""The pip requirement that installs a scheme's package, where the project names one."""
+EXTRAS = {"gcsfs": "gcsfs (what vrl's [gcs] extra adds; docs/DEPLOY.md)"}
+"""What to pip install for a scheme's package, where the project says more than its name. No
+index serves vrl itself, so the hint names the package, not `volunteer-rl[gcs]`."""
 
 # A mistyped URL (`s3:/x`, `gs:bucket`): a scheme of two or more letters and a colon, without
 # the `//` after it. One letter is a Windows drive (`C:/runs`), which stays a folder.
@@ -91,7 +92,7 @@ def check_bucket(uri: str, endpoint_url: str | None = None, create: bool = True)
 
         if importlib.util.find_spec(package) is None:
             raise StorageError(f"--bucket {uri}: {scheme}:// needs the package {package}, which "
-                               f"is not installed: pip install '{EXTRAS.get(package, package)}'")
+                               f"is not installed: pip install {EXTRAS.get(package, package)}")
 
 
 def open_storage(uri: str, endpoint_url: str | None = None, retry: bool = True,

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import BinaryIO, Callable, Sequence, TypeVar
 
+from volunteer_rl.progress import LOG
 from volunteer_rl.stopping import sleep as stop_sleep
 from volunteer_rl.storage.base import Storage, StorageError, Transient, one_line
 
@@ -38,8 +39,10 @@ tried again."""
 
 
 def warn(line: str) -> None:
-    """Where retry lines go: stderr, as a warning, flushed (stdout is the command's output)."""
-    print(f"warning: {line}", file=sys.stderr, flush=True)
+    """Where retry lines go: stderr, as a warning, flushed (stdout is the command's output),
+    unless --log-level error hides warnings; a trainer rank's prefix first (progress.LOG)."""
+    if LOG.shows("warning"):
+        print(f"{LOG.prefix}warning: {line}", file=sys.stderr, flush=True)
 
 
 class Retrying:

@@ -7,7 +7,10 @@ version, step, last reward and recent held-out evaluations, a short timeline of
 (time, version) points so a reader can tell which version was current when a heartbeat was
 written, and the balance of the last minute (trainer.balance: groups received and trained,
 the useful fraction, the quota asked), fleet-wide and per volunteer. `vrl status` joins the
-two.
+two. It also says how many processes the trainer runs as (`ranks`: torchrun's world size, 1
+for a single process) and, on the write after its final publish, that it stopped
+(`stopped_at`), so that a page or a `vrl status` read after the run ended says so instead of
+looking live.
 
 The trainer calls `FleetSummary.after_publish` once per publish. Per-volunteer figures are
 accumulated from the step metrics of every publish (in memory), but the object is written at
@@ -68,10 +71,12 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                     volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
                     evals: list[dict], timeline: list[list[float]], now: float,
                     next_number: Callable[[str], int] = lambda vid: 0,
-                    balance: tuple[dict, dict[str, dict]] | None = None) -> dict:
+                    balance: tuple[dict, dict[str, dict]] | None = None,
+                    ranks: int = 1, stopped: bool = False) -> dict:
     """The JSON object of fleet.json (schema in docs/PROTOCOL.md). `next_number`: one past
     the highest group number received from a volunteer (withheld.GroupNumbers.next_number);
-    `balance`: Balance.summary (None: a window with nothing in it)."""
+    `balance`: Balance.summary (None: a window with nothing in it); `ranks`: the processes
+    the trainer runs as; `stopped`: this is the write after its final publish."""
     fleet_balance, recent = balance or Balance(1).summary(now)
     ids = set(volunteers) | set(fleet.counts) | set(fleet.denied) | set(recent)
     rows = {}
@@ -91,7 +96,8 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                      **recent.get(vid, {"groups_received_recent": 0, "groups_trained_recent": 0,
                                         "useful_fraction": None})}
     return {"schema_version": SUMMARY_SCHEMA, "run_id": run_id, "updated_at": now,
-            "trainer": {"version": version, "step": step, "max_staleness": max_staleness},
+            "trainer": {"version": version, "step": step, "max_staleness": max_staleness,
+                        "ranks": ranks, "stopped_at": now if stopped else None},
             "last_step": last_step, "evals": evals[-EVALS_KEPT:], "timeline": timeline,
             "balance": fleet_balance, "volunteers": rows}
 
@@ -100,8 +106,10 @@ class FleetSummary:
     """Keeps the running totals and writes fleet.json when due."""
 
     def __init__(self, storage: Storage, log: Callable[[str], None],
-                 interval: float = SUMMARY_INTERVAL_SECONDS, clock: Callable[[], float] = time.time):
+                 interval: float = SUMMARY_INTERVAL_SECONDS, clock: Callable[[], float] = time.time,
+                 ranks: int = 1):
         self.storage, self.log, self.interval, self.clock = storage, log, interval, clock
+        self.ranks = ranks  # the processes the trainer runs as (torchrun's world size)
         self.volunteers: dict[str, dict] = {}
         self.evals: list[dict] = []
         self.timeline: list[list[float]] = []
@@ -134,7 +142,8 @@ class FleetSummary:
                       next_number: Callable[[str], int] = lambda vid: 0,
                       balance: Balance | None = None) -> None:
         """Take in the metric records of the steps that led to `manifest`; write fleet.json if
-        due."""
+        due. `final`: the trainer's last publish (or last write) before it exits: always
+        written, saying it stopped."""
         if not self.loaded:
             self._load_previous(manifest.run_id)
         absorb_steps(self.volunteers, records)
@@ -152,7 +161,8 @@ class FleetSummary:
             self.write(summary_payload(manifest.run_id, manifest.version, step,
                                        manifest.max_staleness, self.volunteers, fleet,
                                        self.last_step, self.evals, self.timeline, now,
-                                       next_number, balance.summary(now) if balance else None))
+                                       next_number, balance.summary(now) if balance else None,
+                                       self.ranks, final))
 
     def write(self, payload: dict) -> None:
         try:

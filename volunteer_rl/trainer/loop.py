@@ -61,8 +61,7 @@ from volunteer_rl.storage.base import AlreadyExists, StorageError
 from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.bounded import BoundedRewards
 from volunteer_rl.task.curriculum import PromptPicker
-from volunteer_rl.task.dataset import file_sha256, load_rows
-from volunteer_rl.task.registry import load as load_task
+from volunteer_rl.task.dataset import file_sha256
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
 from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.evaluate import greedy_and_sampled
@@ -70,6 +69,7 @@ from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
 from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
 from volunteer_rl.trainer.ranks import (
+    announce,
     barrier,
     broadcast_bytes,
     collective_errors,
@@ -80,14 +80,20 @@ from volunteer_rl.trainer.ranks import (
     scatter_full_weights,
     shard_model,
 )
-from volunteer_rl.trainer.publish import (
+from volunteer_rl.trainer.preflight import (  # dataset_paths: bench/ imports it from here
+    Inputs,
     TrainerError,
+    dataset_paths,
+    read_inputs,
+)
+from volunteer_rl.trainer.publish import (
     WeightsChain,
     publish,
     published_or_started,
     signing_key,
     upload_dataset,
 )
+from volunteer_rl.trainer.reporters import Reporters
 from volunteer_rl.trainer.retention import TrainerRetention
 from volunteer_rl.trainer.shares import Share, agree_on_batch
 from volunteer_rl.trainer.state import (
@@ -102,23 +108,18 @@ from volunteer_rl.trainer.state import (
     save_state,
 )
 from volunteer_rl.trainer.step import StepResult, audit_groups, non_finite_groups, train_step
-from volunteer_rl.trainer.warmstart import warm_start
+from volunteer_rl.trainer.warmstart import (
+    solved_at_v0,
+    summary,
+    torch_threads,
+    trainer_split,
+    warm_start,
+)
 from volunteer_rl.trainer.withheld import GroupNumbers
 
 
 RETENTION_STOP_WAIT = 5.0
 """Seconds a stopping trainer waits for its retention pass to reach its next request."""
-
-
-def dataset_paths(cfg: TrainerConfig, task: Task | None = None) -> tuple[Path, Path]:
-    """--dataset and --eval-dataset, each defaulting to the task's own file (`task`: the one
-    --task names, loaded here if not given)."""
-    task = task or load_task(cfg.task)[0]
-    own = task.data() or (None, None)
-    train, held_out = cfg.dataset or own[0], cfg.eval_dataset or own[1]
-    if not (train and held_out):
-        raise TrainerError(f"task {task.name!r} ships no data: give --dataset and --eval-dataset")
-    return Path(train), Path(held_out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +143,12 @@ def initial_policy(cfg: TrainerConfig, task: Task, rows: list[Row], device: torc
     n = sum(p.numel() for p in model.parameters())
     log(f"built tiny model: {n:,} parameters, vocab {len(tokenizer)}")
     if cfg.warm_start_steps > 0:
-        seconds = warm_start(policy, questions, answers, cfg.warm_start_steps, seed=cfg.seed,
-                             log=log, instruction=task.instruction)
-        log(f"warm start: {cfg.warm_start_steps} steps in {seconds:.0f}s")
+        split = trainer_split(cfg, len(rows))  # split.rl: the rows the Trainer's picker draws
+        with torch_threads(cfg.warm_start_threads):  # then back to --threads for RL
+            done = warm_start(policy, [questions[i] for i in split.warm],
+                              [answers[i] for i in split.warm], cfg.warm_start_steps,
+                              seed=cfg.seed, log=log, instruction=task.instruction)
+        log(summary(split, done))
     return policy
 
 
@@ -162,30 +166,33 @@ def waiting_line(usable: int, stats: IngestStats, wanted: int, step: int) -> str
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, log: Callable[[str], None] = print,
-                 stop: StopSignal | None = None):
+                 stop: StopSignal | None = None, inputs: Inputs | None = None):
         self.cfg = cfg
         self.log = log
         self.stop = stop or StopSignal(log)  # set by SIGINT/SIGTERM once handlers are installed
-        # The task first: a task not installed here is one line before anything is touched.
-        self.task, self.task_info = load_task(cfg.task)
+        # The task, the datasets and the key's path first (`inputs`: read by the caller): any
+        # of them wrong is one line before the bucket is touched, or a folder bucket made.
+        self.inputs = inputs = inputs or read_inputs(cfg)
+        self.task, self.task_info = inputs.task, inputs.task_info
         self.cfg = cfg = cfg.with_task_defaults(self.task)
         self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
         # Passes run on their own thread (a stop signal cuts them short): never on the publish path.
         self.retention = TrainerRetention(self.storage, cfg.keep_versions, cfg.gc_every, log,
                                           stopping=self.stop.is_set)
+        # --report-to's packages are checked before the join: no rank waits on one that stops.
+        self.reporters = Reporters(cfg, log)
         # Under torchrun this process is one rank of several (trainer.ranks); else ranks is
         # a single process's and none of the rank code below runs.
         self.ranks = join(pick_device(cfg.device), cfg.rank_timeout)
+        announce(self.ranks, log)  # `[rank R]` on this rank's lines from here on
         self.device = self.ranks.device
         self._sharded = False  # the policy sharded over the ranks (_share_model)
         if cfg.groups_per_step % self.ranks.world_size:
             leave(self.ranks)
             raise TrainerError(f"--groups-per-step {cfg.groups_per_step}: not a multiple of the "
                                f"{self.ranks.world_size} ranks (each computes an equal share)")
-        train_path, eval_path = dataset_paths(cfg, self.task)
-        self.train_path = train_path
-        self.problems = load_rows(train_path, self.task)
-        self.held_out = load_rows(eval_path, self.task)
+        self.train_path, self.problems, self.held_out = (inputs.train_path, inputs.problems,
+                                                         inputs.held_out)
         self.metrics_buffer: list[dict] = []
         # Ranks share it: each writes its optimizer shards into a version's folder (state.py).
         self.state_root = Path(cfg.work_dir) / "state"
@@ -202,7 +209,8 @@ class Trainer:
         self._peers: dict[int, dict] = {}  # the followers' counts and numbers at the last save
         self._gathered: dict[str, torch.Tensor] | None = None  # a follower's copy of a gather
         self.fleet = Fleet(cfg.deny_after, cfg.deny_rate)
-        self.fleet_summary = FleetSummary(self.storage, log)  # fleet.json, for `vrl status`
+        self.fleet_summary = FleetSummary(self.storage, log,  # fleet.json, for `vrl status`
+                                          ranks=self.ranks.world_size)
         self.dashboard = TrainerDashboard(self.storage, cfg.dashboard_every, log)  # dashboard/
         self.window_weights = WindowWeights()  # published weights of the window, for audits
         self._second: Policy | None = None  # _second_model's
@@ -211,7 +219,9 @@ class Trainer:
                                   spill_to=Path(cfg.work_dir) / SPILLED if self.lean else None)
         self.last_publish_start = 0.0
         # The curriculum: fed with every group taken, it fills each version's prompt pool.
-        self.picker = PromptPicker(self.problems, random.Random(cfg.seed), cfg.curriculum,
+        # Only the rows the warm start did not train on (warmstart.trainer_split).
+        rl_rows = [self.problems[i] for i in trainer_split(cfg, len(self.problems)).rl]
+        self.picker = PromptPicker(rl_rows, random.Random(cfg.seed), cfg.curriculum,
                                    self.task.stratum)
         # Every reward of a volunteer's completion runs in a worker process under the task's
         # bounds (task.bounded): a completion that makes it slow or huge is a rejection.
@@ -257,9 +267,8 @@ class Trainer:
             with collective_errors(self.ranks, "while starting"):
                 return self._start_follower()
         with self.stop.abortable():
-            with self.stop.shielded():
-                self.key = signing_key(cfg, self.storage.uri, self.log)
-            trust = Trust(public_key_text(self.key), cfg.allow_unsigned, origin="this trainer's --signing-key")
+            with self.stop.shielded():  # never a new key for a bucket another key signs
+                self.key, trust = signing_key(cfg, self.storage, self.log, self.inputs.key_path)
             manifest, etag = poll_manifest(self.storage, None, trust=trust)
             if manifest is None:
                 self._start_fresh()
@@ -744,6 +753,9 @@ class Trainer:
         self.log(f"eval v{version} on {len(problems)} held-out prompts: greedy "
                  f"{res[metrics.ACCURACY_GREEDY]:.1%}, sampled (T={self.cfg.temperature}) "
                  f"{res[metrics.ACCURACY_SAMPLED]:.1%}")
+        if version == 0 and (solved := solved_at_v0(res[metrics.ACCURACY_SAMPLED],
+                                                    res[metrics.ACCURACY_GREEDY])):
+            self.log(solved)
         self.metrics_buffer.append({metrics.KIND: metrics.EVAL_LINE, metrics.VERSION: version,
                                     metrics.TIME: time.time(), metrics.EVAL_PROMPTS: len(problems),
                                     **res})
@@ -763,6 +775,7 @@ class Trainer:
         """Metrics of the steps that led to `version`, as one write-once object."""
         body = "".join(json.dumps(m, sort_keys=True) + "\n" for m in self.metrics_buffer)
         self.storage.create(layout.metrics_key(version), body.encode())
+        self.reporters.record(self.metrics_buffer, self.run_id)  # --report-to (the writer's)
         self.metrics_buffer = []
 
     def run(self) -> Manifest:
@@ -787,6 +800,7 @@ class Trainer:
                 return manifest
         finally:
             self.rewards.close()
+            self.reporters.close()
             leave(self.ranks)  # after a failed collective: the others may be gone
 
     def _leave_together(self) -> None:

@@ -40,25 +40,30 @@ from volunteer_rl.protocol.manifest import (
 )
 from volunteer_rl.protocol.patch import count_changed, make_patch
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT
-from volunteer_rl.protocol.signing import key_path, load_or_create_key, public_key_text
+from volunteer_rl.protocol.signing import Trust, load_or_create_key, public_key_text
 from volunteer_rl.storage.base import AlreadyExists, PreconditionFailed, Storage
+from volunteer_rl.trainer.preflight import (
+    POINT_AT_KEY,
+    TrainerError,
+    refuse_new_key,
+    signing_key_path,
+)
 
 
-class TrainerError(VrlError):
-    """A condition the trainer cannot run under (named object, one line)."""
-
-
-def signing_key(cfg: TrainerConfig, bucket_uri: str, log: Callable[[str], None]) -> Ed25519PrivateKey:
-    """The key that signs this trainer's manifests, made on the first run. It is refused
-    inside a folder bucket: whoever can read the bucket could then sign manifests."""
-    path = key_path(cfg.signing_key, cfg.work_dir)
-    if "://" not in bucket_uri and path.is_relative_to(Path(bucket_uri)):
-        raise TrainerError(f"--signing-key {path}: inside the bucket folder {bucket_uri}; keep "
-                           "the private key out of the bucket")
+def signing_key(cfg: TrainerConfig, storage: Storage, log: Callable[[str], None],
+                path: Path | None = None) -> tuple[Ed25519PrivateKey, Trust]:
+    """The key that signs this trainer's manifests (at `path`, else preflight's), and the
+    Trust that accepts the bucket's manifest only if that key signed it. The key is made on
+    the first run only (preflight.refuse_new_key: never for a bucket another key signs)."""
+    path = path or signing_key_path(cfg)
+    if not path.exists():
+        refuse_new_key(storage, path, cfg.allow_unsigned)
     key, created = load_or_create_key(path)
     log(f"{'created' if created else 'loaded'} manifest signing key {path}; public key "
         f"{public_key_text(key)} (give volunteers --trust-key with it, or {path.name}.pub)")
-    return key
+    trust = Trust(public_key_text(key), cfg.allow_unsigned, origin=f"this trainer's key {path}",
+                  hint=POINT_AT_KEY)
+    return key, trust
 
 
 def upload_dataset(storage: Storage, path: Path) -> Dataset:

@@ -22,11 +22,13 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from volunteer_rl.errors import VrlError
+from volunteer_rl.progress import Log
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for every rank it starts. All of them present: this process is a rank;
@@ -88,6 +90,13 @@ class Ranks:
         """A joined rank other than the writer: it does what the writer tells it."""
         return self.joined and not self.is_writer
 
+    def describe(self) -> str:
+        """A joined rank's first log line: `rank 1 of 2, backend gloo, device cpu: follows
+        rank 0`, so a torchrun log says how it ran (progress.Log puts `[rank 1]` before it)."""
+        role = "the writer, it publishes" if self.is_writer else "follows rank 0"
+        return (f"rank {self.rank} of {self.world_size}, backend {backend_for(self.device)}, "
+                f"device {self.device}: {role}")
+
 
 def single(device: torch.device | str = "cpu") -> Ranks:
     """The plain `vrl trainer`: one process, rank 0 of 1, no process group."""
@@ -140,6 +149,16 @@ def join(device: torch.device | str, timeout_seconds: float) -> Ranks:
         raise RankJoinError(f"rank {rank} of {world} did not join the {backend} group at {where} "
                             f"within {timeout_seconds:g}s: {_first_sentence(e)}") from e
     return Ranks(rank=rank, world_size=world, device=device, joined=True)
+
+
+def announce(ranks: Ranks, log: Callable[[str], None]) -> None:
+    """A joined rank's first log line (`describe`), and from it on every line of the
+    process's log (progress.Log) prefixed with `[rank R] `. A single process says nothing."""
+    if not ranks.joined:
+        return
+    if isinstance(log, Log):
+        log.prefix = f"[rank {ranks.rank}] "
+    log(ranks.describe())
 
 
 def _attempt_store(rank: int, world: int, timeout_seconds: float) -> dist.Store:
