@@ -135,7 +135,7 @@ def v0_pool(cfg) -> tuple[int, ...]:
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.curriculum import PromptPicker
     from volunteer_rl.task.dataset import load_rows
-    from volunteer_rl.trainer.loop import dataset_paths
+    from volunteer_rl.trainer.preflight import dataset_paths
 
     task = CalculatorTask()
     problems = load_rows(dataset_paths(cfg, task)[0], task)
@@ -161,7 +161,7 @@ def honest_shards(model_dir: Path, sizes: Sizes, pool: tuple[int, ...]) -> tuple
     from volunteer_rl.task.base import completion_reward
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_rows
-    from volunteer_rl.trainer.loop import dataset_paths
+    from volunteer_rl.trainer.preflight import dataset_paths
 
     task = CalculatorTask()
     cfg = TrainerConfig(bucket="unused").with_task_defaults(task)
@@ -228,7 +228,7 @@ def intake(spec: dict, ranks, cfg) -> dict:
     from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
     from volunteer_rl.trainer.fleet import Counts, Fleet
     from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
-    from volunteer_rl.trainer.loop import dataset_paths
+    from volunteer_rl.trainer.preflight import dataset_paths
     from volunteer_rl.trainer.ranks import barrier
     from volunteer_rl.trainer.shares import Share
     from volunteer_rl.trainer.step import audit_groups

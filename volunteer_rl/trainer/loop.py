@@ -80,12 +80,7 @@ from volunteer_rl.trainer.ranks import (
     scatter_full_weights,
     shard_model,
 )
-from volunteer_rl.trainer.preflight import (  # dataset_paths: bench/ imports it from here
-    Inputs,
-    TrainerError,
-    dataset_paths,
-    read_inputs,
-)
+from volunteer_rl.trainer.preflight import Inputs, TrainerError, read_inputs
 from volunteer_rl.trainer.publish import (
     WeightsChain,
     publish,
