@@ -56,7 +56,8 @@ def gc(
     from volunteer_rl.protocol.printable import printable
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.trainer.retention import collect, summary_lines
+    from volunteer_rl.trainer.retention import collect
+    from volunteer_rl.trainer.retention_report import summary_lines
 
     trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
     storage = open_storage(bucket, endpoint_url, create=False)
