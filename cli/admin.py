@@ -100,7 +100,8 @@ def public_key(config: Optional[str] = config_option(TrainerConfig),
                           "--work-dir or --signing-key")
     path = key_path(signing_key, work_dir or default_work_dir("trainer", bucket or ""))
     if bucket and not path.exists():
-        from volunteer_rl.storage import local_folder, open_storage
+        from volunteer_rl.storage import open_storage
+        from volunteer_rl.storage.uri import local_folder
         from volunteer_rl.trainer.preflight import refuse_new_key
 
         folder = local_folder(bucket)
