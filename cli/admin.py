@@ -56,7 +56,8 @@ def gc(
     from volunteer_rl.protocol.printable import printable
     from volunteer_rl.protocol.signing import Trust, resolve_trust_key
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.trainer.retention import collect, summary_lines
+    from volunteer_rl.trainer.retention import collect
+    from volunteer_rl.trainer.retention_report import summary_lines
 
     trust = Trust(resolve_trust_key(trust_key), allow_unsigned)
     storage = open_storage(bucket, endpoint_url, create=False)
@@ -99,7 +100,8 @@ def public_key(config: Optional[str] = config_option(TrainerConfig),
                           "--work-dir or --signing-key")
     path = key_path(signing_key, work_dir or default_work_dir("trainer", bucket or ""))
     if bucket and not path.exists():
-        from volunteer_rl.storage import local_folder, open_storage
+        from volunteer_rl.storage import open_storage
+        from volunteer_rl.storage.uri import local_folder
         from volunteer_rl.trainer.preflight import refuse_new_key
 
         folder = local_folder(bucket)

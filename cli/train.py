@@ -99,7 +99,7 @@ def trainer(
       torchrun --nproc-per-node 8 -m volunteer_rl_cli trainer -b s3://bucket/run1
     """
     from volunteer_rl.stopping import Stopped
-    from volunteer_rl.storage import check_bucket
+    from volunteer_rl.storage.uri import check_bucket
     from volunteer_rl.trainer.preflight import read_inputs
 
     with usage_errors():

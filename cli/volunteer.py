@@ -63,7 +63,7 @@ def volunteer(
       vrl volunteer --bucket s3://my-bucket/run1 --trust-key ed25519:...
     """
     from volunteer_rl.stopping import Stopped
-    from volunteer_rl.storage import check_bucket
+    from volunteer_rl.storage.uri import check_bucket
 
     with usage_errors():
         cfg = VolunteerConfig(**ctx.params)

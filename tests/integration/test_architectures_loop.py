@@ -49,7 +49,7 @@ from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import KEYFRAME_FILE, PATCH_FILE
 from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import load_csv
-from volunteer_rl.task.generate import generate_problems
+from volunteer_rl.task.calculator_generate import generate_problems
 from volunteer_rl.trainer.warmstart import warm_start
 
 VERSIONS = 8

@@ -50,7 +50,7 @@ from volunteer_rl.protocol.manifest import (
 from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text, sign
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import StorageError
-from volunteer_rl.task.generate import generate_problems
+from volunteer_rl.task.calculator_generate import generate_problems
 
 KEY = Ed25519PrivateKey.generate()  # the trainer's key, stolen: every manifest here is signed
 PUB = public_key_text(KEY)

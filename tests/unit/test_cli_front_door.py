@@ -26,7 +26,7 @@ from volunteer_rl.model.devices import DeviceError, pick_device
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.protocol.signing import private_key_pem
-from volunteer_rl.storage import local_folder
+from volunteer_rl.storage.uri import local_folder
 from volunteer_rl.storage.base import StorageError
 from helpers.cli_stand_ins import stand_ins
 from volunteer_rl_cli.main import app

@@ -11,7 +11,7 @@ from volunteer_rl.model.sampling import draw, gumbel_noise, perturbed, sample
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.model.weights import load_weights, save_policy
-from volunteer_rl.task.generate import generate_problems
+from volunteer_rl.task.calculator_generate import generate_problems
 
 
 @pytest.fixture(scope="module")

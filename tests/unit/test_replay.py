@@ -12,7 +12,7 @@ from volunteer_rl.model.replay import ReplayRow, replay
 from volunteer_rl.model.sampling import margins, sample
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol.draws import group_keys
-from volunteer_rl.task.generate import generate_problems
+from volunteer_rl.task.calculator_generate import generate_problems
 from volunteer_rl.trainer.warmstart import warm_start
 
 K, MAX_NEW, WARM_STEPS = 4, 10, 40

@@ -9,18 +9,15 @@ from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Forbidden, NotFound, StorageError, is_missing
 from volunteer_rl.storage.local import LocalStorage
 from volunteer_rl.storage.retry import Retrying
-from volunteer_rl.trainer.retention import (
+from volunteer_rl.trainer.retention import TrainerRetention, collect, execute
+from volunteer_rl.trainer.retention_plan import (
     BELOW_RANGE,
     UNCOMMITTED,
-    TrainerRetention,
     chain_floor,
-    collect,
-    execute,
     kept_from,
     plan,
-    summary_lines,
-    version_ranges,
 )
+from volunteer_rl.trainer.retention_report import summary_lines, version_ranges
 
 
 def ckpt(v, name="model.safetensors"):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from volunteer_rl.task.calculator import MAX_EXPRESSION_CHARS, canonicalize, safe_eval
 from volunteer_rl.task.dataset import DatasetError, Problem, file_sha256, load_csv, write_csv
-from volunteer_rl.task.generate import (
+from volunteer_rl.task.calculator_generate import (
     generate_labelled,
     generate_problems,
     make_splits,

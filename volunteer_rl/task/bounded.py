@@ -8,16 +8,16 @@ so the reward runs in a separate worker process the trainer can kill. A completi
 takes its reward over a bound ends as RewardBoundExceeded with a reason code; the trainer
 refuses the shard holding it. Never a stall, never a crash of the trainer.
 
-This module owns both ends: `BoundedRewards` in the trainer, and `main`, the worker
-(`python -m volunteer_rl.task.bounded MODULE:CLASS MEMORY_MB PARENT_PID`). The worker is
-started with Popen, never a fork of the trainer (a large torch process), with PYTHONPATH set
-to the trainer's sys.path so a plugin the trainer can import (`pip install --target X` plus
-PYTHONPATH, a checkout, pytest's rootdir) imports in the worker too. It loads the task once
-(START_SECONDS at most, or TaskError) and answers one JSON line per request, in order;
-requests are ASCII-only JSON, so any completion text (newlines, U+2028, lone surrogates)
-arrives exactly. A breach kills the worker; the next call starts a fresh one, so one hostile
-completion costs one bound and one start (~0.15 s). The overhead is ~15 us a completion
-against ~2 us in-process for a cheap task: some 50,000 rewards a second.
+`BoundedRewards` here is the trainer's end: it sends the requests and decides what is a
+breach. task.bounded_process is its handle on the worker process (started with Popen, never a
+fork of the trainer, a large torch process, with PYTHONPATH set to the trainer's sys.path so a
+plugin the trainer can import imports in the worker too), and task.bounded_worker is the
+worker (`python -m volunteer_rl.task.bounded_worker MODULE:CLASS MEMORY_MB PARENT_PID`). It
+loads the task once (START_SECONDS at most, or TaskError) and answers one JSON line per
+request, in order; requests are ASCII-only JSON, so any completion text (newlines, U+2028,
+lone surrogates) arrives exactly. A breach kills the worker; the next call starts a fresh one,
+so one hostile completion costs one bound and one start (~0.15 s). The overhead is ~15 us a
+completion against ~2 us in-process for a cheap task: some 50,000 rewards a second.
 
 The bounds, per completion:
 
@@ -63,20 +63,15 @@ a worker found dead between calls is replaced without blaming a completion).
 from __future__ import annotations
 
 import json
-import math
-import os
-import select
-import signal
-import subprocess
-import sys
-import threading
 import time
 import weakref
 from typing import Sequence
 
 from volunteer_rl.protocol.printable import printable
-from volunteer_rl.task.base import Row, clamp_reward
-from volunteer_rl.task.registry import TaskError, load_object
+from volunteer_rl.task.base import Row
+from volunteer_rl.task.bounded_process import WorkerProcess
+from volunteer_rl.task.bounded_worker import MEMORY_EXIT
+from volunteer_rl.task.registry import TaskError
 
 # -----------------------------------------------------------------------------
 # Limits
@@ -91,10 +86,6 @@ WRITE_AHEAD = 1 << 16
 """Request bytes encoded ahead of what the worker's pipe has taken: keeps a large batch from
 sitting in memory twice, and the parent never blocks on a write (the pipe is non-blocking
 and poll tells when it takes more), so it keeps watching the clock and reading results."""
-MEMORY_EXIT = 86
-"""The worker's exit code after a MemoryError, in case it could not even write the line."""
-STDERR_TAIL = 4096
-"""Bytes of the worker's stderr kept (the last ones), for the one-line error when it fails."""
 CODES = ("reward_timeout", "reward_memory", "reward_crash")
 
 
@@ -115,132 +106,8 @@ class RewardBoundExceeded(Exception):
         self.index = index
 
 
-# -----------------------------------------------------------------------------
-# The trainer's side
-
-
-class _Worker:
-    """One worker process and the parent's ends of its pipes."""
-
-    def __init__(self, value: str, memory_mb: int):
-        env = dict(os.environ)
-        # The worker imports from exactly where we do: our sys.path, absolute ('' is our cwd).
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path
-                                            if isinstance(p, str))
-        # ...and not also from its cwd, which `-m` would put first: a `vrl` run from inside
-        # another checkout would load that checkout's code (Python 3.11+; 3.10 ignores it).
-        env["PYTHONSAFEPATH"] = "1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "volunteer_rl.task.bounded", value, str(int(memory_mb)),
-             str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-            close_fds=True, start_new_session=True)
-        self.pid = self.proc.pid
-        self.w = self.proc.stdin.fileno()
-        self.r = self.proc.stdout.fileno()
-        os.set_blocking(self.w, False)
-        # poll, not select: a trainer holding many files can have fds past select's 1024.
-        self.poller = select.poll()
-        self.poller.register(self.r, select.POLLIN)
-        self.polling_w = False
-        self.buf = b""  # bytes read from the worker after its last complete line
-        self.tail = b""
-        # stderr is drained all the time: a task that logs a lot would otherwise fill the
-        # pipe, block in write and look like a timeout.
-        self.drain = threading.Thread(target=self._drain, daemon=True,
-                                      name=f"reward-stderr-{self.pid}")
-        self.drain.start()
-        self.stat = f"/proc/{self.pid}/stat"
-        self.has_proc = os.path.exists(self.stat)
-        self.tick = os.sysconf("SC_CLK_TCK") if self.has_proc else 100
-
-    def _drain(self) -> None:
-        # This thread owns the stderr pipe and closes it at EOF: closed from another thread
-        # while it reads (a grandchild that left the group can hold it open), the fd number
-        # could be reused and this read would take another file's bytes.
-        stderr = self.proc.stderr
-        try:
-            while True:
-                chunk = os.read(stderr.fileno(), 65536)
-                if not chunk:
-                    return
-                self.tail = (self.tail + chunk)[-STDERR_TAIL:]
-        except OSError:
-            return
-        finally:
-            stderr.close()
-
-    def last_stderr_line(self) -> str:
-        self.drain.join(timeout=1.0)
-        lines = [x for x in self.tail.decode("utf-8", "replace").splitlines() if x.strip()]
-        return printable(lines[-1].strip()) if lines else ""
-
-    def cpu(self) -> float:
-        """The worker's CPU seconds (user + system, all its threads) from /proc."""
-        with open(self.stat, "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime: fields 14, 15
-
-    def lines(self, timeout: float,
-              writing: bytes | bytearray = b"") -> tuple[list[bytes], bool, int]:
-        """Wait up to `timeout` for the worker; write what it takes of `writing`. Returns the
-        complete lines it wrote, whether its stdout ended, and how many bytes it took (-1:
-        its stdin is closed)."""
-        if bool(writing) != self.polling_w:
-            if writing:
-                self.poller.register(self.w, select.POLLOUT)
-            else:
-                self.poller.unregister(self.w)
-            self.polling_w = bool(writing)
-        events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
-        took = 0
-        if self.w in events:
-            try:
-                took = os.write(self.w, writing)
-            except BlockingIOError:
-                pass
-            except (BrokenPipeError, ConnectionResetError):
-                took = -1  # the worker is gone; its stdout says how (EOF next)
-        if self.r not in events:
-            return [], False, took
-        chunk = os.read(self.r, 1 << 16)
-        if not chunk:
-            return [], True, took
-        parts = (self.buf + chunk).split(b"\n")
-        self.buf = parts.pop()
-        return parts, False, took
-
-    def exited(self) -> bool:
-        """Whether the worker has ended, without reaping it: until it is reaped its pid, and
-        so its process group's id, cannot be reused, and kill() may still signal the group."""
-        if self.proc.returncode is not None:
-            return True
-        try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except (AttributeError, OSError):  # no waitid here
-            return self.proc.poll() is not None
-
-    def end(self) -> int:
-        """Kill the worker and any process it started (its own session), reap it, and return
-        its exit code (negative: the signal). An exit code it had already made stands."""
-        if self.proc.returncode is None:  # not reaped: the group id is still its own
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-        return self.proc.wait()
-
-    def kill(self) -> None:
-        self.end()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        self.drain.join(timeout=1.0)
-
-
-def _kill_quietly(worker: _Worker) -> None:
+def _kill_quietly(worker: WorkerProcess) -> None:
+    """The finalizer: the worker ends with the interpreter, whatever state either is in."""
     try:
         worker.kill()
     except Exception:
@@ -261,7 +128,7 @@ class BoundedRewards:
         self.memory_mb = int(memory_mb)
         self.wall = wall_backstop(self.seconds)
         self.poll = max(0.005, min(POLL_MAX, self.seconds / 10))
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._finalizer: weakref.finalize | None = None
         self._cpu = 0.0  # the worker's CPU clock where its last completion ended
         self.memory_limit: int | None = None
@@ -291,9 +158,9 @@ class BoundedRewards:
 
     # -- starting ------------------------------------------------------------
 
-    def _start(self) -> _Worker:
+    def _start(self) -> WorkerProcess:
         try:
-            worker = _Worker(self.value, self.memory_mb)
+            worker = WorkerProcess(self.value, self.memory_mb)
         except OSError as exc:
             raise TaskError(f"task {self.value}: cannot start the reward worker ({exc})"
                             .replace("\n", " ")) from None
@@ -307,7 +174,7 @@ class BoundedRewards:
         self._finalizer = weakref.finalize(self, _kill_quietly, worker)
         return worker
 
-    def _handshake(self, worker: _Worker) -> float:
+    def _handshake(self, worker: WorkerProcess) -> float:
         """Wait for the worker's first line: ready (its CPU clock) or why it could not load."""
         deadline = time.monotonic() + START_SECONDS
         while True:
@@ -356,7 +223,7 @@ class BoundedRewards:
             self.close()
             raise
 
-    def _run(self, worker: _Worker, items: Sequence[tuple[str, Row]]) -> list[float]:
+    def _run(self, worker: WorkerProcess, items: Sequence[tuple[str, Row]]) -> list[float]:
         n = len(items)
         out: list[float] = []
         pending = bytearray()
@@ -392,7 +259,7 @@ class BoundedRewards:
         self._cpu = cpu_mark
         return out
 
-    def _result(self, worker: _Worker, line: bytes, index: int) -> tuple[float, float]:
+    def _result(self, worker: WorkerProcess, line: bytes, index: int) -> tuple[float, float]:
         try:
             msg = json.loads(line)
         except ValueError:
@@ -407,7 +274,7 @@ class BoundedRewards:
         raise RewardBoundExceeded("reward_crash", f"completion {index}: the reward worker "
                                   f"wrote {printable(line, 80)}", index)
 
-    def _died(self, worker: _Worker, index: int) -> None:
+    def _died(self, worker: WorkerProcess, index: int) -> None:
         # Its stdout ended, so it has exited (its files close as it does) and its exit code
         # is made; end() also takes down any process it left behind.
         code = worker.end()
@@ -418,7 +285,7 @@ class BoundedRewards:
         raise RewardBoundExceeded(
             "reward_crash", f"completion {index}: the reward worker died ({how})", index)
 
-    def _check(self, worker: _Worker, index: int, waited: float, cpu_mark: float) -> None:
+    def _check(self, worker: WorkerProcess, index: int, waited: float, cpu_mark: float) -> None:
         if worker.has_proc:
             try:
                 used = worker.cpu() - cpu_mark
@@ -435,94 +302,3 @@ class BoundedRewards:
             raise RewardBoundExceeded(
                 "reward_timeout", f"completion {index}: over {self.seconds:g} s of wall clock "
                 "(no /proc to read CPU time from)", index)
-
-
-# -----------------------------------------------------------------------------
-# The worker's side
-
-
-def _limit_memory(memory_mb: int) -> int | None:
-    """Set RLIMIT_AS to the address space now plus `memory_mb` MiB; the limit, or None where
-    it cannot be set (no /proc/self/status, no resource module)."""
-    try:
-        import resource
-
-        with open("/proc/self/status", "rb") as f:
-            vm = next(line for line in f if line.startswith(b"VmSize:"))
-        limit = int(vm.split()[1]) * 1024 + memory_mb * (1 << 20)
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
-        # Hard too: the bound is not the task's to lift.
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        return limit
-    except (ImportError, OSError, StopIteration, ValueError):
-        return None
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: have the kernel SIGKILL this worker when the thread that started it ends
-    (PR_SET_PDEATHSIG). Else a trainer killed while a reward spins (SIGKILL, the OOM killer)
-    would leave the worker burning a core until the reward ends, which for a regex that
-    backtracks can be never."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before we asked
-        os._exit(0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The worker: load the task, then one result line per request line until stdin ends."""
-    value, memory_mb, parent = (sys.argv[1:] if argv is None else argv)[:3]
-    _die_with_parent(int(parent))
-    # The pipes are the protocol's alone: keep them on fds of our own and point 0 and 1
-    # elsewhere, so a task's print() goes to stderr and its input() reads nothing, instead of
-    # corrupting or eating the requests.
-    requests = os.fdopen(os.dup(0), "rb")
-    out = os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    os.dup2(2, 1)
-
-    def send(data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view):]
-
-    try:
-        task = load_object(value)
-    except TaskError as exc:
-        send((json.dumps({"error": str(exc)}, ensure_ascii=True) + "\n").encode("ascii"))
-        return 1
-    limit = _limit_memory(int(memory_mb))
-    send((json.dumps({"ready": time.process_time(), "memory_limit": limit}) + "\n").encode("ascii"))
-    try:
-        for line in requests:
-            text, row_id, fields = json.loads(line)
-            row = Row(row_id, fields)
-            # base.completion_reward's semantics, MemoryError excepted (the bound).
-            try:
-                reward = clamp_reward(task.reward(text, row)) or 0.0
-            except MemoryError:
-                raise
-            except Exception:
-                reward = 0.0
-            send(b"[%r, %r]\n" % (reward, time.process_time()))
-    except MemoryError:
-        try:
-            os.write(out, b'{"memory": true}\n')  # a constant, under PIPE_BUF: nothing to allocate
-        finally:
-            os._exit(MEMORY_EXIT)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust, key_path, parse_private_key, public_key_text
-from volunteer_rl.storage import local_folder
+from volunteer_rl.storage.uri import local_folder
 from volunteer_rl.storage.base import Storage
 from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.dataset import load_rows

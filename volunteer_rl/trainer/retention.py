@@ -1,27 +1,8 @@
-"""Retention: which old checkpoints and rollout shards may leave the bucket, and removing them.
+"""Retention's deleting: what trainer.retention_plan says may go, removed through the Storage
+interface, by `vrl gc` (`collect`) and by the trainer (`TrainerRetention`).
 
-A run publishes a version every few seconds; without retention the bucket keeps every
-checkpoint and shard it ever saw. What may go is decided by `plan`, a pure function of the
-manifest's version, its staleness window and the listed keys, so it can be tested and shown
-as a dry run; `execute` deletes through the Storage interface in batches (`delete_many`: one
-request per 1,000 objects on S3), and reports the objects it could not delete without
-stopping at them.
-
-The rules (docs/PROTOCOL.md, "Retention"):
-
-- Kept: `manifest.json`, the `manifests/` history (the trainer derives the next version
-  number from it), the manifest's version and anything newer (a publish in flight), every
-  version of the staleness window `[current - max_staleness, current]`, the newest
-  `keep_versions` version numbers, and every prefix not in `prefixes` (metrics/, datasets/,
-  and whatever else other parts of the trainer file by version).
-- Kept too, under checkpoints/: the folders the kept versions' weights are rebuilt from,
-  from the keyframe of the lowest kept version on, and those of the patches the current
-  manifest lists (`chain_floor`). When the lowest kept version's manifest copy cannot be
-  read, no checkpoint below the kept range is removed that pass.
-- Removed: objects under `prefixes` (checkpoints/, rollouts/) of versions below the kept
-  range, whose shards can never be trained on again; and crash debris, the checkpoint
-  objects of a version below the window that never got its `manifests/` copy (a publish
-  interrupted before its commit, never named by any manifest).
+`execute` deletes in batches (`delete_many`: one request per 1,000 objects on S3), and reports
+the objects it could not delete without stopping at them.
 
 `vrl gc` lists the prefixes whole. The trainer (`TrainerRetention`) runs its passes on a
 thread of their own, off the publish path, and bounds each one: it walks the version folders
@@ -34,9 +15,8 @@ must not depend on them; over passes everything expired still goes.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Callable, Collection, Sequence
 
 from volunteer_rl.config import TrainerConfig, check
 from volunteer_rl.errors import VrlError
@@ -50,13 +30,15 @@ from volunteer_rl.protocol.manifest import (
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import DELETE_BATCH, NotFound, Storage, StorageError, one_line
-
-DEFAULT_PREFIXES = (layout.CHECKPOINTS, layout.ROLLOUTS)
-"""Top-level prefixes whose old versions retention removes."""
-DEBRIS_PREFIXES = (layout.CHECKPOINTS,)
-"""Prefixes where objects of a never-committed version are crash debris."""
-PROTECTED = frozenset({layout.MANIFEST, layout.MANIFESTS})
-"""Never deleted whatever the caller asks: the commit point and the version history."""
+from volunteer_rl.trainer.retention_plan import (
+    DEFAULT_PREFIXES,
+    Plan,
+    chain_floor,
+    check_rules,
+    committed_versions,
+    kept_from,
+    plan,
+)
 
 LIST_LIMIT = 1000
 """Keys one listing of the trainer's pass asks for (one S3 LIST page)."""
@@ -65,133 +47,14 @@ MAX_LISTINGS_PER_PASS = 64
 MAX_DELETES_PER_PASS = 4 * LIST_LIMIT
 """Objects one trainer pass deletes at most (four DeleteObjects requests on S3)."""
 
-BELOW_RANGE = "below the kept range"
-UNCOMMITTED = "never committed"
-
-
-# ---------------------------------------------------------------------------------------------
-# Planning: pure, no I/O.
-
-def kept_from(current: int, max_staleness: int, keep_versions: int) -> int:
-    """The lowest version retention keeps: the staleness window and the newest
-    `keep_versions` version numbers, whichever reaches further back."""
-    return min(layout.window(current, max_staleness).start, max(0, current - keep_versions + 1))
-
-
-def committed_versions(manifest_keys: Iterable[str]) -> set[int]:
-    """Versions that have a `manifests/vNNNNNN.json` copy among the listed keys."""
-    out = set()
-    for key in manifest_keys:
-        parsed = layout.split_versioned_key(key)
-        if parsed is not None and parsed[0] == layout.MANIFESTS:
-            out.add(parsed[1])
-    return out
-
-
-@dataclass(frozen=True)
-class Removal:
-    """Objects of one prefix removed for one reason."""
-
-    prefix: str
-    reason: str
-    keys: tuple[str, ...]
-    versions: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    current: int
-    max_staleness: int
-    keep_versions: int
-    kept_from: int
-    prefixes: tuple[str, ...]
-    removals: tuple[Removal, ...]
-
-    @property
-    def keys(self) -> list[str]:
-        return [k for r in self.removals for k in r.keys]
-
-
-def check_rules(keep_versions: int, prefixes: Collection[str]) -> None:
-    """ValueError for settings that would keep too little or touch protected objects."""
-    check(TrainerConfig, "keep_versions", keep_versions)
-    if PROTECTED & set(prefixes):
-        raise ValueError(f"retention never deletes {sorted(PROTECTED & set(prefixes))}")
-
-
-def chain_floor(current: Manifest, lowest: Manifest | None, low: int) -> int:
-    """The lowest checkpoint folder the kept versions' weights need: the keyframe of the
-    lowest kept version (`lowest`, its manifest; every kept version's keyframe is at or after
-    it), and the first patch the current manifest lists (volunteers holding any version from
-    there on patch forward). `lowest` None (its manifest unreadable): 0, keep them all."""
-    if lowest is None:
-        return 0
-    floor = low
-    for m in (current, lowest):
-        if m.weights is not None:
-            floor = min(floor, m.weights.keyframe.version,
-                        *(p.version for p in m.weights.patches[:1]))
-    return floor
-
-
-def _reason(key: str, current: int, low: int, window_from: int,
-            committed: Collection[int] | None, prefixes: Collection[str],
-            debris_prefixes: Collection[str], checkpoints_from: int) -> tuple[str, str, int] | None:
-    """(prefix, reason, version) if `key` goes, None if it stays."""
-    parsed = layout.split_versioned_key(key)
-    if parsed is None:
-        return None
-    prefix, version = parsed
-    if prefix not in prefixes or version >= current:
-        return None
-    if version < (min(low, checkpoints_from) if prefix == layout.CHECKPOINTS else low):
-        return prefix, BELOW_RANGE, version
-    if (committed is not None and prefix in debris_prefixes and version < window_from
-            and version not in committed):
-        return prefix, UNCOMMITTED, version
-    return None
-
-
-def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: int,
-         committed: Collection[int] | None = None,
-         prefixes: Collection[str] = DEFAULT_PREFIXES,
-         debris_prefixes: Collection[str] = DEBRIS_PREFIXES,
-         checkpoints_from: int | None = None) -> Plan:
-    """The keys to delete, grouped by prefix and reason.
-
-    `current` and `max_staleness` are the manifest's; `committed` is the set of versions with
-    a manifests/ copy (None: unknown, so no version is treated as crash debris);
-    `checkpoints_from` (chain_floor) keeps the checkpoint folders from it on as well (None:
-    nothing beyond the kept range). Keys outside `prefixes`, or that do not parse as
-    versioned keys, are kept."""
-    prefixes = tuple(prefixes)
-    check_rules(keep_versions, prefixes)
-    if current < 0 or max_staleness < 0:
-        raise ValueError(f"bad manifest version {current} or max_staleness {max_staleness}")
-    low = kept_from(current, max_staleness, keep_versions)
-    window_from = layout.window(current, max_staleness).start
-    groups: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
-    for key in keys:
-        why = _reason(key, current, low, window_from, committed, prefixes, debris_prefixes,
-                      low if checkpoints_from is None else checkpoints_from)
-        if why is not None:
-            groups[why[:2]].append((why[2], key))
-    order = sorted(groups, key=lambda g: (prefixes.index(g[0]), g[1]))
-    removals = tuple(_removal(prefix, reason, groups[prefix, reason]) for prefix, reason in order)
-    return Plan(current, max_staleness, keep_versions, low, prefixes, removals)
-
-
-def _removal(prefix: str, reason: str, items: list[tuple[int, str]]) -> Removal:
-    """One group, keys in version order (so an interrupted run leaves the newest behind)."""
-    items = sorted(items)
-    return Removal(prefix, reason, tuple(k for _, k in items), tuple(sorted({v for v, _ in items})))
-
 
 # ---------------------------------------------------------------------------------------------
 # Executing: deletes through Storage, never stops at a failure.
 
 @dataclass
 class Tally:
+    """What one (prefix, reason) lost: objects, and bytes where sizes were read (`execute`)."""
+
     objects: int = 0
     bytes: int = 0
 
@@ -288,48 +151,9 @@ def _lowest(storage: Storage, current: Manifest, low: int, trust: Trust | None) 
         return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Reporting.
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def n_objects(n: int) -> str:
     """`1 object`, `3 objects`."""
     return f"{n} object" if n == 1 else f"{n} objects"
-
-
-def version_ranges(versions: Iterable[int]) -> str:
-    """`v0-v10, v13` for 0..10 and 13."""
-    spans: list[list[int]] = []
-    for v in sorted(versions):
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    return ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in spans)
-
-
-def summary_lines(p: Plan, outcome: Outcome, dry_run: bool = False) -> list[str]:
-    """The kept range, then one line per prefix: objects and bytes removed, and why."""
-    verb = "would remove" if dry_run else "removed"
-    lines = [f"kept: v{p.kept_from}-v{p.current} and anything newer (manifest v{p.current}, "
-             f"staleness window {p.max_staleness}, newest {p.keep_versions} versions); "
-             f"{layout.MANIFEST}, {layout.MANIFESTS}/ and other prefixes untouched"]
-    for prefix in p.prefixes:
-        removals = [r for r in p.removals if r.prefix == prefix]
-        tallies = [outcome.removed.get((r.prefix, r.reason), Tally()) for r in removals]
-        count, size = sum(t.objects for t in tallies), sum(t.bytes for t in tallies)
-        why = "; ".join(f"{t.objects} {r.reason}: {version_ranges(r.versions)}"
-                        for r, t in zip(removals, tallies) if t.objects)
-        lines.append(f"{prefix}/: {verb} {n_objects(count)}, {human_bytes(size)}"
-                     + (f" ({why})" if why else ""))
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
