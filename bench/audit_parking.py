@@ -206,7 +206,8 @@ def self_check(model_dir: Path, pieces: dict, k: int, max_new_tokens: int, group
     from volunteer_rl.task.base import in_process
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_rows
-    from volunteer_rl.trainer.ingest import Rules, Window, check_shard
+    from volunteer_rl.trainer.checks import Rules, check_shard
+    from volunteer_rl.trainer.groups import Window
 
     policy = load_policy(model_dir, "cpu")
     task = CalculatorTask()

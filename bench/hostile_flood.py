@@ -512,7 +512,7 @@ def _row(base: dict, flooded: dict, nice: int, plan: Plan, quick: bool) -> Row:
     cores = (f["cpu_user"] + f["cpu_system"]) / max(f["wall"], 1e-9)
     ft, bt = fb["totals"], base["bucket"]["totals"]
     from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.trainer.ingest import MAX_OBJECTS_PER_VOLUNTEER_VERSION
+    from volunteer_rl.trainer.listing import MAX_OBJECTS_PER_VOLUNTEER_VERSION
 
     d = TrainerConfig(bucket="")
     where = (f"niceness {nice}: the CPU the trainer and volunteer leave, as on machines of their own" if nice > 0

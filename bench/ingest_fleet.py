@@ -99,7 +99,7 @@ def make_policy_and_pool(sizes: Sizes):
     from volunteer_rl.task.base import completion_reward, in_process
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_rows
-    from volunteer_rl.trainer.ingest import Rules
+    from volunteer_rl.trainer.checks import Rules
     from volunteer_rl.trainer.loop import initial_policy
     from volunteer_rl.trainer.preflight import dataset_paths
 
@@ -201,7 +201,7 @@ def counted_storage(bucket: str, endpoint: str):
 # The two ways to ingest.
 
 def window_of(history: int):
-    from volunteer_rl.trainer.ingest import Window
+    from volunteer_rl.trainer.groups import Window
 
     top = history - 1
     return Window(top, STALENESS, set(range(top - STALENESS, top + 1)))
@@ -217,7 +217,7 @@ def new_ingest(storage, rules):
 
 def vrl_poll(ingest, win) -> tuple[int, int, int]:
     """(shards, groups, usable groups) of one Ingest.poll."""
-    from volunteer_rl.trainer.ingest import IngestStats
+    from volunteer_rl.trainer.groups import IngestStats
 
     stats = IngestStats()
     usable = ingest.poll(win, stats)
@@ -233,7 +233,7 @@ class Naive:
         self.storage, self.rules, self.seen = storage, rules, set()
 
     def poll(self, win) -> tuple[int, int, int]:
-        from volunteer_rl.trainer.ingest import check_shard, fetch_shard
+        from volunteer_rl.trainer.checks import check_shard, fetch_shard
 
         shards = groups = 0
         for key in self.storage.list(layout.ROLLOUTS):

@@ -227,7 +227,9 @@ def intake(spec: dict, ranks, cfg) -> dict:
     from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable, WindowWeights
     from volunteer_rl.trainer.fleet import Counts, Fleet
-    from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
+    from volunteer_rl.trainer.checks import Rules
+    from volunteer_rl.trainer.groups import IngestStats, Window
+    from volunteer_rl.trainer.ingest import Ingest
     from volunteer_rl.trainer.preflight import dataset_paths
     from volunteer_rl.trainer.ranks import barrier
     from volunteer_rl.trainer.shares import Share

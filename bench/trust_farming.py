@@ -47,7 +47,7 @@ def _rules():
     from volunteer_rl.task.base import in_process
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import Problem
-    from volunteer_rl.trainer.ingest import Rules
+    from volunteer_rl.trainer.checks import Rules
 
     problems = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
     return Rules([p.row for p in problems], vocab_size=EOS + 1, k=2, max_new_tokens=8,
@@ -90,7 +90,8 @@ def trial(seed: int, floor: float | None = None) -> dict:
     from volunteer_rl.storage import open_storage
     from volunteer_rl.trainer.audit import Auditor, Budget
     from volunteer_rl.trainer.fleet import Fleet
-    from volunteer_rl.trainer.ingest import Ingest, IngestStats, Window
+    from volunteer_rl.trainer.groups import IngestStats, Window
+    from volunteer_rl.trainer.ingest import Ingest
 
     cfg = TrainerConfig(bucket="")
     storage = open_storage(f"memory://trust-farming-{seed}-{random.random()}")

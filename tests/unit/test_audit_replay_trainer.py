@@ -18,7 +18,7 @@ from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.task.reward import completion_reward
-from volunteer_rl.trainer.ingest import IngestStats
+from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.loop import Trainer
 
 K, MAX_NEW = 4, 8

@@ -13,7 +13,7 @@ from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 from volunteer_rl.task.reward import completion_reward
-from volunteer_rl.trainer.ingest import IngestStats
+from volunteer_rl.trainer.groups import IngestStats
 
 SETTINGS = {"k": 2, "max_new_tokens": 4, "audit_tolerance": 0.0}  # no audit: numbers are the point
 

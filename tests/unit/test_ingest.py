@@ -16,7 +16,9 @@ from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.audit import Auditor, Budget, Unavailable
 from volunteer_rl.trainer.fleet import Counts, Fleet
-from volunteer_rl.trainer.ingest import MAX_TRAINER_FAULTS, Ingest, IngestStats, Rules, Window
+from volunteer_rl.trainer.checks import Rules
+from volunteer_rl.trainer.groups import IngestStats, Window
+from volunteer_rl.trainer.ingest import MAX_TRAINER_FAULTS, Ingest
 
 # token id t < 100 decodes to str(t): "12" is a completion whose text is 12; 100 is EOS
 PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7"), Problem(1, "double 4", "4 * 2")]
@@ -167,12 +169,12 @@ def test_unreadable_shard_is_reported_and_skipped():
 
 
 def scored(version, prompt_id=0):
-    from volunteer_rl.trainer.ingest import ScoredGroup
+    from volunteer_rl.trainer.groups import ScoredGroup
     return ScoredGroup(prompt_id, version, "v1", [[1], [2]], [[-1.0], [-1.0]], [1.0, 0.0], "k")
 
 
 def test_staleness_filter():
-    from volunteer_rl.trainer.ingest import split_fresh
+    from volunteer_rl.trainer.groups import split_fresh
     groups = [scored(v) for v in (3, 7, 5, 6, 4, 8)]
     fresh, stale = split_fresh(groups, version=7, max_staleness=2)
     assert [g.policy_version for g in fresh] == [7, 6, 5]        # newest first, window 5..7
@@ -350,7 +352,7 @@ def test_an_unforeseen_error_is_a_recorded_rejection_and_the_poll_goes_on(monkey
     while checking a volunteer's bytes (here from hashing its groups) is logged with its
     traceback, quarantined and put in the ledger, so a restarted trainer does not read the
     shard again, and later shards are still taken."""
-    import volunteer_rl.trainer.ingest as ingest_mod
+    import volunteer_rl.trainer.checks as ingest_mod
 
     s = fresh_storage("unforeseen")
     bad = put(s, 3, "a", [g(1, 3, "a", [[8], [77]])], name="s1")
@@ -495,7 +497,7 @@ def test_one_id_cannot_take_a_poll_from_the_others(monkeypatch):
     """A flood of shards from one id costs a poll at most MAX_SHARDS_PER_VOLUNTEER_POLL parses;
     the other volunteers' shards are read in the same poll. With the audit budget short, the
     volunteers take turns at its room, so the flooder does not get it every poll."""
-    import volunteer_rl.trainer.ingest as ingest_mod
+    import volunteer_rl.trainer.listing as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "MAX_SHARDS_PER_VOLUNTEER_POLL", 4)
     s = RecordingStorage(fresh_storage("share"))
@@ -678,7 +680,7 @@ def test_junk_under_a_volunteer_prefix_is_charged_to_it_quarantined_and_recorded
 
 
 def test_objects_past_the_per_volunteer_cap_are_skipped_unread(monkeypatch):
-    import volunteer_rl.trainer.ingest as ingest_mod
+    import volunteer_rl.trainer.listing as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
     s = fresh_storage("cap")
@@ -722,7 +724,7 @@ def flood(tmp_path, version, vol, n):
 
 
 def test_a_polls_listing_is_bounded_by_the_cap_not_by_what_a_volunteer_wrote(tmp_path, monkeypatch):
-    import volunteer_rl.trainer.ingest as ingest_mod
+    import volunteer_rl.trainer.listing as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 4)
     s = RecordingStorage(open_storage(str(tmp_path)))
@@ -760,7 +762,7 @@ def test_a_denied_volunteers_folder_is_not_listed(tmp_path):
 def test_keys_outside_volunteer_folders_are_rejected_and_capped(tmp_path, monkeypatch):
     """Objects directly in a version folder are no volunteer's: up to the cap of them are taken
     (and rejected `bad_key`, charged to nobody), in one sorted order with the shards."""
-    import volunteer_rl.trainer.ingest as ingest_mod
+    import volunteer_rl.trainer.listing as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "MAX_OBJECTS_PER_VOLUNTEER_VERSION", 3)
     s = open_storage(str(tmp_path))

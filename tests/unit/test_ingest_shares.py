@@ -17,7 +17,8 @@ from volunteer_rl.protocol.ledger import Ledger, group_digest
 from volunteer_rl.protocol.shards import Group
 from volunteer_rl.trainer.audit import Auditor, Budget
 from volunteer_rl.trainer.fleet import Counts, Fleet
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, train_order
+from volunteer_rl.trainer.groups import IngestStats, train_order
+from volunteer_rl.trainer.ingest import Ingest
 from volunteer_rl.trainer.ranks import owner_rank
 from volunteer_rl.trainer.shares import agree_on_batch
 

@@ -14,7 +14,9 @@ from volunteer_rl.task.base import in_process
 from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.task.dataset import Problem
 from volunteer_rl.trainer.fleet import Fleet
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, Window
+from volunteer_rl.trainer.checks import Rules
+from volunteer_rl.trainer.groups import IngestStats, Window
+from volunteer_rl.trainer.ingest import Ingest
 
 # token id t < 100 decodes to str(t), 100 is EOS (as in test_ingest)
 PROBLEMS = [Problem(0, "add 5 and 7", "5 + 7")]

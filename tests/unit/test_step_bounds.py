@@ -13,7 +13,7 @@ import torch
 from helpers.trainers import started_trainer
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.protocol import layout
-from volunteer_rl.trainer.ingest import ScoredGroup
+from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.loop import Trainer
 from volunteer_rl.trainer.step import train_step
 

@@ -13,7 +13,7 @@ import torch
 
 from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
-from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup
+from volunteer_rl.trainer.groups import IngestStats, ScoredGroup
 from volunteer_rl.trainer.loop import Trainer
 from volunteer_rl.trainer.step import non_finite_groups, train_step
 

@@ -21,7 +21,7 @@ from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.shards import SHARD_GROUPS_LIMIT, Completion, Group, encode_shard
 from volunteer_rl.task.reward import completion_reward
-from volunteer_rl.trainer.ingest import IngestStats
+from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.loop import Trainer
 from volunteer_rl.trainer.step import audit_groups
 from volunteer_rl.volunteer.loop import swap_weights
@@ -119,7 +119,7 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
 
     # Every group scored under the published (bf16) weights matches closely; under the fp32
     # master the gap is larger: that copy is the one the audit must not use.
-    from volunteer_rl.trainer.ingest import score_group
+    from volunteer_rl.trainer.checks import score_group
     ids = trainer.prompt_ids
     sg = [score_group(g, "k", i, trainer.ingest.rules) for i, g in enumerate(groups)]
     run = trainer.run_id

@@ -16,7 +16,7 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   cost the audit budget little; a trusted volunteer's shard is replayed in one call (three
   calls for a 16-group shard cost the demo's trainer 12 s more audit time in 300 s).
 - **A contested group is replayed on its own.** A group whose content is also under another
-  volunteer's id (trainer.ingest `_contest`) is replayed whatever its shard's draw: the noise
+  volunteer's id (trainer.claims `Claims.contest`) is replayed whatever its shard's draw: the noise
   is keyed by the volunteer, so a copy fails. A shard not due by its draw has only those groups
   replayed, as honest volunteers often send identical groups (a confident policy, one prompt).
 - **Budget, reserved before a byte is fetched.** Audits may take `share` of the trainer's wall

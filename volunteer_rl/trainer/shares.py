@@ -10,13 +10,15 @@ What one volunteer's shards cannot show alone is shared at two points of every p
 collectives of every rank (so each rank polls exactly when the others do):
 
 1. after parsing, the content digest and volunteer of every group parsed: a group whose
-   content another rank also parsed under another id is contested (Ingest._contest) on both
-   ranks, so a copy is replayed and fails wherever the original is read;
+   content another rank also parsed under another id is contested (claims.Claims.contest)
+   on both ranks, so a copy is replayed and fails wherever the original is read;
 2. after taking, the contents claimed, the claims given back, and the re-audits asked of
    other ranks (a shard that passed its replay holds content first taken from a volunteer
    of another rank without an audit). Two ranks that claimed the same content in one poll
    keep it where the lower rank took it; the other records it as a duplicate, as a single
    process records the second of two identical groups.
+
+trainer.claims sends and reads both reports.
 
 The reports are JSON of the trainer's own making, sent as bytes (ranks.all_gather_bytes):
 nothing a rank receives is unpickled.
@@ -26,9 +28,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Protocol
 
-from volunteer_rl.trainer.ingest import ScoredGroup, train_order
+from volunteer_rl.trainer.groups import ScoredGroup, train_order
 from volunteer_rl.trainer.ranks import Ranks, all_gather_bytes, owner_rank
+
+
+class FleetShare(Protocol):
+    """What the intake needs of a rank's share of the fleet: Share, or a stand-in for it."""
+
+    rank: int
+    owns_nobodys: bool
+
+    def owns(self, volunteer: str) -> bool: ...
+
+    def exchange(self, report: dict) -> list[dict]: ...
 
 
 class Share:

@@ -21,7 +21,7 @@ from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.replay import replay
 from volunteer_rl.model.scoring import token_logprobs
 from volunteer_rl.protocol.draws import group_keys
-from volunteer_rl.trainer.ingest import ScoredGroup
+from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.losses import (
     grpo_advantages,
     grpo_loss,
