@@ -100,7 +100,7 @@ def make_policy_and_pool(sizes: Sizes):
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_rows
     from volunteer_rl.trainer.checks import Rules
-    from volunteer_rl.trainer.loop import initial_policy
+    from volunteer_rl.trainer.startup import initial_policy
     from volunteer_rl.trainer.preflight import dataset_paths
 
     task = CalculatorTask()

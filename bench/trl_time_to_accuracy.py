@@ -142,12 +142,12 @@ def shared_start(steps: int = WARM_START_STEPS, seed: int = SEED) -> Path:
     from volunteer_rl.model.weights import save_policy
     from volunteer_rl.task.calculator_task import CalculatorTask
     from volunteer_rl.task.dataset import load_rows
-    from volunteer_rl.trainer.loop import initial_policy
+    from volunteer_rl.trainer.startup import initial_policy
 
     train = PACKAGE_DATA / "train.csv"
     sources = [train] + [ROOT / "volunteer_rl" / f for f in (
         "model/tiny.py", "model/policy.py", "model/weights.py", "trainer/warmstart.py",
-        "trainer/loop.py", "task/calculator_task.py")]
+        "trainer/startup.py", "task/calculator_task.py")]
     folder = CACHE / f"v0-{steps}steps-seed{seed}-{_sha(sources)}"
     if (folder / "model.safetensors").is_file() and (folder / "vrl.json").is_file():
         log(f"shared start: cached {folder.relative_to(ROOT)}")
@@ -155,7 +155,7 @@ def shared_start(steps: int = WARM_START_STEPS, seed: int = SEED) -> Path:
     task = CalculatorTask()
     cfg = TrainerConfig(bucket="memory://unused", model="tiny", warm_start_steps=steps,
                         seed=seed).with_task_defaults(task)
-    torch.manual_seed(cfg.seed)  # as Trainer._start_fresh does before initial_policy
+    torch.manual_seed(cfg.seed)  # as trainer.startup.start_fresh does before initial_policy
     policy = initial_policy(cfg, task, load_rows(train, task), torch.device("cpu"), log)
     tmp = folder.with_name(folder.name + ".tmp")
     save_policy(policy, tmp)

@@ -81,7 +81,7 @@ def test_a_restarted_trainer_remembers_numbers_and_pools_and_counts_a_dropped_ta
     for _ in range(3):  # v0 and v1 leave the window (max_staleness 2)
         t.publish_next()
     poll(t)
-    t._write_views(final=True)  # fleet.json now, not at its next cadence
+    t.publisher.write_views(final=True)  # fleet.json now, not at its next cadence
     c = t.fleet.counts["vol"]
     assert (c.numbered, c.missing) == (12, 6)  # 0..11 used, 4..9 never arrived
     doc = json.loads(t.storage.read(layout.FLEET))

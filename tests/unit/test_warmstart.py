@@ -11,6 +11,8 @@ import torch
 
 import volunteer_rl.demo as demo
 import volunteer_rl.trainer.loop as loop
+import volunteer_rl.trainer.records as records
+import volunteer_rl.trainer.startup as startup
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.protocol import metrics
 from volunteer_rl.trainer.warmstart import (
@@ -49,7 +51,7 @@ def small_run(tmp_path_factory):
                         eval_every=0, dashboard_every=0, work_dir=str(root / "work"),
                         signing_key=str(root / "key.pem"), warm_start_threads=2)
     trained: dict = {}
-    real = loop.warm_start
+    real = startup.warm_start
 
     def recording(policy, questions, answers, steps, **kw):
         trained.update(questions=list(questions), threads=torch.get_num_threads())
@@ -57,7 +59,7 @@ def small_run(tmp_path_factory):
             return real(policy, questions, answers, steps, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(loop, "warm_start", recording)
+    mp.setattr(startup, "warm_start", recording)
     log: list[str] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # --threads 1, as the demo's trainer has from its start
@@ -116,12 +118,12 @@ def test_a_v0_that_already_solves_the_held_out_prompts_gets_a_warning(small_run,
     assert "97.0%" in line and "little is left for RL to learn" in line
     assert "--warm-start-steps" in line and "harder --dataset" in line
     solved = {metrics.ACCURACY_GREEDY: 1.0, metrics.ACCURACY_SAMPLED: 0.97}
-    monkeypatch.setattr(loop, "greedy_and_sampled", lambda *a, **kw: dict(solved))
+    monkeypatch.setattr(records, "greedy_and_sampled", lambda *a, **kw: dict(solved))
     log: list[str] = []
     monkeypatch.setattr(t, "log", log.append)
-    t._evaluate(0, full=True)
+    t.records.evaluate(0, full=True)
     assert [x for x in log if x.startswith("warning: v0 already solves")] == [line]
     log.clear()
-    t._evaluate(10)  # a later version: no warning
+    t.records.evaluate(10)  # a later version: no warning
     assert not [x for x in log if x.startswith("warning")]
     t.metrics_buffer.clear()

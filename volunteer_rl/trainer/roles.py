@@ -1,0 +1,190 @@
+"""The role this process plays in training, as the trainer's loop sees it: a single process
+(`Single`, here), or under torchrun one rank of several (`Ranked`, here: the writer,
+trainer.writer, or a follower, trainer.follower). The loop calls the same few things of
+each: start, run, tell the followers, the intake's round and the ranks' agreement on its
+batch, the groups that are this rank's own, the whole weights before a refused step's
+culprits are found, and what a publish needs before and after its commit. For a single
+process all but the intake's round are nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from volunteer_rl.config import TrainerConfig
+from volunteer_rl.errors import VrlError
+from volunteer_rl.model.policy import encode_prompts
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Manifest
+from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.storage.base import StorageError
+from volunteer_rl.task.base import Row, Task
+from volunteer_rl.task.bounded import BoundedRewards
+from volunteer_rl.task.curriculum import PromptPicker
+from volunteer_rl.trainer.audit import Auditor, Budget
+from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.trainer.publisher import Publisher
+from volunteer_rl.trainer.ranks import Ranks, leave
+from volunteer_rl.trainer.records import record_groups
+from volunteer_rl.trainer.shares import Share, agree_on_batch
+from volunteer_rl.trainer.withheld import GroupNumbers
+
+Round = tuple[list[ScoredGroup], list[ScoredGroup] | None, int, int]
+"""An intake round's (groups left waiting, the batch or None, groups gone stale, fresh groups
+held)."""
+
+
+class Single:
+    """A single process: the whole fleet is its own, and it has no other rank to tell."""
+
+    def __init__(self, cfg: TrainerConfig, ranks: Ranks, publisher: Publisher, task: Task,
+                 picker: PromptPicker, problems: list[Row], rewards: BoundedRewards):
+        self.cfg, self.ranks, self.publisher, self.task = cfg, ranks, publisher, task
+        self.picker, self.problems, self.rewards = picker, problems, rewards
+        self.log = publisher.log
+        self.share: Share | None = None  # this rank's share of the fleet; None: all of it
+        self.ingest: Ingest | None = None  # make_intake's
+        self.prompt_ids: dict[int, list[int]] = {}  # every problem's prompt, as tokens
+
+    def start(self, lead: Callable[[], None]) -> None:
+        """Start as the trainer: `lead` publishes v0 or resumes."""
+        lead()
+
+    def run(self, loop: Callable[[], Manifest]) -> Manifest:
+        """Run `loop` to its end, then let the other ranks go (none here)."""
+        try:
+            manifest = loop()
+        except (VrlError, StorageError):
+            self.tell("stop")  # failed outside a collective (the bucket): let them go
+            self.leave_together()
+            raise
+        self.tell("stop")
+        self.leave_together()
+        return manifest
+
+    def leave_together(self) -> None:
+        """End the reward worker, then leave the ranks after a barrier. The worker goes first
+        so that nothing runs between the barrier and the exit: gloo's teardown aborts a rank
+        that is still tearing down while another has gone (ranks.leave)."""
+        self.rewards.close()
+        leave(self.ranks, meet=True)
+
+    def tell(self, do: str, **fields) -> None:
+        """The followers' next action (writer.Writer.tell): none to tell here."""
+
+    def tell_poll(self) -> None:
+        """Before the loop's intake round: the followers poll their share (writer.Writer)."""
+
+    def observe(self, pid: int, rewards: list[float]) -> None:
+        """The curriculum learns each group taken (the intake's `observe`)."""
+        self.picker.observe(self.problems[pid], rewards)
+
+    def make_intake(self, trust: Trust) -> None:
+        """The intake (trainer.ingest) of this process, or of this rank's share of the fleet,
+        with its rules, and its auditor holding the window's weights if audits are on."""
+        cfg, p, task = self.cfg, self.publisher, self.task
+        policy = p.learner.policy
+        rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
+                      policy.decode_all, policy.eos_id, policy.special_ids, run_id=p.run_id,
+                      rewards=self.rewards.rewards)
+        self.prompt_ids = dict(enumerate(encode_prompts(
+            policy, [task.prompt(row) for row in self.problems], task.instruction)))
+        auditor = None
+        if cfg.audit_tolerance > 0:
+            replay = functools.partial(p.held.replay, prompt_ids=self.prompt_ids, run_id=p.run_id)
+            auditor = Auditor(replay, Budget(cfg.audit_share), cfg.audit_full_groups,
+                              cfg.audit_floor)
+            p.held.recover(p.published, p.storage, trust, self.log)
+        self.ingest = Ingest(p.storage, rules, p.ledger, p.fleet, auditor, self.log,
+                             cfg.log_shards, numbers=p.numbers, observe=self.observe,
+                             share=self.share)
+
+    def intake_round(self, buffer: list[ScoredGroup], stats: IngestStats,
+                     win: Window) -> Round:
+        """One poll of the intake, stale groups recorded, and the step's batch if there are
+        enough fresh groups (see Round). Under ranks every rank polls its share and they
+        agree on the batch (Ranked.agree)."""
+        buffer = self.ingest.poll(win, stats, buffer)
+        fresh, stale = split_fresh(buffer, win.version, self.cfg.max_staleness)
+        record_groups(self.publisher.ledger, stale, "stale")
+        batch, taken, stale_n, fresh_n = self.agree(fresh, len(stale), stats)
+        return fresh[taken:], batch, stale_n, fresh_n
+
+    def agree(self, fresh: list[ScoredGroup], stale: int,
+              stats: IngestStats) -> tuple[list[ScoredGroup] | None, int, int, int]:
+        """The step's batch of `fresh` or None, how many of `fresh` it took, the groups gone
+        stale and the fresh groups held."""
+        size = self.cfg.groups_per_step
+        if len(fresh) < size:
+            return None, 0, stale, len(fresh)
+        return fresh[:size], size, stale, len(fresh)
+
+    def own(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        """The groups of this rank's volunteers (a single process: all of them)."""
+        return list(groups)
+
+    def owns_shard(self, key: str) -> bool:
+        return True
+
+    def reject(self, keys: list[str], waiting: list[ScoredGroup],
+               stats: IngestStats) -> list[ScoredGroup]:
+        """After a refused step: reject the shards `keys` of this rank's volunteers; the
+        groups of `waiting` left."""
+        for key in keys:
+            if self.owns_shard(key):
+                self.ingest.reject(key, "non_finite", "non_finite: its groups gave a non-finite "
+                                   "loss or gradient (the step was not applied)", stats)
+        return [g for g in waiting if g.key not in keys]
+
+    def gather(self) -> None:
+        """The whole current weights into held.HeldWeights.full_policy: here they are."""
+
+    def before_publish(self, version: int) -> None:
+        """What every rank saves before the manifest of `version`: nothing more here."""
+
+    def after_publish(self) -> None:
+        """After a publish and what follows it: nothing here."""
+
+
+class Ranked(Single):
+    """One rank of several: its own share of the fleet (trainer.shares), and the intake's
+    batch agreed with the other ranks."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.share = Share(self.ranks)
+
+    def agree(self, fresh: list[ScoredGroup], stale: int,
+              stats: IngestStats) -> tuple[list[ScoredGroup] | None, int, int, int]:
+        """Every rank polled its share; they agree on the batch (shares.agree_on_batch), and
+        the writer's `stats`, staleness count and curriculum take in every rank's poll."""
+        batch, taken, reports = agree_on_batch(self.share, fresh, self.cfg.groups_per_step,
+                                               self.poll_report(stats, stale))
+        stale += self.hear_polls(reports, stats)
+        return batch, taken, stale, sum(r["fresh"] for r in reports)
+
+    def poll_report(self, stats: IngestStats, stale: int) -> dict:
+        """What this rank tells the writer of its poll."""
+        return {}
+
+    def hear_polls(self, reports: list[dict], stats: IngestStats) -> int:
+        """The writer: the other ranks' polls taken in; the groups gone stale there."""
+        return 0
+
+    def own(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+        return [g for g in groups if self.share.owns(g.volunteer_id)]
+
+    def owns_shard(self, key: str) -> bool:
+        author = layout.rollout_author(key)
+        return author is not None and self.share.owns(author[1])
+
+    def keep_own_volunteers(self, start: dict) -> None:
+        """This rank's volunteers' counts and group numbers, of all the writer saved."""
+        mine = self.share.owns
+        self.publisher.fleet.load_counts({v: c for v, c in start["volunteers"].items() if mine(v)})
+        try:
+            self.publisher.numbers.by = GroupNumbers.from_json(
+                {v: n for v, n in start["group_numbers"].items() if mine(v)}).by
+        except ValueError as exc:
+            self.log(f"warning: {exc}: group numbers start afresh")
