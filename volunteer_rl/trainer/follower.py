@@ -18,7 +18,7 @@ from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import rebuild
 from volunteer_rl.protocol.manifest import Manifest, poll_manifest
 from volunteer_rl.protocol.signing import Trust
-from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup, Window
+from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.ranks import barrier, broadcast_bytes, collective_errors, full_state_dict
 from volunteer_rl.trainer.records import record_groups

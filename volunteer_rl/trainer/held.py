@@ -29,7 +29,7 @@ from volunteer_rl.protocol.manifest import read_manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import Storage, StorageError
 from volunteer_rl.trainer.audit import Unavailable, WindowWeights
-from volunteer_rl.trainer.ingest import ScoredGroup
+from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.learner import Learner
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.publish import WeightsChain

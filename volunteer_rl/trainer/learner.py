@@ -17,7 +17,7 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import load_weights
-from volunteer_rl.trainer.ingest import ScoredGroup
+from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.ranks import (
     Ranks,
     load_full_optimizer_state,

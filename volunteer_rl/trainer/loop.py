@@ -38,7 +38,7 @@ from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.follower import Follower
 from volunteer_rl.trainer.held import HeldWeights
-from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup, Window
+from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window
 from volunteer_rl.trainer.learner import Learner
 from volunteer_rl.trainer.preflight import Inputs, TrainerError, read_inputs
 from volunteer_rl.trainer.publish import WeightsChain, published_or_started, signing_key

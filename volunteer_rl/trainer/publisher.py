@@ -21,7 +21,7 @@ from volunteer_rl.task.curriculum import PromptPicker
 from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.held import HeldWeights
-from volunteer_rl.trainer.ingest import ScoredGroup, Window
+from volunteer_rl.trainer.groups import ScoredGroup, Window
 from volunteer_rl.trainer.learner import Learner
 from volunteer_rl.trainer.publish import publish
 from volunteer_rl.trainer.records import Records

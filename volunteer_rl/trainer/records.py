@@ -26,7 +26,7 @@ from volunteer_rl.trainer.evaluate import greedy_and_sampled
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.fleet_summary import FleetSummary
 from volunteer_rl.trainer.held import HeldWeights
-from volunteer_rl.trainer.ingest import IngestStats, ScoredGroup
+from volunteer_rl.trainer.groups import IngestStats, ScoredGroup
 from volunteer_rl.trainer.reporters import Reporters
 from volunteer_rl.trainer.step import StepResult
 from volunteer_rl.trainer.warmstart import solved_at_v0

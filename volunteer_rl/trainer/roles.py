@@ -23,7 +23,9 @@ from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.bounded import BoundedRewards
 from volunteer_rl.task.curriculum import PromptPicker
 from volunteer_rl.trainer.audit import Auditor, Budget
-from volunteer_rl.trainer.ingest import Ingest, IngestStats, Rules, ScoredGroup, Window, split_fresh
+from volunteer_rl.trainer.checks import Rules
+from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window, split_fresh
+from volunteer_rl.trainer.ingest import Ingest
 from volunteer_rl.trainer.publisher import Publisher
 from volunteer_rl.trainer.ranks import Ranks, leave
 from volunteer_rl.trainer.records import record_groups

@@ -25,7 +25,7 @@ from volunteer_rl.stopping import StopSignal
 from volunteer_rl.storage.base import AlreadyExists, Storage, StorageError
 from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.dataset import file_sha256
-from volunteer_rl.trainer.ingest import Window
+from volunteer_rl.trainer.groups import Window
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.publish import upload_dataset
 from volunteer_rl.trainer.publisher import Publisher

@@ -13,7 +13,7 @@ import json
 from typing import Callable
 
 from volunteer_rl.protocol.signing import public_key_text
-from volunteer_rl.trainer.ingest import IngestStats
+from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.ranks import barrier, broadcast_bytes, collective_errors, full_state_dict
 from volunteer_rl.trainer.roles import Ranked
 from volunteer_rl.trainer.state import prepare_sharded
