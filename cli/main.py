@@ -8,6 +8,8 @@ is cli/errors.py's business, for every command at once.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 
 import typer
 
@@ -54,7 +56,42 @@ def _options(version: bool = typer.Option(
 
 
 def main() -> None:
-    app()
+    try:
+        app()  # click's standalone mode: every ending, a good one too, is a SystemExit
+    except SystemExit as end:
+        if _torchrun_rank():
+            _end_rank(end)
+        raise
+
+
+def _torchrun_rank() -> bool:
+    """This process is one of the ranks torchrun started (`vrl trainer` as ranks)."""
+    if "torch" not in sys.modules:  # no torch, no torch threads: nothing to guard against
+        return False
+    from volunteer_rl.trainer.ranks import TORCHRUN_ENV
+
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def _end_rank(end: SystemExit) -> None:
+    """End a rank with os._exit, after flushing its output: without the interpreter's teardown.
+
+    Why: gloo's worker threads, and any other thread still inside a torch call, may reach for
+    the GIL while the interpreter finalizes; CPython then ends that thread by unwinding it
+    through a C++ destructor that may not throw, so the process aborts ("terminate called
+    without an active exception", SIGABRT) after a run that succeeded. Seen once in a suite run
+    beside a CPU hog, on a rank that had already logged "trainer stopped";
+    test_ranks_same_weights makes the window certain with a thread busy in torch at exit.
+    What os._exit skips (atexit handlers, finalizers) has nothing left to do by then: the
+    command has closed what it opened (its reporters, the reward worker, the process group)
+    and flushed each log line as it wrote it."""
+    code = end.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): print it, 1
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

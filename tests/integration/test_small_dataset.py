@@ -13,8 +13,8 @@ what the split fixes, and `WARM_START_MAX_PASSES=0` (no split) is how to see it 
 The demo's processes (volunteer_rl.demo.start_processes: a trainer and two volunteers on a
 folder bucket) on a generated calculator dataset of 1,000 rows and 250 held-out ones, until
 the trainer has made MAX_STEPS steps: it waits for progress, however slow the machine is.
-Slow (select with -m slow): about 5 minutes idle on 2 cores, most of it the warm start (9 run
-beside another such run)."""
+Slow (select with -m slow): about 5 minutes idle on 2 cores, most of it the warm start; 9
+minutes beside another such run."""
 from __future__ import annotations
 
 import os

@@ -188,7 +188,9 @@ def leave(ranks: Ranks, meet: bool = False) -> None:
     while another still reads from them. Without it rank 0 (whose last message is a
     broadcast it returns from as soon as it is sent) aborted at exit in about one run of
     five here ("terminate called without an active exception", SIGABRT from gloo's
-    teardown). `meet` false: leaving after a failure, when the others may be gone."""
+    teardown). `meet` false: leaving after a failure, when the others may be gone. What
+    this leaves (gloo's threads outlive the group and may free tensors while the interpreter
+    finalizes) is why a rank process ends with os._exit (cli/main.py)."""
     if ranks.joined and dist.is_initialized():
         if meet:
             dist.barrier()
