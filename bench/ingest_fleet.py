@@ -20,7 +20,7 @@ that differ only in history:
 
 Measured, on the `long` bucket, same shards, same server, same process:
 
-- vrl: the product's `Ingest.poll` as `Trainer.run` calls it, with a real `Rules` (tokenizer
+- vrl: the product's `Ingest.poll` as the trainer's loop calls it (roles.Single.intake_round), with a real `Rules` (tokenizer
   decode, reward recomputation and its cache), `Ledger` and `Fleet`, audit off (the audit is a
   forward pass of the policy, a cost of the model and not of ingest), one poll that finds
   the whole window new: LIST of the window's prefixes, parallel GETs (FETCH_WORKERS), every

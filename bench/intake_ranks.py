@@ -23,8 +23,8 @@ Measured, same bucket, same server, one after the other, each side in fresh proc
 fresh Ledger, Fleet, Rules with an empty reward cache, and Auditor with a fresh budget):
 
 - baseline: one plain process (no torchrun), `Ingest(..., auditor=Auditor(...))` as
-  `Trainer._build_ingest` wires it, its replay `trainer.step.audit_groups` with v0's weights
-  held in a `WindowWeights` (as `Trainer._replay`).
+  `trainer.roles.Single.make_intake` wires it, its replay `trainer.step.audit_groups` with v0's
+  weights held in a `WindowWeights` (as `trainer.held.HeldWeights.replay`).
 - vrl: the same under `torchrun --standalone --nproc-per-node 2`: each rank joins with
   `ranks.join`, and its Ingest has its `Share` (lists, reads, checks, rescores and audits only
   the volunteers whose id hashes to it; every poll meets the other rank twice).
@@ -129,7 +129,7 @@ def log(msg: str) -> None:
 # Set-up: honest shards, sampled as each volunteer samples them.
 
 def v0_pool(cfg) -> tuple[int, ...]:
-    """v0's prompt pool as the trainer makes it (Trainer._next_pool on a fresh run)."""
+    """v0's prompt pool as the trainer makes it (PromptPicker.pool on a fresh run, as trainer.publisher commits v0)."""
     import random
 
     from volunteer_rl.task.calculator_task import CalculatorTask
@@ -235,7 +235,7 @@ def intake(spec: dict, ranks, cfg) -> dict:
     from volunteer_rl.trainer.shares import Share
     from volunteer_rl.trainer.step import audit_groups
 
-    # As Trainer._build_ingest: the rules of the manifest, the prompts' tokens for replays,
+    # As roles.Single.make_intake: the rules of the manifest, the prompts' tokens for replays,
     # the window's weights as volunteers load them, and the auditor with its budget.
     task = CalculatorTask()
     problems = load_rows(dataset_paths(cfg, task)[0], task)
@@ -248,7 +248,7 @@ def intake(spec: dict, ranks, cfg) -> dict:
     weights = WindowWeights()
     weights.add(VERSION, policy.model, WEIGHTS_DTYPES[cfg.weights_dtype])
 
-    def replay(version: int, groups: list):  # Trainer._replay
+    def replay(version: int, groups: list):  # held.HeldWeights.replay
         if not weights.load_into(version, policy.model):
             raise Unavailable(version)
         return audit_groups(policy, groups, prompt_ids, RUN_ID, cfg.temperature,

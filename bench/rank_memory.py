@@ -51,7 +51,7 @@ and one micro-batch of activations come on top):
   count_changed's comparison of the two 1; while it saves its state, safetensors' copies of
   the moments; 25 and more, 14.9 GB. With fp32 weights and audits off it holds no second
   copy of the model and no window versions.
-- each rank, lean (trainer.loop.Trainer.lean: fp32 weights, audits off, as here): its shards
+- each rank, lean (trainer.learner.Learner.lean: fp32 weights, audits off, as here): its shards
   of weights, gradient and moments 8; while the optimizer's shards are saved, two copies of
   one file of at most 256 MiB (state.FILE_BYTES); the writer while it publishes, the new
   weights file 4 and one gathered tensor at a time (the embedding, ~1), and nothing whole

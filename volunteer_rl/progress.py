@@ -57,7 +57,7 @@ class Log:
 
 LOG = Log()
 """This process's log: `vrl trainer` and `vrl volunteer` set its level from --log-level, a
-trainer rank under torchrun its prefix (trainer.loop)."""
+trainer rank under torchrun its prefix (trainer.ranks.announce)."""
 
 
 def interactive() -> bool:

@@ -129,7 +129,7 @@ def test_two_ranks_publish_the_single_process_weights(runs):
 
 def test_the_ranks_ran_lean(runs):
     """fp32 weights and audits off: the ranks hold no whole copy of the weights between
-    publishes (Trainer.lean), so the equal weights above are the streamed publish's and the
+    publishes (Learner.lean), so the equal weights above are the streamed publish's and the
     follower's scattered shards'; the writer's last weights file waits on disk, the single
     process keeps it in memory."""
     single, two, _ = runs

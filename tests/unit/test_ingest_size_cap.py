@@ -1,4 +1,4 @@
-"""The size check before a shard is downloaded (trainer.ingest.fetch_shard reads at most
+"""The size check before a shard is downloaded (trainer.checks.fetch_shard reads at most
 MAX_SHARD_BYTES, issue 26, point 9). The parser refuses an object over the cap too
 (shards.iter_groups), so the reason code alone cannot tell the two apart: what the capped read
 buys is that the object's bytes never reach the trainer (PREFETCH such objects in memory at

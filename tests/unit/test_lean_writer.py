@@ -1,4 +1,4 @@
-"""The pieces of a `lean` writer rank (trainer.loop.Trainer.lean: sharded, fp32, audits off),
+"""The pieces of a `lean` writer rank (trainer.learner.Learner.lean: sharded, fp32, audits off),
 each on its own: a skeleton model bound to a published weights file's bytes computes what
 the model computes without copying them, and a WeightsChain that keeps its last file on disk
 between publishes makes the patches and keyframes an in-memory chain makes. The ranks

@@ -20,7 +20,7 @@ from volunteer_rl_cli.main import app
 
 
 def step_line(step: int, version: int, reward: float) -> dict:
-    """A step line as Trainer._record_step writes one, with some of its maps and Nones."""
+    """A step line as records.Records.step writes one, with some of its maps and Nones."""
     return {metrics.KIND: metrics.STEP_LINE, metrics.STEP: step, metrics.VERSION: version,
             metrics.TIME: 1.7e9 + step, metrics.REWARD_MEAN: reward, "train/loss": -0.25 * step,
             metrics.GROUPS: 16, "rollout/frac_reward_zero_std": None,

@@ -455,6 +455,6 @@ def write_manifest(storage: Storage, manifest: Manifest, etag: str | None,
     new etag."""
     data = manifest.to_signed_json(key)
     new_etag = storage.write_if_match(layout.MANIFEST, data, etag)
-    crash_point("manifest_copy")  # tests: the crash a resume repairs (trainer.loop)
+    crash_point("manifest_copy")  # tests: the crash a resume repairs (trainer.startup.repair_history)
     storage.create(layout.manifest_history_key(manifest.version), data)
     return new_etag

@@ -91,7 +91,7 @@ class WeightsChain:
     holds any of those versions patches forward whatever the keyframe is. A trainer that
     starts (or resumes) holds no last version: its first version is a keyframe.
 
-    `spill_to` (a file path; the writer rank of a sharded trainer, trainer.loop): the last file
+    `spill_to` (a file path; the writer rank of a sharded trainer, trainer.writer): the last file
     is kept on disk between publishes instead of in memory (`spill`), and no spare, so the
     process holds one weights file only while it publishes one: the next file is compared
     with the spilled one piece by piece, and read back whole only to make a patch that may

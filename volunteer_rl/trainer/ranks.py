@@ -1,8 +1,9 @@
 """The trainer as N ranks under torchrun (issue 28): which rank this process is, the process
 group it joined, the policy sharded with FSDP2, its share of a step's batch, the full
 weights gathered for the one writer and broadcast from it, the writer's messages to the other
-ranks, and one-line errors for a join or a collective that fails. trainer/loop.py decides
-what the ranks do with these; docs/SCALE.md says where they split and meet.
+ranks, and one-line errors for a join or a collective that fails. trainer/roles.py,
+writer.py and follower.py decide what the ranks do with these; docs/SCALE.md says where they
+split and meet.
 
 Every collective and every piece of process management is PyTorch's own: torchrun starts and
 restarts the ranks and sets their environment, `torch.distributed` joins them, `fully_shard`

@@ -5,7 +5,7 @@ of a shard's groups: every token replayed against its committed draw, every beha
 recomputed (trainer.audit decides which shards, and with which version's weights).
 
 train_step also runs as one of N ranks (trainer.ranks): each computes its share of the batch
-and FSDP2 reduces the gradients (the trainer under torchrun, trainer/loop.py)."""
+and FSDP2 reduces the gradients (the trainer under torchrun: learner.Learner.step)."""
 
 from __future__ import annotations
 
