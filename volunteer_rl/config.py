@@ -66,6 +66,7 @@ def default_work_dir(role: str, bucket: str) -> Path:
 
 ALGOS = ("reinforce", "grpo")
 WEIGHTS_DTYPES = ("fp32", "bf16")
+VERIFY_MODES = ("every", "sampled")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """progress.LOG_LEVELS, which this room cannot import (tests/unit/test_logging.py checks
 they are the same)."""
@@ -295,6 +296,14 @@ class TrainerConfig(Checked):
     """The lowest rate at which a trusted volunteer's groups are drawn for an audit: a shard
     of g groups is audited with a chance of at least 1 - (1 - floor)^g (16 groups: 7.7 %,
     256 groups: 72 %)."""
+    verify: str = setting("every", one_of=VERIFY_MODES)
+    """Which groups are replayed against their committed draws before they are trained:
+    `every` group of every step (one forward pass each with its version's weights, unless an
+    intake audit replayed it already; one that fails is dropped from the step, its shard
+    rejected, and a token its draw cannot give denies its volunteer at once), or `sampled`:
+    only the shards the intake's audits draw (--audit-full-groups, --audit-floor), which lets
+    a patient liar get about 1/rate lying groups trained. Nothing is replayed with
+    --audit-tolerance 0."""
     deny_after: int = setting(5, at_least=0)
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
     deny_rate: float = setting(0.5, at_least=0, at_most=1)

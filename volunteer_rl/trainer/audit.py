@@ -142,6 +142,11 @@ class AuditStats:
     seconds: float = 0.0
     by_volunteer: dict[str, int] = field(default_factory=dict)
     """Shards audited per volunteer."""
+    verified: int = 0
+    """Groups replayed before a step (trainer.verify): those of the batch no audit replayed."""
+    verify_failed: int = 0
+    """...of which failed (each dropped from the step, its shard rejected)."""
+    verify_seconds: float = 0.0
 
 
 @dataclass

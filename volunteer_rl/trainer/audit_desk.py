@@ -85,6 +85,8 @@ class AuditDesk:
         self.fleet.count_audit(volunteer)
         if problem:
             raise ShardError(*problem)
+        for g in replay:
+            g.verified = True
         return replay
 
     def taken(self, key: str, volunteer: str, usable: list[ScoredGroup],
@@ -124,6 +126,17 @@ class AuditDesk:
         for other in list(self.unaudited.get(volunteer, {})):
             self.recheck(volunteer, other, stats)
 
+    def withdraw_all(self, volunteer: str) -> None:
+        """`volunteer` is denied for a proven forgery: every shard of its taken without a
+        replay is withdrawn (its untrained groups never trained), and their content freed
+        for whoever else sent it. Its shards that were replayed are dropped from the groups
+        waiting by the poll (a denied volunteer's groups are never handed out)."""
+        for key, gs in self.unaudited.pop(volunteer, {}).items():
+            untrained = [g.digest for g in gs if not self.ledger.is_done(key, g.line)]
+            self.withdraw(key)
+            self.ledger.release(untrained)
+            self.claims.release(untrained)
+
     def recheck(self, volunteer: str, key: str, stats: IngestStats,
                 only: frozenset[str] | None = None) -> None:
         """Audit now, whatever the budget, the untrained groups of `key`, taken without an
@@ -150,6 +163,8 @@ class AuditDesk:
         if outcome != "deferred":
             self.fleet.count_audit(volunteer)
         if outcome == "passed":
+            for g in groups:
+                g.verified = True
             return
         shards.pop(key, None)  # rejected or left whole: nothing of it stays unaudited
         self.withdraw(key)

@@ -97,6 +97,10 @@ class Follower(Ranked):
                 stats = IngestStats()  # reported with the batch exchange
                 if batch is None:
                     continue
+                batch, passed = self.verified(batch, stats)  # as the writer does, together
+                if batch is None:
+                    buffer = passed + buffer
+                    continue
                 result = learner.step(batch, self.prompt_ids, win.version)
                 if result.applied:  # the same decision on every rank (ranks.sum_over_ranks)
                     learner.steps += 1

@@ -34,6 +34,9 @@ class ScoredGroup:
     arrival: int = 0
     """The poll that took it (Ingest's count): groups of one version are trained in order of
     arrival, then key and line, the same order on every rank (split_fresh)."""
+    verified: bool = False
+    """Passed a replay with its version's weights (an intake audit, or trainer.verify before
+    a step): not replayed again."""
 
 
 _COUNTS = ("shards", "groups", "zero_variance", "duplicates", "denied", "over_cap", "trainer_errors")
@@ -76,6 +79,8 @@ class IngestStats:
         a, b = self.audit, raw["audit"]
         a.audited, a.skipped, a.deferred = a.audited + b["audited"], a.skipped + b["skipped"], a.deferred + b["deferred"]
         a.seconds += b["seconds"]
+        a.verified, a.verify_failed = a.verified + b["verified"], a.verify_failed + b["verify_failed"]
+        a.verify_seconds += b["verify_seconds"]
         for volunteer, n in b["by_volunteer"].items():
             a.by_volunteer[volunteer] = a.by_volunteer.get(volunteer, 0) + n
 

@@ -33,7 +33,7 @@ from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.learner import Learner
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.publish import WeightsChain
-from volunteer_rl.trainer.step import audit_groups
+from volunteer_rl.trainer.step import replay_problems
 
 
 class HeldWeights:
@@ -159,9 +159,17 @@ class HeldWeights:
 
     def replay(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                run_id: str) -> tuple[str, str] | None:
-        """Audit `groups` of `version` (trainer.step.audit_groups) with that version's weights."""
+        """Audit `groups` of `version` with that version's weights: the first failure or None."""
+        return next((p for p in self.problems(version, groups, prompt_ids, run_id)
+                     if p is not None), None)
+
+    def problems(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                 run_id: str) -> list[tuple[str, str] | None]:
+        """Replay `groups` of `version` (trainer.step.replay_problems) with that version's
+        weights as volunteers load them: each group's failure or None. Unavailable if the
+        weights are not held (a version unreadable after a resume)."""
         if not self.window.load_into(version, self.audit_policy.model):
             raise Unavailable(version)
         cfg = self.cfg
-        return audit_groups(self.audit_policy, groups, prompt_ids, run_id,
-                            cfg.temperature, cfg.replay_tolerance, cfg.audit_tolerance)
+        return replay_problems(self.audit_policy, groups, prompt_ids, run_id,
+                               cfg.temperature, cfg.replay_tolerance, cfg.audit_tolerance)

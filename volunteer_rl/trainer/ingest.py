@@ -48,6 +48,10 @@ NUMBERING_ERRORS = {
     "seq_order": "group numbers out of order with the versions they were sampled under",
 }
 """The messages of withheld.GroupNumbers' reason codes."""
+FORGERY = "replay_mismatch"
+"""The reason code that proves a forgery: a token the committed draw cannot give (beyond the
+near-tie rule). One such shard denies its volunteer at once, with its untrained groups
+withdrawn; other rejections count towards --deny-after and --deny-rate."""
 
 
 def _key_version(key: str) -> int:
@@ -164,7 +168,8 @@ class Ingest:
             self.audits.settle()
         for g in out:
             g.arrival = self.listing.polls
-        return [g for g in [*waiting, *out] if g.key not in self.withdrawn]
+        return [g for g in [*waiting, *out]
+                if g.key not in self.withdrawn and not self.fleet.is_denied(g.volunteer_id)]
 
     def _wanted(self, key: str) -> bool:
         """True if `key` still has something to take."""
@@ -319,6 +324,25 @@ class Ingest:
         """Reject a shard after intake (the trainer found its groups poison a step)."""
         self._reject(key, reason, detail, stats)
 
+    def failed_replay(self, g: ScoredGroup, reason: str, detail: str, stats: IngestStats) -> None:
+        """Group `g` of a taken shard failed its replay before a step (trainer.verify): the
+        shard's acceptance is taken back and it is rejected, its untrained groups withdrawn
+        (a forgery denies its volunteer: _reject). Once per shard, whichever of its groups
+        failed first."""
+        if g.key in self.withdrawn:
+            return
+        self.fleet.revoke(g.volunteer_id, g.shard_size)
+        self._reject(g.key, reason, f"{reason}: {detail}", stats, g.shard_size)
+
+    def unverifiable(self, key: str) -> None:
+        """Groups of `key` could not be replayed before a step (their version's weights are
+        not held, or the replay failed by a fault of the trainer's own): withdrawn, charged to
+        nobody, as an intake re-audit that cannot run."""
+        if key not in self.withdrawn:
+            self._withdraw(key)
+            self.log(f"left {printable(key)}: its groups cannot be replayed now; withdrawn, "
+                     "charged to nobody")
+
     def _reject(self, key: str, reason: str, detail: str, stats: IngestStats, groups: int = 1) -> None:
         """Record the rejection (ledger, quarantine/, counts) of a shard of `groups` groups
         (1 when they were not counted); deny a volunteer that keeps sending bad shards, and
@@ -337,7 +361,12 @@ class Ingest:
             self.log(f"warning: {exc}")
         self._count(key, False, stats, groups)
         author = layout.rollout_author(key)
-        if author is not None:
+        if author is None:
+            return
+        if reason == FORGERY:
+            self._deny(author[1], f"forged tokens in {key}: {detail}")
+            self.audits.withdraw_all(author[1])
+        else:
             self.audits.caught(key, author[1], stats)
 
     def _withdraw(self, key: str) -> None:
@@ -352,11 +381,16 @@ class Ingest:
         stats.by_volunteer.setdefault(volunteer, [0, 0])[0 if accepted else 1] += 1
         if self.fleet.note(volunteer, accepted, groups):
             c = self.fleet.counts[volunteer]
-            reason = (f"{c.rejected} of {c.accepted + c.rejected} shards "
-                      f"({c.rejected_groups} of {c.accepted_groups + c.rejected_groups} groups) rejected")
-            try:
-                self.fleet.deny(self.storage, volunteer, reason)
-                self.log(f"denied volunteer {volunteer}: {reason}; lift with "
-                         f"`vrl volunteers allow {volunteer}`")
-            except Exception as exc:
-                self.log(f"warning: could not deny {volunteer}: {exc}")
+            self._deny(volunteer, f"{c.rejected} of {c.accepted + c.rejected} shards "
+                       f"({c.rejected_groups} of {c.accepted_groups + c.rejected_groups} groups) rejected")
+
+    def _deny(self, volunteer: str, reason: str) -> None:
+        """Put `volunteer` on the denylist (once), and say so."""
+        if self.fleet.is_denied(volunteer):
+            return
+        try:
+            self.fleet.deny(self.storage, volunteer, reason[:1000])
+            self.log(f"denied volunteer {volunteer}: {printable(reason)}; lift with "
+                     f"`vrl volunteers allow {volunteer}`")
+        except Exception as exc:
+            self.log(f"warning: could not deny {volunteer}: {exc}")

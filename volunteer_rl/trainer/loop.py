@@ -216,6 +216,11 @@ class Trainer:
             buffer, batch, stale, fresh = role.intake_round(buffer, stats, self.window())
             stale_dropped += stale
             t_ingest += time.time() - t0
+            if batch is not None:  # every group replayed before it is trained (trainer.verify)
+                batch, passed = role.verified(batch, stats)
+                if batch is None:
+                    buffer = passed + buffer
+                    continue
             if batch is None:
                 if self.waiting.due():
                     self.log(waiting_line(fresh, stats, cfg.groups_per_step, learner.steps))

@@ -91,6 +91,8 @@ class Records:
             "audit/shards": stats.audit.audited, "audit/skipped": stats.audit.skipped,
             "audit/deferred": stats.audit.deferred, "audit/seconds": stats.audit.seconds,
             "audit/by_volunteer": stats.audit.by_volunteer,
+            "verify/groups": stats.audit.verified, "verify/failed": stats.audit.verify_failed,
+            "verify/seconds": stats.audit.verify_seconds,
             "train/loss": result.loss, "train/grad_norm": result.grad_norm,
             **timing,
             **{f"train/{k}": v for k, v in result.stats.items()},

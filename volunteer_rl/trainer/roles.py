@@ -27,9 +27,10 @@ from volunteer_rl.trainer.checks import Rules
 from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window, split_fresh
 from volunteer_rl.trainer.ingest import Ingest
 from volunteer_rl.trainer.publisher import Publisher
-from volunteer_rl.trainer.ranks import Ranks, leave
+from volunteer_rl.trainer.ranks import Ranks, leave, rank_share
 from volunteer_rl.trainer.records import record_groups
 from volunteer_rl.trainer.shares import Share, agree_on_batch
+from volunteer_rl.trainer.verify import Verdict, verify
 from volunteer_rl.trainer.withheld import GroupNumbers
 
 Round = tuple[list[ScoredGroup], list[ScoredGroup] | None, int, int]
@@ -122,6 +123,44 @@ class Single:
             return None, 0, stale, len(fresh)
         return fresh[:size], size, stale, len(fresh)
 
+    def verified(self, batch: list[ScoredGroup],
+                 stats: IngestStats) -> tuple[list[ScoredGroup] | None, list[ScoredGroup]]:
+        """(`batch`, []) if every group of it passed its replay (trainer.verify; with
+        --verify every and audits on), else (None, the groups of this rank's volunteers that
+        passed): no step this round, those wait in front of the buffer, the failures' shards
+        are rejected (Ingest.failed_replay) and the groups that could not be replayed
+        withdrawn. Under ranks every rank calls it on the same batch (Ranked.settle)."""
+        cfg, p = self.cfg, self.publisher
+        if cfg.verify != "every" or cfg.audit_tolerance <= 0:
+            return batch, []
+        mine = verify(p.held, batch, self.verify_share(len(batch)), self.prompt_ids, p.run_id,
+                      self.log)
+        stats.audit.verified += mine.replayed
+        stats.audit.verify_failed += len(mine.problems)
+        stats.audit.verify_seconds += mine.seconds
+        verdict = self.settle(mine)
+        if verdict.clean:
+            return batch, []
+        for i, (reason, detail) in sorted(verdict.problems.items()):
+            if self.owns_shard(batch[i].key):
+                self.ingest.failed_replay(batch[i], reason, detail, stats)
+        for i in sorted(verdict.unverifiable):
+            if self.owns_shard(batch[i].key):
+                self.ingest.unverifiable(batch[i].key)
+        bad = set(verdict.problems) | verdict.unverifiable
+        passed = [g for i, g in enumerate(batch) if i not in bad]
+        for g in passed:  # replayed by some rank, or before
+            g.verified = True
+        return None, self.own(passed)
+
+    def verify_share(self, n: int) -> range:
+        """The indices of a batch of `n` groups this rank replays: all of them here."""
+        return range(n)
+
+    def settle(self, verdict: Verdict) -> Verdict:
+        """Every rank's verdict on its share, merged: here the one."""
+        return verdict
+
     def own(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
         """The groups of this rank's volunteers (a single process: all of them)."""
         return list(groups)
@@ -173,6 +212,20 @@ class Ranked(Single):
     def hear_polls(self, reports: list[dict], stats: IngestStats) -> int:
         """The writer: the other ranks' polls taken in; the groups gone stale there."""
         return 0
+
+    def verify_share(self, n: int) -> range:
+        """This rank's contiguous 1/world_size of the batch, as for the loss (rank_share)."""
+        s = rank_share(n, self.ranks)
+        return range(s.start, s.stop)
+
+    def settle(self, verdict: Verdict) -> Verdict:
+        """Every rank's verdict on its share, exchanged (a collective of every rank), merged."""
+        merged = Verdict()
+        for r in self.share.exchange({"problems": [[i, *p] for i, p in verdict.problems.items()],
+                                      "unverifiable": sorted(verdict.unverifiable)}):
+            merged.problems.update({i: (reason, detail) for i, reason, detail in r["problems"]})
+            merged.unverifiable.update(r["unverifiable"])
+        return merged
 
     def own(self, groups: list[ScoredGroup]) -> list[ScoredGroup]:
         return [g for g in groups if self.share.owns(g.volunteer_id)]

@@ -155,8 +155,18 @@ def non_finite_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dic
 def audit_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                  run_id: str, temperature: float, replay_tolerance: float,
                  logprob_tolerance: float) -> tuple[str, str] | None:
+    """The first failure of `groups`' replay (replay_problems), or None if every group passed."""
+    problems = replay_problems(policy, groups, prompt_ids, run_id, temperature,
+                               replay_tolerance, logprob_tolerance)
+    return next((p for p in problems if p is not None), None)
+
+
+def replay_problems(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
+                    run_id: str, temperature: float, replay_tolerance: float,
+                    logprob_tolerance: float) -> list[tuple[str, str] | None]:
     """Replay every completion of `groups` under `policy`, which must hold the weights of their
-    version as volunteers ran them: (reason code, detail) of the first failure, else None.
+    version as volunteers ran them: for each group, (reason code, detail) of its first
+    failing completion, or None. One replay call for all of them (model.replay batches it).
 
     `replay_mismatch`: a token is not the one its committed noise (protocol.draws) selects from
     the recomputed scores, the replay's own token, nor the runner-up of a near-tie within
@@ -165,17 +175,25 @@ def audit_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int
     or another temperature."""
     keys = [group_keys(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
                        len(g.token_ids)) for g in groups]
-    rows = replay(policy, [prompt_ids[g.prompt_id] for g in groups], [g.token_ids for g in groups],
-                  keys, temperature)
-    where = [(g, j, claimed) for g in groups for j, claimed in enumerate(g.behavior_logprobs)]
-    for (g, j, claimed), row in zip(where, rows):
-        at = f"group {g.line} (seq {g.seq}) completion {j}"
-        p = row.first_failure(replay_tolerance)
-        if p >= 0:
-            return ("replay_mismatch", f"{at}: token {p} is not the one its committed draw "
-                    f"selects (margin {row.margins[p]:.2e} nats, tolerance {replay_tolerance:g})")
-        gap = max((abs(a - b) for a, b in zip(claimed, row.logprobs)), default=0.0)
-        if gap > logprob_tolerance:
-            return ("logprob_mismatch", f"{at}: behavior logprobs differ from the trainer's by "
-                    f"up to {gap:.3f} (tolerance {logprob_tolerance:g})")
-    return None
+    rows = iter(replay(policy, [prompt_ids[g.prompt_id] for g in groups],
+                       [g.token_ids for g in groups], keys, temperature))
+    problems: list[tuple[str, str] | None] = []
+    for g in groups:
+        problem = None
+        for j, claimed in enumerate(g.behavior_logprobs):
+            row = next(rows)  # every row is read: the next group's start where this one's end
+            if problem is not None:
+                continue
+            at = f"group {g.line} (seq {g.seq}) completion {j}"
+            p = row.first_failure(replay_tolerance)
+            if p >= 0:
+                problem = ("replay_mismatch", f"{at}: token {p} is not the one its committed "
+                           f"draw selects (margin {row.margins[p]:.2e} nats, tolerance "
+                           f"{replay_tolerance:g})")
+                continue
+            gap = max((abs(a - b) for a, b in zip(claimed, row.logprobs)), default=0.0)
+            if gap > logprob_tolerance:
+                problem = ("logprob_mismatch", f"{at}: behavior logprobs differ from the "
+                           f"trainer's by up to {gap:.3f} (tolerance {logprob_tolerance:g})")
+        problems.append(problem)
+    return problems

@@ -1,0 +1,99 @@
+"""A patient liar against a live `vrl trainer`: honest groups first, to earn a low audit rate,
+then lying groups in one-group shards, each sent once the one before it had its outcome.
+
+With sampled audits only (`--verify sampled`, the rule before issue 41) a lying shard is
+audited at the volunteer's rate, here 1/n after n clean groups (`--audit-full-groups 1`), so
+the first lies are taken unaudited and trained (about 1/rate lies per identity). With every
+trained group verified (the default) the first lie that reaches a step fails its replay
+before the backward pass: no lying group is trained, and the forgery denies the volunteer at
+once, whatever its record.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from conftest import TEMPLATE_VERSION
+
+from helpers.bucket_objects import FolderBucket, as_dicts, committed, gz_lines, key
+from helpers.vrlproc import Proc, wait_for
+from volunteer_rl.protocol import layout
+from volunteer_rl.task.base import completion_reward
+from volunteer_rl.task.calculator_task import CalculatorTask
+
+V = TEMPLATE_VERSION
+LIES = 6
+"""Lying groups the liar has ready; it stops sending once it is denied."""
+STEP = re.compile(r"^step \d+ v\d+ reward ", re.M)
+
+
+def trained(bucket) -> set[tuple[str, int]]:
+    """(shard key, line) of every group the committed ledger records say was trained."""
+    out = set()
+    for v in committed(bucket.path):
+        path = bucket.path / layout.ledger_key(v)
+        for rec in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+            if rec["outcome"] == "trained":
+                out.update((rec["key"], line) for line in rec["lines"])
+    return out
+
+
+def forged(template, group):
+    """`group` with one completion's first token swapped for another ordinary token (what its
+    draw did not select), its reward recomputed; None if the group lost its reward variance."""
+    policy, task = template.policy, CalculatorTask()
+    vocab = len(policy.tokenizer)
+    completions = list(group.completions)
+    j = next(i for i, c in enumerate(completions) if len(c.token_ids) >= 2)
+    tokens = list(completions[j].token_ids)
+    swap = (tokens[0] + 1) % vocab
+    while swap == tokens[0] or swap == policy.eos_id or swap in policy.special_ids:
+        swap = (swap + 1) % vocab
+    tokens[0] = swap
+    row = template.problems[group.prompt_id]
+    reward = completion_reward(task, row, tokens, policy.decode_all, policy.eos_id, policy.special_ids)
+    completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
+    if len({c.reward for c in completions}) < 2:
+        return None
+    return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)
+
+
+def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_forgery(template, tmp_path):
+    groups = template.groups("patient", V)
+    lies = [g for g in (forged(template, g) for g in groups[-3 * LIES:]) if g is not None][-LIES:]
+    lie_seqs = {g.seq for g in lies}
+    honest = [g for g in groups if g.seq < min(lie_seqs)]
+    assert len(lies) >= 3 and len(honest) >= 12, (len(lies), len(honest))
+    bucket = FolderBucket(template.copy(tmp_path / "bucket"))
+    for i in range(0, len(honest), 6):  # its record: shards of 6 honest groups
+        bucket.put(key("patient", f"a{i:03d}"), gz_lines(as_dicts(honest[i:i + 6], "patient")))
+    proc = Proc(["trainer", *bucket.args, "--groups-per-step", "1", "--publish-every", "100000",
+                 "--audit-full-groups", "1", "--audit-share", "1", "--eval-every", "0",
+                 "--eval-dataset", str(template.eval_csv), "--threads", "1",
+                 "--poll-seconds", "0.05", "--log-shards", "--work-dir", str(tmp_path / "work"),
+                 "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path)
+    try:
+        wait_for(lambda: proc.text().count("took rollouts/") >= -(-len(honest) // 6), 300,
+                 "the honest shards taken")
+        sent = []
+        for n, lie in enumerate(lies):
+            if "denied volunteer patient" in proc.text():
+                break
+            k = bucket.put(key("patient", f"b{n:03d}"), gz_lines(as_dicts([lie], "patient")))
+            sent.append(k)
+            # its outcome: trained (the next step took it), or rejected
+            wait_for(lambda: f"rejected {k}" in proc.text() or
+                     len(STEP.findall(proc.text())) > len(honest) + n, 300, f"an outcome for {k}")
+        wait_for(lambda: "denied volunteer patient" in proc.text(), 120, "the liar denied")
+        assert proc.terminate() == 0, proc.text()[-3000:]
+    finally:
+        proc.kill()
+    log = proc.text()
+    done = trained(bucket)
+    assert not [k for k in sent if (k, 0) in done], (sent, log[-3000:])
+    assert sum(1 for (k, _) in done if "/patient/a" in k) == len(honest), log[-3000:]
+    quarantined = json.loads(bucket.read(layout.quarantine_key(sent[0])))
+    assert quarantined["reason"] == "replay_mismatch", quarantined
+    assert len(sent) == 1, sent  # denied at its first forgery: the rest never sent
+    denylist = json.loads(bucket.read(layout.DENYLIST))["volunteers"]
+    assert "patient" in denylist and "forged" in denylist["patient"]["reason"], denylist

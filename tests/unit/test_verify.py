@@ -1,0 +1,192 @@
+"""Every group a step trains is replayed first (trainer.verify, roles.Single.verified): a real
+trainer resumed on a copy of the template's bucket, shards of real groups with reward
+variance taken by its intake, and the batch verified as the loop verifies it.
+
+The volunteers here are trusted (a record of many clean groups and an audit floor near 0),
+so the intake's sampled audits let their shards through unreplayed: what keeps a lie out of
+the step is the verification alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TEMPLATE_VERSION
+
+from helpers.bucket_objects import as_dicts, gz_lines, key
+from volunteer_rl.config import TrainerConfig
+from volunteer_rl.protocol import layout
+from volunteer_rl.task.base import completion_reward
+from volunteer_rl.task.calculator_task import CalculatorTask
+from volunteer_rl.trainer.fleet import Counts
+from volunteer_rl.trainer.groups import IngestStats
+from volunteer_rl.trainer.loop import Trainer
+
+V = TEMPLATE_VERSION
+TRUSTED = 10**6
+"""Clean groups on a trusted volunteer's record: at the floor below, its shards go unaudited."""
+
+
+def trainer_on(template, root, **settings) -> Trainer:
+    bucket = template.copy(root / "bucket")
+    cfg = TrainerConfig(**{"bucket": str(bucket), "eval_every": 0, "dashboard_every": 0,
+                           "eval_dataset": str(template.eval_csv), "work_dir": str(root / "work"),
+                           "signing_key": str(template.key), "audit_floor": 1e-9,
+                           "groups_per_step": 4, **settings})
+    t = Trainer(cfg, log=lambda m: None)
+    t.start()
+    assert t.version == V
+    return t
+
+
+def trust(t: Trainer, *volunteers: str) -> None:
+    for v in volunteers:
+        t.fleet.counts[v] = Counts(accepted=TRUSTED, clean=TRUSTED, accepted_groups=TRUSTED)
+
+
+def forged(template, group):
+    """`group` with one completion's first token swapped (a token its draw did not select)
+    and that completion's reward recomputed; None if the group lost its reward variance."""
+    policy = template.policy
+    vocab = len(policy.tokenizer)
+    completions = list(group.completions)
+    j = next(i for i, c in enumerate(completions) if len(c.token_ids) >= 2)
+    tokens = list(completions[j].token_ids)
+    swap = (tokens[0] + 1) % vocab
+    while swap == tokens[0] or swap == policy.eos_id or swap in policy.special_ids:
+        swap = (swap + 1) % vocab
+    tokens[0] = swap
+    reward = completion_reward(CalculatorTask(), template.problems[group.prompt_id], tokens,
+                               policy.decode_all, policy.eos_id, policy.special_ids)
+    completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
+    if len({c.reward for c in completions}) < 2:
+        return None
+    return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)
+
+
+def first_forgery(template, groups):
+    return next(f for f in (forged(template, g) for g in groups) if f is not None)
+
+
+def put(t: Trainer, volunteer: str, name: str, groups) -> str:
+    k = key(volunteer, name)
+    t.storage.write(k, gz_lines(as_dicts(groups, volunteer)))
+    return k
+
+
+def batch_of(t: Trainer, stats: IngestStats):
+    """One intake round as the loop runs it: (groups left, the batch)."""
+    buffer, batch, _, _ = t.role.intake_round([], stats, t.window())
+    assert batch is not None and stats.audit.audited == 0, stats
+    return buffer, batch
+
+
+@pytest.fixture
+def trainer(template, tmp_path):
+    return trainer_on(template, tmp_path)
+
+
+def test_a_forged_group_in_a_batch_is_dropped_before_the_step_and_denies_its_volunteer(template, trainer):
+    t = trainer
+    trust(t, "honest", "liar")
+    honest = template.groups("honest")[:3]
+    lies = template.groups("liar")
+    lie = first_forgery(template, lies)
+    put(t, "honest", "h1", honest)
+    later = [g for g in lies if g.seq > lie.seq]
+    liar_key = put(t, "liar", "l1", [lie, *later[:2]])
+    put(t, "liar", "l2", later[2:4])  # honest groups: dropped all the same once it is denied
+    stats = IngestStats()
+    buffer, batch = batch_of(t, stats)
+    assert any(g.key == liar_key and g.seq == lie.seq for g in batch), batch
+    out, passed = t.role.verified(batch, stats)
+    assert out is None  # no step on this batch
+    assert stats.rejected == {"replay_mismatch": 1}, stats.rejected
+    assert stats.audit.verify_failed == 1 and stats.audit.verified == len(batch), stats.audit
+    assert json.loads(t.storage.read(layout.quarantine_key(liar_key)))["reason"] == "replay_mismatch"
+    assert t.fleet.is_denied("liar") and "forged" in t.fleet.denied["liar"]["reason"]
+    assert [g.seq for g in passed] == [g.seq for g in batch if g.seq != lie.seq or g.key != liar_key]
+    assert all(g.verified for g in passed)
+    # The next round: the liar's groups (those that passed too) are never handed out again,
+    # the honest ones are, verified already (not replayed twice), and they are trained.
+    stats = IngestStats()
+    left = t.ingest.poll(t.window(), stats, passed + buffer)
+    assert {g.volunteer_id for g in left} == {"honest"}, left
+    assert key("liar", "l2") in {g.key for g in buffer}  # it was waiting: now it is not
+    assert all(g.verified for g in left if g.key == key("honest", "h1"))
+
+
+def test_a_batch_of_honest_trusted_groups_is_stepped_and_replayed_once(template, trainer):
+    t = trainer
+    trust(t, "steady")
+    put(t, "steady", "s1", template.groups("steady")[:4])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    out, passed = t.role.verified(batch, stats)
+    assert out is batch and passed == [] and stats.audit.verified == 4, stats.audit
+    assert all(g.verified for g in batch)
+    again = IngestStats()
+    assert t.role.verified(batch, again)[0] is batch and again.audit.verified == 0
+    assert t.learner.step(batch, t.prompt_ids, t.version).applied
+
+
+def test_groups_whose_versions_weights_are_not_held_are_withdrawn_and_charged_to_nobody(template, trainer):
+    t = trainer
+    trust(t, "unlucky")
+    k = put(t, "unlucky", "u1", template.groups("unlucky")[:4])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    del t.held.window.versions[V]  # as after a resume that could not read v2's checkpoint
+    t.held.window.loaded = None
+    out, passed = t.role.verified(batch, stats)
+    assert out is None and passed == [] and not stats.rejected, stats.rejected
+    assert not t.fleet.is_denied("unlucky") and t.fleet.counts["unlucky"].rejected == 0
+    assert k in t.ingest.withdrawn
+
+
+def test_with_verify_sampled_the_batch_goes_to_the_step_unreplayed(template, tmp_path):
+    """--verify sampled: the intake's audits alone decide (the lie here is taken unaudited)."""
+    t = trainer_on(template, tmp_path, verify="sampled")
+    trust(t, "liar")
+    lies = template.groups("liar")
+    put(t, "liar", "l1", [first_forgery(template, lies), *lies[-3:]])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    assert t.role.verified(batch, stats) == (batch, []) and stats.audit.verified == 0
+
+
+def test_a_forgery_found_by_an_intake_audit_denies_at_once(template, trainer):
+    """A new volunteer's shards are all audited; one replay_mismatch is enough to deny it
+    (--deny-after 5 counts every other kind of rejection)."""
+    t = trainer
+    lies = template.groups("newcomer")
+    k = put(t, "newcomer", "n1", [first_forgery(template, lies)])
+    stats = IngestStats()
+    t.ingest.poll(t.window(), stats)
+    assert stats.rejected == {"replay_mismatch": 1} and t.fleet.counts["newcomer"].rejected == 1
+    assert t.fleet.is_denied("newcomer"), t.fleet.denied
+    denylist = json.loads(t.storage.read(layout.DENYLIST))["volunteers"]
+    assert k in denylist["newcomer"]["reason"]
+
+
+def test_a_forgers_groups_that_passed_an_audit_are_never_trained_either(template, tmp_path):
+    """Denied for a forgery, a volunteer loses every group not trained yet, the ones an intake
+    audit replayed and passed included (its first shard, audited as a newcomer's)."""
+    t = trainer_on(template, tmp_path, groups_per_step=6)
+    groups = template.groups("farmer")
+    earned = put(t, "farmer", "f0", groups[:2])
+    stats = IngestStats()
+    buffer, batch, _, _ = t.role.intake_round([], stats, t.window())
+    assert batch is None and stats.audit.by_volunteer == {"farmer": 1}, stats.audit
+    assert all(g.verified for g in buffer)
+    trust(t, "farmer", "honest")
+    put(t, "honest", "h1", template.groups("honest")[:3])
+    lie = first_forgery(template, groups[2:])
+    put(t, "farmer", "f1", [lie])
+    stats = IngestStats()
+    buffer, batch, _, _ = t.role.intake_round(buffer, stats, t.window())
+    assert [g.key for g in batch].count(earned) == 2 and lie.seq in [g.seq for g in batch]
+    out, passed = t.role.verified(batch, stats)
+    assert out is None and t.fleet.is_denied("farmer") and stats.audit.verified == 4, stats.audit
+    assert earned not in t.ingest.withdrawn  # audited, so not withdrawn as unaudited shards are
+    left = t.ingest.poll(t.window(), IngestStats(), passed + buffer)
+    assert {g.volunteer_id for g in left} == {"honest"}, [g.key for g in left]
