@@ -451,3 +451,40 @@ def test_a_uri_without_prefix_uses_the_bucket_root(admin, endpoint):
     store.write("r/a", b"1")
     assert admin.get_object(Bucket=BUCKET, Key="manifest.json")["Body"].read() == b"{}"
     assert store.list("") == ["manifest.json", "r/a"] and store.list("r") == ["r/a"]
+
+
+def test_retention_steps_over_an_object_a_bucket_policy_keeps_and_goes_on(store, admin):
+    """A bucket policy denies deleting one shard of v1: DeleteObjects answers AccessDenied for
+    that key alone. The trainer's pass names it, deletes everything else that expired
+    (checkpoints included) and moves on; the next pass does not ask again."""
+    import json
+
+    from volunteer_rl.protocol import layout
+    from volunteer_rl.protocol.manifest import Dataset, Manifest, Sampling, TaskRef
+    from volunteer_rl.trainer.retention import TrainerRetention
+
+    def manifest(v):
+        return Manifest(task=TaskRef("calculator", "volunteer-rl", "0.1.0"), run_id="run-x",
+                        version=v, checkpoint=layout.checkpoint_prefix(v), files={},
+                        dataset=Dataset("train", "datasets/train-abc.csv", "ab" * 32, 10, 1),
+                        sampling=Sampling(2, 1.0, 8), max_staleness=1)
+
+    for v in range(6):
+        store.write(layout.checkpoint_key(v, "config.json"), b"{}")
+        store.write(layout.shard_key(v, "vol-1", f"0000000000001-{v:06d}-00000000"), b"s")
+        store.write(layout.manifest_history_key(v), manifest(v).to_json())
+    kept = layout.shard_key(1, "vol-1", "0000000000001-000001-00000000")
+    admin.put_bucket_policy(Bucket=BUCKET, Policy=json.dumps({"Version": "2012-10-17", "Statement": [
+        {"Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
+         "Resource": f"arn:aws:s3:::{BUCKET}/{store.full_key(kept)}"}]}))
+    logs = []
+    r = TrainerRetention(Retrying(store, sleep=lambda s: None), keep_versions=2, every=1,
+                         log=logs.append)
+    out = r.run_pass(manifest(5))
+    assert [k for k, _ in out.failed] == [kept] and "AccessDenied" in out.failed[0][1]
+    assert logs[0] == "retention: removed 7 objects; kept v4-v5; could not delete 1 object"
+    assert {layout.split_versioned_key(k)[1] for k in store.list("checkpoints")} == {4, 5}
+    assert kept in store.list("rollouts")
+    assert {layout.split_versioned_key(k)[1] for k in store.list("rollouts")} == {1, 4, 5}
+    logs.clear()
+    assert not r.run_pass(manifest(5)).failed and logs == []

@@ -2,7 +2,7 @@
 `vrl trainer --task NAME` and one `vrl volunteer` process on a folder bucket, for the built-in
 countdown and for the example plugin examples/vrl-task-sort, installed with pip into a folder
 of its own and put on both processes' PYTHONPATH. A volunteer without the plugin refuses the
-run in one line naming the package to install.
+run in one line naming the package the manifest names (never as a command to run).
 
 Each run warm-starts the tiny model briefly on the task's reference answers, takes a few steps
 on the volunteer's groups (rewards recomputed by the trainer) and publishes them; the tests
@@ -101,8 +101,10 @@ def test_the_held_out_eval_reads_the_task_from_the_manifest(countdown):
 def test_a_volunteer_without_the_task_refuses_in_one_line(sort):
     r = run_vrl(["volunteer", "--bucket", str(sort["bucket"]), "--id", "bare",
                  "--work-dir", str(sort["root"] / "bare")], cwd=sort["root"], timeout=300)
-    assert one_line_error(r) == ("error: manifest.json: task 'sort' is not installed here; it "
-                                 "comes from vrl-task-sort 0.1.0: pip install 'vrl-task-sort==0.1.0'")
+    assert one_line_error(r) == ("error: manifest.json: task 'sort' is not installed here; the "
+                                 "manifest names package 'vrl-task-sort' version '0.1.0' (to "
+                                 "install a task you trust: docs/TASKS.md, Installing a task a "
+                                 "manifest names)")
     assert not list((sort["bucket"] / "rollouts").glob("*/bare/*"))  # it sampled nothing
 
 
@@ -123,3 +125,28 @@ def test_vrl_tasks_lists_the_installed_ones(sort_plugin, tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.search(r"^sort\s+vrl-task-sort 0\.1\.0\s+\(vrl_task_sort", r.stdout, re.M), r.stdout
     assert "columns numbers" in r.stdout
+
+
+def test_a_refused_task_is_named_as_the_manifests_words_never_as_a_command(tmp_path):
+    """A manifest signed by a key the volunteer only pins on first use names a package of its
+    choosing: the refusal quotes it as what the manifest says and points to docs/TASKS.md;
+    it prints no install command built from the bucket's text."""
+    from volunteer_rl.protocol.manifest import Dataset, FileEntry, Manifest, Sampling, TaskRef
+    from volunteer_rl.protocol.signing import Ed25519PrivateKey
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    m = Manifest(task=TaskRef("evil", "evil-tasks", "1.0"), run_id="run-x", version=0,
+                 checkpoint=layout.checkpoint_prefix(0),
+                 files={"config.json": FileEntry("ab" * 32, 1000)},
+                 dataset=Dataset("train", "datasets/train-abc.csv", "cd" * 32, 10, 1),
+                 sampling=Sampling(8, 1.0, 32), max_staleness=2, created_at=1_795_306_223.2)
+    (bucket / layout.MANIFEST).write_bytes(m.to_signed_json(Ed25519PrivateKey.generate()))
+    r = run_vrl(["volunteer", "--bucket", str(bucket), "--id", "v", "--work-dir",
+                 str(tmp_path / "w")], cwd=tmp_path, timeout=300)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "pip install" not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    assert ("error: manifest.json: task 'evil' is not installed here; the manifest names "
+            "package 'evil-tasks' version '1.0' (to install a task you trust: docs/TASKS.md, "
+            "Installing a task a manifest names)") in r.stderr.splitlines(), r.stderr
+    assert not (bucket / "rollouts").exists()  # it sampled nothing

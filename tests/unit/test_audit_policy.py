@@ -136,6 +136,41 @@ def test_a_trusted_volunteer_is_audited_at_its_rate_and_a_draw_found_due_stays_d
     assert a.due(skipped, 10**9, 1)
 
 
+class Uniforms:
+    """An rng whose draws are given: `first` for the first key, then `rest`."""
+
+    def __init__(self, first, rest):
+        self.values = iter([first])
+        self.rest = rest
+
+    def random(self) -> float:
+        return next(self.values, self.rest)
+
+
+def test_a_draw_found_due_stays_due_when_the_table_fills_and_the_table_stays_bounded(monkeypatch):
+    """A trusted volunteer's shard drawn due, then many more keys drawn than the table holds:
+    the due one is still due (clearing the table gave it a new draw, and 28 % of such shards
+    were then taken unaudited), and the draws not due are dropped, oldest first."""
+    import volunteer_rl.trainer.audit as audit
+
+    monkeypatch.setattr(audit, "MAX_DECISIONS", 8)
+    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, Uniforms(0.001, 0.999))
+    trusted = 10**6  # rate at the floor: only a draw below 0.005 is due
+    assert a.surely_due("due", trusted)
+    for i in range(100):
+        assert not a.surely_due(f"k{i}", trusted)
+        assert len(a.draws) <= 8
+    assert a.surely_due("due", trusted) and a.draws["due"].u == 0.001
+    assert "k99" in a.draws and "k0" not in a.draws  # the newest are kept
+    for i in range(20):  # due draws are never dropped; they leave with the window (forget)
+        a.draws[f"d{i}"] = audit.Draw(0.0, due=True)
+    for i in range(100, 200):
+        a.surely_due(f"k{i}", trusted)
+    assert all(f"d{i}" in a.draws for i in range(20)) and len(a.draws) <= 21 + 8
+    a.forget(lambda k: not k.startswith("d"))
+    assert len(a.draws) <= 8
+
+
 def test_the_budget_is_reserved_at_admission_and_settled_after_the_audit():
     clock = Clock()
     a = Auditor(lambda v, g: None, Budget(0.1, clock), 10, 0.005, random.Random(0))

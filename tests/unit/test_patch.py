@@ -161,15 +161,15 @@ def test_chunked_apply_is_exact_and_checks_across_chunk_edges(monkeypatch, chunk
     refused(buf, forged(2, 1024, 3, [10, 2**63, 2**63], [1, 2, 3]), "outside the file or out of order")
 
 
-@pytest.mark.parametrize("word", [2, 4])
-def test_applying_a_patch_needs_the_body_and_little_more(word):
-    """Worst case: every word of a 4 MiB file changed. Beyond the patch's decompressed body
-    (n * (8 + word) bytes, which the header bounds by the file) apply_patch holds a constant:
-    it used to hold ~35 bytes per changed word on top (int64 positions made and copied
-    whole), 272 MiB for one 8 MiB file."""
+@pytest.mark.parametrize("word", [1, 2, 4])
+def test_applying_a_patch_holds_chunks_not_its_body(word):
+    """Worst case: every word of an 8 MiB file changed, so the decompressed body is 3 to 9
+    times the file (n * (8 + word) bytes). apply_patch streams it: beyond the file it holds
+    a few CHUNK-long buffers, whatever n is (it used to hold the whole body, and before that
+    ~35 bytes per changed word on top: 272 MiB for one 8 MiB file)."""
     import tracemalloc
 
-    size = 4 << 20
+    size = 8 << 20
     base = np.random.default_rng(1).bytes(size)
     target = (np.frombuffer(base, dtype=f"<u{word}") + 1).tobytes()  # every word changed
     patch = patch_of(base, target, word)
@@ -182,4 +182,22 @@ def test_applying_a_patch_needs_the_body_and_little_more(word):
     finally:
         tracemalloc.stop()
     assert bytes(buf) == target
-    assert peak <= body + (4 << 20), f"{peak / 2**20:.1f} MiB for a body of {body / 2**20:.1f} MiB"
+    bound = 4 << 20  # the skip buffer (SKIP_BYTES, 1 MiB), ~32 bytes per word of a CHUNK, slack
+    assert peak <= bound < body // 4, f"{peak / 2**20:.1f} MiB for a body of {body / 2**20:.1f} MiB"
+
+
+def test_a_frame_asking_for_a_bigger_window_than_max_window_is_refused():
+    """Each stream of an apply holds one zstd window: a frame may not ask for more than
+    MAX_WINDOW (zstd's default limit is 128 MiB); the frames make_patch writes stay under it."""
+    base = np.random.default_rng(3).bytes(1 << 20)
+    target = changed_copy(base, 2, 0.5, 4)
+    good = patch_of(base, target, 2)
+    frame = zstandard.get_frame_parameters(good[HEADER.size:])
+    assert frame.window_size <= patch_module.MAX_WINDOW
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=24,
+                                                            write_content_size=False)
+    body = zstandard.ZstdDecompressor().decompress(good[HEADER.size:])
+    stream = zstandard.ZstdCompressor(compression_params=params).compressobj()  # size unknown
+    wide = stream.compress(body) + stream.flush()
+    assert zstandard.get_frame_parameters(wide).window_size > patch_module.MAX_WINDOW
+    refused(bytearray(base), good[:HEADER.size] + wide, "not a zstd frame")

@@ -387,11 +387,77 @@ def test_trainer_pass_failures_never_stop_the_trainer(tmp_path):
     fill(s, range(8))
     r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
     out = r.run_pass(manifest(7))
-    assert len(out.failed) == 2 and r.next["checkpoints"] == 0  # the next pass tries again
-    assert r.next["rollouts"] == 6 and out.objects == 6 * 2
-    assert sum("could not delete" in line for line in logs) == 2
+    # every checkpoint refused: each named or counted once, and the walk goes on past them
+    assert len(out.failed) == 6 * 2 and r.next == {"rollouts": 6, "checkpoints": 6}
+    assert out.objects == 6 * 2
+    assert logs[0] == "retention: removed 12 objects; kept v6-v7; could not delete 12 objects"
+    assert sum("could not delete" in line for line in logs) == 1 + TrainerRetention.MAX_REPORTED
+    logs.clear()
+    assert not r.run_pass(manifest(7)).failed and logs == []  # not tried again
     with pytest.raises(ValueError):
         TrainerRetention(s, keep_versions=0, every=1)
+
+
+class Unanswered(DenyDelete):
+    """A bucket whose delete requests fail as a whole (an outage), not key by key."""
+
+    def delete_many(self, keys):
+        raise StorageError(f"{keys[0]}: delete failed: connection reset")
+
+
+def test_a_delete_request_that_goes_unanswered_is_tried_again_by_the_next_pass(tmp_path):
+    s = Unanswered(tmp_path, deny=[])
+    fill(s, range(8))
+    r = TrainerRetention(s, keep_versions=2, every=1, log=[].append)
+    out = r.run_pass(manifest(7))
+    assert out.failed and r.next == {"rollouts": 0, "checkpoints": 0}
+    s.delete_many = s.inner.delete_many  # the bucket answers again
+    r.run_pass(manifest(7))
+    assert r.next == {"rollouts": 6, "checkpoints": 6} and len(s.list("rollouts")) == 4
+
+
+def test_an_object_that_cannot_be_deleted_is_reported_and_retention_goes_on(tmp_path):
+    """On a folder bucket a volunteer leaves, among its shards of v1, a symlink to a file
+    outside the bucket: listed as an object, never deletable (the key escapes the bucket).
+    The trainer's pass names it once, escaped, counts it, and goes on: the other expired
+    versions go, checkpoints included, and later passes do not try it again."""
+    s = open_storage(str(tmp_path / "bucket"))
+    fill(s, range(8))
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not the bucket's")
+    folder = tmp_path / "bucket" / layout.rollout_volunteer_prefix(1, "vol-2")
+    (folder / "link\x1b[2J").symlink_to(outside)
+    logs = []
+    r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
+    out = r.run_pass(manifest(7))
+    assert [k for k, _ in out.failed] == [f"{layout.rollout_volunteer_prefix(1, 'vol-2')}/link\x1b[2J"]
+    assert logs[0] == "retention: removed 24 objects; kept v6-v7; could not delete 1 object"
+    assert len(logs) == 2 and "link\\x1b[2J: key escapes the bucket folder" in logs[1]
+    assert all(ch.isprintable() for line in logs for ch in line)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {6, 7}
+    assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {1, 6, 7}
+    assert outside.read_bytes() == b"not the bucket's"
+    logs.clear()
+    fill(s, range(8, 10))
+    out = r.run_pass(manifest(9))  # the next pass walks v6-v7 only
+    assert not out.failed and logs == ["retention: removed 8 objects; kept v8-v9"]
+
+
+def test_a_folder_of_too_many_refused_objects_is_given_up(tmp_path, monkeypatch):
+    import volunteer_rl.trainer.retention as retention
+
+    monkeypatch.setattr(retention, "LIST_LIMIT", 4)
+    monkeypatch.setattr(retention, "MAX_REFUSED_PER_FOLDER", 4)
+    s = Retrying(DenyDelete(tmp_path, deny=["vol-9"]), sleep=lambda s: None)
+    fill(s, range(4))
+    junk(tmp_path, 0, 9)
+    logs = []
+    r = TrainerRetention(s, keep_versions=2, every=1, log=logs.append)
+    out = r.run_pass(manifest(3))
+    assert len(out.failed) == 6 and r.next == {"rollouts": 2, "checkpoints": 2}
+    assert ("warning: retention leaves the rest of rollouts/v000000/: more than 4 objects "
+            "there could not be deleted") in logs
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {2, 3}
 
 
 class Held:

@@ -134,13 +134,18 @@ def test_a_manifests_task_must_be_installed_from_its_package_at_its_version():
     assert task.name == "calculator"  # distribution names compare as pip does
     with pytest.raises(registry.TaskError) as e:
         registry.for_manifest(TaskRef("sorting", "vrl-task-sorting", "2.0"))
-    assert str(e.value) == ("manifest.json: task 'sorting' is not installed here; it comes from "
-                            "vrl-task-sorting 2.0: pip install 'vrl-task-sorting==2.0'")
+    guide = "(to install a task you trust: docs/TASKS.md, Installing a task a manifest names)"
+    assert str(e.value) == ("manifest.json: task 'sorting' is not installed here; the manifest "
+                            f"names package 'vrl-task-sorting' version '2.0' {guide}")
     with pytest.raises(registry.TaskError) as e:
         registry.for_manifest(TaskRef("calculator", "volunteer-rl", "9.9"))
-    assert str(e.value) == (f"manifest.json: task 'calculator' is from volunteer-rl 9.9, this "
-                            f"machine has volunteer-rl {own.version}: pip install "
-                            "'volunteer-rl==9.9'")
+    assert str(e.value) == (f"manifest.json: task 'calculator' is installed from volunteer-rl "
+                            f"{own.version}; the manifest names package 'volunteer-rl' version "
+                            f"'9.9' {guide}")
+    with pytest.raises(registry.TaskError) as e:  # a ref not read through manifest._task
+        registry.for_manifest(TaskRef("x\x1b]0;t\x07", "p\x1b[2J", "1\n"))
+    assert "\x1b" not in str(e.value) and "\n" not in str(e.value)
+    assert "'p\\x1b[2J' version '1\\x0a'" in str(e.value)
     with pytest.raises(registry.TaskError):
         registry.for_manifest(TaskRef("calculator", "someone-else", own.version))
 

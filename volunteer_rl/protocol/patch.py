@@ -29,17 +29,20 @@ The object, little-endian:
 
 Reading one is bounded by the file it patches: n is at most the number of words, the body
 must decompress to exactly its announced length, and every position is checked to be
-inside the file and strictly increasing before any word is written. A patch that fails any
-check is PatchError (one line, naming the object), and the buffer it was applied to is left
-as it was. The manifest's sha256 of the patch object is checked before it is parsed (the
-caller's job, as for every checkpoint file), so a patch from a bucket someone else wrote
-never gets here; the bounds hold anyway.
+inside the file and strictly increasing before any word is written; the decompressed
+body (up to 9 times the file, for word 1) is streamed, never held (`apply_patch`). A patch
+that fails any check is PatchError (one line, naming the object), and the buffer it was
+applied to is left as it was. The manifest's sha256 of the patch object is checked before it
+is parsed (the caller's job, as for every checkpoint file), so a patch from a bucket someone
+else wrote never gets here; the bounds hold anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -53,7 +56,15 @@ WORDS = (1, 2, 4, 8)
 HEADER = struct.Struct("<8sIIQ32s32sQ8s")
 """magic, format, word, size, base name, target name, changed words, tail."""
 CHUNK = 1 << 16
-"""Changed words a patch is applied by at a time: bounds the memory beyond the body."""
+"""Changed words a patch is checked and applied by at a time: with MAX_WINDOW, what bounds the
+memory beyond the file patched (about 25 bytes per word of a chunk)."""
+MAX_WINDOW = 8 << 20
+"""The largest zstd window a patch frame may ask for (a frame asking more is refused as no zstd
+frame): each of the up to 9 streams an apply reads holds one. make_patch's level writes at
+most 2 MiB windows; zstd's own default limit is 128 MiB."""
+SKIP_BYTES = 1 << 20
+"""Decompressed bytes read at a time while a stream skips to where its part of a body starts,
+and while a body's length is counted."""
 ZSTD_LEVEL = 3
 """Level 3 compresses the shuffled gaps and values of a 1 %-changed bf16 file within a few
 percent of level 19, at hundreds of MB/s."""
@@ -83,15 +94,6 @@ def _words(buf, word: int) -> np.ndarray:
 def _shuffle(a: np.ndarray) -> bytes:
     """Byte planes of an array of n k-byte integers: byte 0 of every one, then byte 1, ..."""
     return a.view(np.uint8).reshape(len(a), a.itemsize).T.tobytes()
-
-
-def _unshuffle_slice(planes, n: int, a: int, b: int) -> np.ndarray:
-    """Integers a..b-1 of n uint64 stored as byte planes (_shuffle), as a new array."""
-    out = np.empty(b - a, dtype="<u8")
-    cols = out.view(np.uint8).reshape(b - a, 8)
-    for j in range(8):
-        cols[:, j] = np.frombuffer(planes, np.uint8, count=b - a, offset=j * n + a)
-    return out
 
 
 def _name(hex_name: str) -> bytes:
@@ -156,9 +158,13 @@ def apply_patch(buf, patch, name: str = "patch", base: str | None = None) -> Pat
     patch for another version is refused before anything is written). Every bound is checked
     before the first word is written, so on PatchError `buf` is unchanged. Returns the header:
     its `target` names what `buf` now holds if the patch was made honestly (the caller checks
-    the manifest's hashes of the result, which are what count)."""
-    import zstandard
+    the manifest's hashes of the result, which are what count).
 
+    The body is never held: it is decompressed three times, CHUNK words at a time (its
+    length counted; every position checked; then written), by streams that each start
+    where their part lies (the k-th byte plane of the gaps at k * n, the deltas at 8 n), so
+    memory beyond `buf` is a few CHUNK-long buffers and at most 9 zstd windows of
+    MAX_WINDOW, whatever n is; the price is decompressing about 9 times as much as one pass."""
     info = read_header(patch, name)
     patch = memoryview(patch).cast("B")
     buf = memoryview(buf).cast("B")
@@ -168,44 +174,103 @@ def apply_patch(buf, patch, name: str = "patch", base: str | None = None) -> Pat
         raise PatchError(f"{name}: made for another base ({info.base[:12]}..., "
                          f"held {base[:12]}...)")
     n, word = info.changed, info.word
-    expected = n * (8 + word)
-    # A stream read into a buffer of the announced size (+1 to see a longer body): whatever
-    # the frame says of its own size, it never gets more memory than the header's n allows.
-    body = bytearray(expected + 1)
-    view, got = memoryview(body), 0
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(patch[HEADER.size:]) as reader:
-            while got < len(body) and (k := reader.readinto(view[got:])):
-                got += k
-    except zstandard.ZstdError as exc:
-        raise PatchError(f"{name}: body is not a zstd frame ({exc})") from None
-    if got != expected:
-        held = f"more than {expected}" if got > expected else str(got)
-        raise PatchError(f"{name}: body holds {held} bytes, the header announces {expected}")
-    # Positions are made from the gaps CHUNK at a time, twice: all checked first (so a
-    # refused patch leaves `buf` as it was), then written. Beyond the body itself, memory is
-    # a few CHUNK-long arrays, whatever n is.
-    planes, deltas = view[:n * 8], np.frombuffer(view, dtype=f"<u{word}", count=n, offset=n * 8)
+    body = _Body(patch[HEADER.size:], name)
+    body.check_length(n * (8 + word))
     words = _words(buf, word)
     for write in (False, True):
-        last = 0
-        for a in range(0, n, CHUNK):
-            b = min(n, a + CHUNK)
-            gaps = _unshuffle_slice(planes, n, a, b)
-            # gaps below the word count and a running position below it too: the sum of a
-            # chunk cannot wrap (CHUNK * words is far below 2**64 for any file in memory)
-            if int(gaps.max()) >= len(words) or (b - a > 1 and int(gaps[1:].min()) < 1) \
-                    or (a > 0 and int(gaps[0]) < 1):
-                raise PatchError(f"{name}: a position outside the file or out of order")
-            at = np.cumsum(gaps, dtype=np.uint64) + np.uint64(last)
-            last = int(at[-1])
-            if last >= len(words):
-                raise PatchError(f"{name}: a position outside the file or out of order")
-            if write:
-                at = at.astype(np.intp)
-                words[at] += deltas[a:b]  # unsigned: wraps modulo 2^(8 word), as made
+        _walk(body, n, word, words, write)
     tail = info.size % word
     if tail:
         buf[info.size - tail:] = HEADER.unpack_from(patch)[7][:tail]
     return info
 
+
+class _Body:
+    """A patch's zstd frame, read as streams that start anywhere in what it decompresses to;
+    any zstd error is PatchError naming the patch."""
+
+    def __init__(self, frame: memoryview, name: str):
+        self.frame, self.name = frame, name
+        self.scratch = bytearray(SKIP_BYTES)
+
+    def _stream(self):
+        """A new stream of the frame from its start: each has its own decompression context
+        (a zstandard decompressor runs one operation at a time)."""
+        import zstandard
+
+        return zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).stream_reader(self.frame)
+
+    @contextlib.contextmanager
+    def _zstd_errors(self) -> Iterator[None]:
+        import zstandard
+
+        try:
+            yield
+        except zstandard.ZstdError as exc:
+            raise PatchError(f"{self.name}: body is not a zstd frame ({exc})") from None
+
+    def _read(self, reader, view: memoryview) -> int:
+        """Fill `view` from `reader` as far as the frame goes; the bytes read."""
+        got = 0
+        with self._zstd_errors():
+            while got < len(view) and (k := reader.readinto(view[got:])):
+                got += k
+        return got
+
+    def check_length(self, expected: int) -> None:
+        """The frame decompresses to exactly `expected` bytes (counted, not held: a frame
+        that says anything of its own size gets no more than `expected` + 1 bytes read)."""
+        got, scratch = 0, memoryview(self.scratch)
+        with self._zstd_errors(), self._stream() as reader:
+            while got <= expected and (k := self._read(reader, scratch[:expected + 1 - got])):
+                got += k
+        if got != expected:
+            held = f"more than {expected}" if got > expected else str(got)
+            raise PatchError(f"{self.name}: body holds {held} bytes, the header announces {expected}")
+
+    @contextlib.contextmanager
+    def at(self, offset: int) -> Iterator[Callable[[memoryview], None]]:
+        """A stream of the decompressed body from byte `offset` on, as a function that fills
+        a view with the next bytes (the length was checked, so they are there)."""
+        scratch = memoryview(self.scratch)
+        with self._zstd_errors(), self._stream() as reader:
+            while offset:
+                skipped = self._read(reader, scratch[:min(offset, len(scratch))])
+                if not skipped:
+                    raise PatchError(f"{self.name}: body ended early")
+                offset -= skipped
+
+            def fill(view: memoryview) -> None:
+                if self._read(reader, view) != len(view):
+                    raise PatchError(f"{self.name}: body ended early")
+            yield fill
+
+
+def _walk(body: _Body, n: int, word: int, words: np.ndarray, write: bool) -> None:
+    """Go through the n positions (made from the gaps) and, if `write`, add each delta to
+    its word; PatchError at the first position outside the file or out of order. Called
+    once to check and once to write, so a refused patch leaves `words` as they were."""
+    planes = np.empty((8, min(CHUNK, n)), dtype=np.uint8)
+    deltas = np.empty(min(CHUNK, n), dtype=f"<u{word}")
+    with contextlib.ExitStack() as streams:
+        gap_bytes = [streams.enter_context(body.at(j * n)) for j in range(8)]
+        delta_bytes = streams.enter_context(body.at(8 * n)) if write else None
+        last = 0
+        for a in range(0, n, CHUNK):
+            m = min(CHUNK, n - a)
+            for j, fill in enumerate(gap_bytes):
+                fill(memoryview(planes[j, :m]))
+            gaps = np.ascontiguousarray(planes[:, :m].T).view("<u8").reshape(m)
+            # gaps below the word count and a running position below it too: the sum of a
+            # chunk cannot wrap (CHUNK * words is far below 2**64 for any file in memory)
+            if int(gaps.max()) >= len(words) or (m > 1 and int(gaps[1:].min()) < 1) \
+                    or (a > 0 and int(gaps[0]) < 1):
+                raise PatchError(f"{body.name}: a position outside the file or out of order")
+            at = np.cumsum(gaps, dtype=np.uint64) + np.uint64(last)
+            last = int(at[-1])
+            if last >= len(words):
+                raise PatchError(f"{body.name}: a position outside the file or out of order")
+            if write:
+                delta_bytes(memoryview(deltas[:m]).cast("B"))
+                # unsigned: wraps modulo 2^(8 word), as made
+                words[at.astype(np.intp)] += deltas[:m]

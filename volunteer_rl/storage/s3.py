@@ -32,6 +32,7 @@ from volunteer_rl.storage.base import (
     classify_errors,
 )
 from volunteer_rl.storage.s3_errors import (
+    bound_error_bodies,
     error_code,
     http_status,
     is_conflict,
@@ -92,6 +93,7 @@ class S3Storage:
         With an endpoint (MinIO, R2, a test server) requests are path-style, and checksums
         are only sent where S3 requires them: several S3-compatible stores reject the
         CRC trailers that botocore adds by default since 1.36.
+        An answer with an error status is read only up to s3_errors.ERROR_BODY_BYTES.
         """
         import boto3
         from botocore.config import Config
@@ -107,7 +109,9 @@ class S3Storage:
             options.update(s3={"addressing_style": "path"},
                            request_checksum_calculation="when_required",
                            response_checksum_validation="when_required")
-        return boto3.client("s3", endpoint_url=endpoint_url or None, config=Config(**options))
+        client = boto3.client("s3", endpoint_url=endpoint_url or None, config=Config(**options))
+        bound_error_bodies(client)
+        return client
 
     def full_key(self, key: str) -> str:
         """The full object key of a relative key."""

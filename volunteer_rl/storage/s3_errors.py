@@ -2,7 +2,8 @@
 botocore had retried the request, a condition that did not hold, and which faults are worth
 another try (`is_transient`, also the rule for s3:// through s3fs: fsspec.py). Shared by the
 S3 backend (s3.py) and its transfers (s3_transfer.py); botocore is imported only inside
-is_transient, so importing this stays instant.
+is_transient, so importing this stays instant. How much of an error answer is read at all is
+`bound_error_bodies`, set on every client S3Storage makes.
 """
 
 from __future__ import annotations
@@ -56,3 +57,48 @@ def is_conflict(exc) -> bool:
     """A condition did not hold: 412, or 409 when another conditional write was in flight."""
     return http_status(exc) == 412 or error_code(exc) == "ConditionalRequestConflict"
 
+
+
+ERROR_BODY_BYTES = 64 * 1024
+"""Bytes of an answer's body read at most when its status is 300 or more (an error, a 304):
+S3's error document is a few hundred bytes. The rest of a longer one is never read (the
+connection is dropped), and botocore parses what was read, or, if that is not XML, makes the
+error from the status alone; each try of a request costs at most this."""
+
+
+def bound_error_bodies(client) -> None:
+    """Make every request of a boto3 client read at most ERROR_BODY_BYTES of an answer whose
+    status is 300 or more. botocore reads such a body whole, for any operation (`content`),
+    before it parses it or decides to retry: an endpoint answering 500 with an endless
+    body would be read without end, on every try. So the client's HTTP session is asked to
+    leave every body unread, and its answer is read here: an error's up to the bound, any
+    other whole when botocore would have (operations without a streamed output)."""
+    session = client._endpoint.http_session
+    send = session.send
+
+    def bounded_send(request):
+        streamed = request.stream_output
+        request.stream_output = True
+        try:
+            response = send(request)
+        finally:
+            request.stream_output = streamed
+        if response.status_code >= 300:
+            response._content = _head(response.raw, ERROR_BODY_BYTES)
+        elif not streamed:
+            response.content  # noqa: B018 - read whole now, as botocore's session does
+        return response
+
+    session.send = bounded_send
+
+
+def _head(raw, cap: int) -> bytes:
+    """At most `cap` bytes of an answer's body (a urllib3 response). A longer body's
+    connection is closed, not handed back to the pool with the rest unread."""
+    data = bytearray()
+    while len(data) <= cap and (chunk := raw.read(cap + 1 - len(data))):
+        data += chunk
+    if len(data) > cap:
+        raw.close()
+        del data[cap:]
+    return bytes(data)

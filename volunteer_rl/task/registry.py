@@ -12,9 +12,14 @@ from importlib import metadata
 
 from volunteer_rl.errors import VrlError
 from volunteer_rl.protocol.manifest import TASK_NAME, TaskRef
+from volunteer_rl.protocol.printable import printable
 from volunteer_rl.task.base import Task
 
 GROUP = "volunteer_rl.tasks"
+INSTALL_GUIDE = "docs/TASKS.md, Installing a task a manifest names"
+"""Where a volunteer refusing a manifest's task is sent: how to install a task it trusts. The
+refusal never prints a command: the package it names is the manifest's text, and the manifest
+may come from a bucket whose key the volunteer only pinned on first use."""
 BUILT_IN = {
     "calculator": ("volunteer_rl.task.calculator_task:CalculatorTask", "volunteer-rl"),
     "countdown": ("volunteer_rl.task.countdown:CountdownTask", "volunteer-rl"),
@@ -102,17 +107,19 @@ def load(name: str) -> tuple[Task, TaskInfo]:
 
 def for_manifest(ref: TaskRef, what: str = "manifest.json") -> tuple[Task, TaskInfo]:
     """The task a manifest names, from this machine's installed packages: the same name from
-    the same package at the same version. TaskError otherwise, one line saying what to
-    install; a different version may write other prompts or score otherwise, and every shard
-    sampled with it would be refused."""
-    install = f"pip install '{ref.package}=={ref.version}'"
+    the same package at the same version. TaskError otherwise, one line saying what is
+    missing, quoted as the manifest's words (escaped), and where to read how to install a
+    task: never a command built from them; a different version may write other prompts or
+    score otherwise, and every shard sampled with it would be refused."""
+    name, package, version = (printable(s) for s in (ref.name, ref.package, ref.version))
+    named = f"the manifest names package '{package}' version '{version}'"
     found = installed().get(ref.name)
     if found is None:
-        raise TaskError(f"{what}: task {ref.name!r} is not installed here; it comes from "
-                        f"{ref.package} {ref.version}: {install}")
+        raise TaskError(f"{what}: task '{name}' is not installed here; {named} "
+                        f"(to install a task you trust: {INSTALL_GUIDE})")
     if (canonical(found.package), found.version) != (canonical(ref.package), ref.version):
-        raise TaskError(f"{what}: task {ref.name!r} is from {ref.package} {ref.version}, this "
-                        f"machine has {found.package} {found.version}: {install}")
+        raise TaskError(f"{what}: task '{name}' is installed from {found.package} "
+                        f"{found.version}; {named} (to install a task you trust: {INSTALL_GUIDE})")
     return load(ref.name)
 
 

@@ -37,6 +37,7 @@ second draw by being deferred; a shard once found due stays due.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -51,7 +52,15 @@ FIRST_CHUNK = 1
 CHUNK_GROWTH times more, until a group fails or all passed."""
 CHUNK_GROWTH = 4
 MAX_DECISIONS = 100_000
-"""Remembered audit draws (keys of the window); cleared when full, as a bound."""
+"""Audit draws remembered before the oldest of those not found due (and holding no reservation)
+are dropped, MAX_DECISIONS / EVICT_SHARE of them at a time. A draw found due is never dropped: it
+stays due until its key leaves the window (`forget`), so the due draws are bounded by the window's
+keys the intake drew for, not by this; a dropped draw not due is drawn anew if its key comes
+back, which only gives its volunteer another chance of an audit."""
+EVICT_SHARE = 4
+"""While the table is at or over MAX_DECISIONS (due draws can keep it there) it is looked over
+once every MAX_DECISIONS / EVICT_SHARE new keys, so each look over it is paid for by that many
+draws."""
 
 
 def audit_rate(clean_groups: int, full_groups: int, floor: float) -> float:
@@ -179,8 +188,12 @@ class Auditor:
     def _draw(self, key: str) -> Draw:
         d = self.draws.get(key)
         if d is None:
-            if len(self.draws) >= MAX_DECISIONS:
-                self.draws = {k: x for k, x in self.draws.items() if x.reserved}
+            size, share = len(self.draws), max(1, MAX_DECISIONS // EVICT_SHARE)
+            if size >= MAX_DECISIONS and (size - MAX_DECISIONS) % share == 0:
+                # Oldest first (a dict keeps the order keys were drawn in); never a due draw.
+                spare = (k for k, x in self.draws.items() if not (x.due or x.reserved))
+                for k in list(itertools.islice(spare, size - MAX_DECISIONS + share)):
+                    del self.draws[k]
             d = self.draws[key] = Draw(self.rng.random())
         return d
 

@@ -46,6 +46,10 @@ MAX_LISTINGS_PER_PASS = 64
 """Listings one trainer pass makes at most, the version folders it walks included."""
 MAX_DELETES_PER_PASS = 4 * LIST_LIMIT
 """Objects one trainer pass deletes at most (four DeleteObjects requests on S3)."""
+MAX_REFUSED_PER_FOLDER = LIST_LIMIT
+"""Objects of one version folder the bucket may refuse to delete before a trainer pass gives up
+the rest of that folder: each listing of it asks for as many keys more, so it bounds what a
+listing costs (at most twice LIST_LIMIT keys)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,17 +85,21 @@ def _failure(key: str, exc: BaseException) -> tuple[str, str]:
     return key, message if key in message else f"{key}: {message}"
 
 
-def delete_batch(storage: Storage, keys: Sequence[str]) -> list[tuple[str, str]]:
-    """Delete `keys` DELETE_BATCH at a time; (key, one-line error) of each that stays. A
-    failed request fails its keys, not the batches after it."""
-    failed: list[tuple[str, str]] = []
+def delete_batch(storage: Storage, keys: Sequence[str]
+                 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Delete `keys` DELETE_BATCH at a time: (refused, unanswered), each a list of (key,
+    one-line error): the objects the bucket refused to delete (its answer for each key:
+    access denied, a file it cannot remove), and those of a request that failed as a whole
+    (no answer, a fault: worth another try), which fails its keys, not the batches after it."""
+    refused: list[tuple[str, str]] = []
+    unanswered: list[tuple[str, str]] = []
     for start in range(0, len(keys), DELETE_BATCH):
         chunk = keys[start:start + DELETE_BATCH]
         try:
-            failed += storage.delete_many(chunk)
+            refused += storage.delete_many(chunk)
         except (StorageError, OSError) as exc:
-            failed += [_failure(key, exc) for key in chunk]
-    return failed
+            unanswered += [_failure(key, exc) for key in chunk]
+    return refused, unanswered
 
 
 def execute(storage: Storage, p: Plan, dry_run: bool = False) -> Outcome:
@@ -109,7 +117,7 @@ def execute(storage: Storage, p: Plan, dry_run: bool = False) -> Outcome:
                 continue
             except (StorageError, OSError) as exc:
                 outcome.failed.append(_failure(key, exc))
-        failed = [] if dry_run else delete_batch(storage, list(sizes))
+        failed = [] if dry_run else [f for fs in delete_batch(storage, list(sizes)) for f in fs]
         outcome.failed += failed
         for key, _ in failed:
             sizes.pop(key, None)
@@ -173,10 +181,12 @@ class TrainerRetention:
     manifests/, which only the trainer writes: the lowest checkpoint folder left, and the
     checkpoint folders of never-committed versions (crash debris). A shard uploaded late
     into a version already walked is left for `vrl gc` (or the bucket's lifecycle expiry).
-    Failures are logged (keys escaped: volunteers name them) and retried by the next pass;
-    they never stop the trainer."""
+    An object the bucket refuses to delete is logged (keys escaped: volunteers name them),
+    counted and stepped over, and the walk goes on (`_clear`); a delete request that goes
+    unanswered ends the folder's turn, which the next pass takes again. Neither stops the
+    trainer."""
 
-    MAX_REPORTED = 3  # failed objects named per pass; the rest are counted
+    MAX_REPORTED = 3  # failed objects named per pass; all are counted in its summary line
 
     def __init__(self, storage: Storage, keep_versions: int, every: int,
                  log: Callable[[str], None] = print,
@@ -314,40 +324,54 @@ class TrainerRetention:
                committed: set[int] | None, budget: _Budget, outcome: Outcome) -> bool:
         """Remove what the plan says goes of `<prefix>/vNNNNNN/`, LIST_LIMIT keys at a time,
         within the budget. True once nothing of it is left to remove; False if the budget or
-        a stop ran out first, or an object could not be deleted (the next pass tries again)."""
+        a stop ran out first, or a delete request went unanswered (the next pass tries again).
+
+        An object the bucket refuses to delete (access denied, a file it cannot remove) is
+        reported and stepped over: the folder's listings then ask for that many keys more,
+        and the folder counts as cleared with such objects left in it, so the walk goes on
+        past it and later passes do not try them again (`vrl gc` and the bucket's lifecycle
+        expiry are left with them). A folder with more than MAX_REFUSED_PER_FOLDER of them is
+        given up, one line saying so."""
         folder = layout.versioned_prefix(prefix, version)
+        refused: set[str] = set()
         while True:
             want = min(LIST_LIMIT, budget.deletes)
             if self.stopping() or budget.listings <= 0 or want <= 0:
                 return False
             budget.listings -= 1
-            keys = self.storage.list(folder, limit=want)
-            p = plan(keys, m.version, m.max_staleness, self.keep_versions, committed,
-                     self.prefixes, checkpoints_from=floor)
+            limit = want + len(refused)
+            keys = self.storage.list(folder, limit=limit)
+            p = plan([k for k in keys if k not in refused], m.version, m.max_staleness,
+                     self.keep_versions, committed, self.prefixes, checkpoints_from=floor)
             if not p.keys:  # nothing (more) here goes
                 return True
             if self.stopping():  # came while the listing ran
                 return False
             budget.deletes -= len(p.keys)
-            failed = delete_batch(self.storage, p.keys)
-            outcome.failed += failed
-            stayed = {key for key, _ in failed}
+            said_no, unanswered = delete_batch(self.storage, p.keys)
+            outcome.failed += said_no + unanswered
+            stayed = {key for key, _ in said_no + unanswered}
             for r in p.removals:
                 tally = outcome.removed.setdefault((r.prefix, r.reason), Tally())
                 tally.objects += sum(key not in stayed for key in r.keys)
-            if failed:
+            if unanswered:
                 return False
-            if len(keys) < want:
+            refused.update(key for key, _ in said_no)
+            if len(refused) > MAX_REFUSED_PER_FOLDER:
+                self._say(f"warning: retention leaves the rest of {folder}/: more than "
+                          f"{n_objects(MAX_REFUSED_PER_FOLDER)} there could not be deleted")
+                return True
+            if len(keys) < limit:
                 return True
 
     def _report(self, outcome: Outcome, low: int, current: int, budget: _Budget) -> None:
         more = "; more next pass" if budget.listings <= 0 or budget.deletes <= 0 else ""
-        if outcome.objects:
+        if outcome.failed:
+            more = f"; could not delete {n_objects(len(outcome.failed))}{more}"
+        if outcome.objects or outcome.failed:
             self._say(f"retention: removed {n_objects(outcome.objects)}; kept v{low}-v{current}{more}")
         for key, message in outcome.failed[: self.MAX_REPORTED]:
             self._say(f"warning: retention could not delete {printable(message)}")
-        if len(outcome.failed) > self.MAX_REPORTED:
-            self._say(f"warning: retention could not delete {n_objects(len(outcome.failed))} in all")
 
 
 @dataclass
