@@ -69,6 +69,7 @@ def trainer(
     audit_share: float = T("audit_share"),
     audit_full_groups: int = T("audit_full_groups"),
     audit_floor: float = T("audit_floor"),
+    verify: str = T("verify"),
     curriculum: bool = T("curriculum"),
     prompt_pool: int = T("prompt_pool"),
     deny_after: int = T("deny_after"),

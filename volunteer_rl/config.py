@@ -305,7 +305,8 @@ class TrainerConfig(Checked):
     a patient liar get about 1/rate lying groups trained. Nothing is replayed with
     --audit-tolerance 0."""
     deny_after: int = setting(5, at_least=0)
-    """Rejected shards after which a volunteer goes on the denylist (0: never automatically)..."""
+    """Rejected shards after which a volunteer goes on the denylist (0: never automatically,
+    not even for forged tokens, which otherwise deny at the first)..."""
     deny_rate: float = setting(0.5, at_least=0, at_most=1)
     """...provided at least this share of all its shards was rejected."""
     dashboard_every: float = setting(60.0, at_least=0)

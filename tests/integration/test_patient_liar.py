@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, committed, gz_lines, key
@@ -24,7 +25,7 @@ from volunteer_rl.task.calculator_task import CalculatorTask
 V = TEMPLATE_VERSION
 LIES = 6
 """Lying groups the liar has ready; it stops sending once it is denied."""
-STEP = re.compile(r"^step \d+ v\d+ reward ", re.M)
+STEP = re.compile(r"^(\[rank 0\] )?step \d+ v\d+ reward ", re.M)
 
 
 def trained(bucket) -> set[tuple[str, int]]:
@@ -58,20 +59,31 @@ def forged(template, group):
     return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)
 
 
-def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_forgery(template, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])
+def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_forgery(template, tmp_path, ranks):
+    """Under ranks each rank replays its share of a batch and they drop the same groups: each
+    lying shard is then an honest group and a lie, a batch of 2 whose lie is the second
+    rank's to replay, and the first rank must not step on it either."""
     groups = template.groups("patient", V)
     lies = [g for g in (forged(template, g) for g in groups[-3 * LIES:]) if g is not None][-LIES:]
     lie_seqs = {g.seq for g in lies}
     honest = [g for g in groups if g.seq < min(lie_seqs)]
+    if ranks > 1:  # three doses at most (it is denied at the first): an honest group each
+        lies = lies[:3]
+        honest, spare = honest[:-3], honest[-3:]
+    else:
+        spare = []
+    honest = honest[:len(honest) - len(honest) % ranks]
     assert len(lies) >= 3 and len(honest) >= 12, (len(lies), len(honest))
     bucket = FolderBucket(template.copy(tmp_path / "bucket"))
     for i in range(0, len(honest), 6):  # its record: shards of 6 honest groups
         bucket.put(key("patient", f"a{i:03d}"), gz_lines(as_dicts(honest[i:i + 6], "patient")))
-    proc = Proc(["trainer", *bucket.args, "--groups-per-step", "1", "--publish-every", "100000",
+    proc = Proc(["trainer", *bucket.args, "--groups-per-step", str(ranks), "--publish-every", "100000",
                  "--audit-full-groups", "1", "--audit-share", "1", "--eval-every", "0",
                  "--eval-dataset", str(template.eval_csv), "--threads", "1",
                  "--poll-seconds", "0.05", "--log-shards", "--work-dir", str(tmp_path / "work"),
-                 "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path)
+                 "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path,
+                env={"OMP_NUM_THREADS": "1"}, ranks=ranks if ranks > 1 else 0)
     try:
         wait_for(lambda: proc.text().count("took rollouts/") >= -(-len(honest) // 6), 300,
                  "the honest shards taken")
@@ -79,18 +91,20 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
         for n, lie in enumerate(lies):
             if "denied volunteer patient" in proc.text():
                 break
-            k = bucket.put(key("patient", f"b{n:03d}"), gz_lines(as_dicts([lie], "patient")))
+            dose = [*spare[n:n + 1], lie]  # the lie last: under 2 ranks the second rank's
+            k = bucket.put(key("patient", f"b{n:03d}"), gz_lines(as_dicts(dose, "patient")))
             sent.append(k)
             # its outcome: trained (the next step took it), or rejected
             wait_for(lambda: f"rejected {k}" in proc.text() or
-                     len(STEP.findall(proc.text())) > len(honest) + n, 300, f"an outcome for {k}")
+                     len(STEP.findall(proc.text())) > len(honest) // ranks + n, 300,
+                     f"an outcome for {k}")
         wait_for(lambda: "denied volunteer patient" in proc.text(), 120, "the liar denied")
         assert proc.terminate() == 0, proc.text()[-3000:]
     finally:
         proc.kill()
     log = proc.text()
     done = trained(bucket)
-    assert not [k for k in sent if (k, 0) in done], (sent, log[-3000:])
+    assert not [k for k in sent if (k, ranks - 1) in done], (sent, log[-3000:])
     assert sum(1 for (k, _) in done if "/patient/a" in k) == len(honest), log[-3000:]
     quarantined = json.loads(bucket.read(layout.quarantine_key(sent[0])))
     assert quarantined["reason"] == "replay_mismatch", quarantined

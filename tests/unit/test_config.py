@@ -86,6 +86,8 @@ RULES = [
      "debug"),
     (T, "report_to", "tensorboard,mlflow", "--report-to: use none or a comma-separated list "
      "of tensorboard, wandb, not 'tensorboard,mlflow'", "tensorboard,wandb"),
+    # issue 41: every trained group replayed, or the sampled audits alone
+    (T, "verify", "all", "--verify: use every or sampled, not 'all'", "sampled"),
     (D, "volunteers", 0, "--volunteers: must be at least 1, not 0", 1),
     (D, "rl_seconds", -5.0, "--rl-seconds: must be more than 0, not -5.0", 0.5),
     (D, "threads", -1, "--threads: must be at least 0, not -1", 0),

@@ -51,7 +51,8 @@ NUMBERING_ERRORS = {
 FORGERY = "replay_mismatch"
 """The reason code that proves a forgery: a token the committed draw cannot give (beyond the
 near-tie rule). One such shard denies its volunteer at once, with its untrained groups
-withdrawn; other rejections count towards --deny-after and --deny-rate."""
+withdrawn (unless --deny-after 0 turns automatic denial off); other rejections count towards
+--deny-after and --deny-rate."""
 
 
 def _key_version(key: str) -> int:
@@ -363,7 +364,7 @@ class Ingest:
         author = layout.rollout_author(key)
         if author is None:
             return
-        if reason == FORGERY:
+        if reason == FORGERY and self.fleet.deny_after > 0:  # 0: no automatic denial at all
             self._deny(author[1], f"forged tokens in {key}: {detail}")
             self.audits.withdraw_all(author[1])
         else:
