@@ -32,7 +32,7 @@ def test_shards_met_by_a_worker_that_cannot_start_wait_uncharged_and_train_once_
     none is rejected, its volunteer (denied after 5 rejects) is not denied, each waiting shard
     is named in one line; once a worker starts, all six are taken."""
     s = fresh_storage("worker-cannot-start")
-    keys = [put(s, 3, "honest", [g(0, 3, "honest", [[12], [1]])], name=f"s{i}") for i in range(6)]
+    keys = [put(s, 3, "honest", [g(0, 3, "honest", [[12], [i]])], name=f"s{i}") for i in range(6)]
     real = process_mod.subprocess.Popen
 
     def refuse(*args, **kwargs):

@@ -29,8 +29,8 @@ import signal
 import struct
 import sys
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-NAMESPACES = CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+NAMESPACES = _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET
 """The namespaces the worker enters: user (no privilege outside), PID (its processes die
 together), network (nothing to connect to)."""
 
