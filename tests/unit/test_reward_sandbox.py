@@ -80,10 +80,11 @@ def test_a_hijacked_reward_reaches_no_secret_socket_or_file_of_the_trainers(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     skip_if_refused(done.stderr)
     got = json.loads(done.stdout)
-    assert got == {"ok": 1.0, "env": 0.0, "parent_environ": 0.0, "read_key": 0.0,
-                   "read_aws": 0.0, "fd": 0.0, "tcp": 0.0, "udp": 0.0, "write": 0.0,
-                   "signal_parent": 0.0, "home": 1.0, "write_home": 1.0,
-                   "tcp_accepted": False, "udp_received": False}
+    expected = {"ok": 1.0, "env": 0.0, "parent_environ": 0.0, "read_key": 0.0, "read_aws": 0.0,
+                "fd": 0.0, "tcp": 0.0, "udp": 0.0, "write": 0.0, "signal_parent": 0.0,
+                "home": 1.0, "write_home": 1.0, "tcp_accepted": False, "udp_received": False}
+    wrong = {probe: got.get(probe) for probe in expected if got.get(probe) != expected[probe]}
+    assert not wrong, f"probes that got through (or a folder of its own that failed): {wrong}"
     assert not outside.exists()
     assert [p.name for p in here.iterdir()] == []  # scratch went to the worker's own folder
 
@@ -109,4 +110,55 @@ def test_a_process_a_reward_left_in_a_session_of_its_own_dies_with_the_worker(at
         assert not os.path.exists(worker.folder)
     finally:
         bounded.close()
+        kill_all(marker)
+
+
+def test_a_reward_that_moves_the_reaper_out_of_the_group_still_loses_its_processes():
+    """The reward takes the reaper out of the worker's process group and leaves a forked child
+    holding the reaper's pipe: the group's kill misses both and the pipe never ends. The
+    trainer kills the reaper itself (a pidfd taken before any completion), and so all."""
+    marker = f"vrl-escape-{os.getpid()}-{time.monotonic_ns()}"
+    bounded = BoundedRewards(SNOOP, 10.0, 256)
+    try:
+        assert bounded.rewards([("escape", Row(0, {"question": marker}))]) == [1.0]
+        if bounded._worker.refused:
+            pytest.skip(f"the kernel refused the worker {bounded._worker.refused}")
+        assert wait_until(lambda: holders(marker)), "the reward's process never ran"
+        bounded.close()
+        assert wait_until(lambda: not holders(marker)), f"{holders(marker)} outlived the worker"
+    finally:
+        bounded.close()
+        kill_all(marker)
+
+
+KILLED = r"""
+import sys, time
+from volunteer_rl.task.base import Row
+from volunteer_rl.task.bounded import BoundedRewards
+bounded = BoundedRewards("helpers.snoop_task:SnoopTask", 10.0, 256)
+print(bounded.rewards([("setsid", Row(0, {"question": sys.argv[1]}))]), bounded._worker.refused,
+      flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_trainer_killed_takes_the_processes_its_rewards_started_along():
+    """SIGKILL leaves no end() to run: the worker dies with the trainer (PR_SET_PDEATHSIG),
+    the reaper with the worker (its pipe ends), and the setsid child with the reaper."""
+    marker = f"vrl-orphan-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path))
+    trainer = subprocess.Popen([sys.executable, "-c", KILLED, marker], stdout=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        said = trainer.stdout.readline()
+        assert said.startswith("[1.0] "), said
+        if said.strip() != "[1.0] {}":
+            pytest.skip(f"the kernel refused the worker {said}")
+        assert wait_until(lambda: holders(marker)), "the reward's process never ran"
+        trainer.kill()
+        trainer.wait()
+        assert wait_until(lambda: not holders(marker)), f"{holders(marker)} outlived the trainer"
+    finally:
+        trainer.kill()
+        trainer.wait()
         kill_all(marker)
