@@ -55,7 +55,8 @@ def _probe(name: str, arg: str) -> bool:
         return True
     if name == "setsid":  # leaves a process in a session of its own, holding our stderr
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", arg],
-                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL)
         return True
     if name == "escape":  # the setsid child, behind a reaper moved out of our group
         return _escape(arg)
