@@ -75,11 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     stdin ends."""
     value, memory_mb, parent = (sys.argv[1:] if argv is None else argv)[:3]
     refused: dict[str, str] = {}  # wall: why the kernel refused it
-    why = sandbox.enter_namespaces()
-    if why is None:
-        reaper = sandbox.reaper()
-    else:
-        refused["namespaces"], reaper = why, None
+    reaper, why = sandbox.enter_namespaces()
+    if why is not None:
+        refused["namespaces"] = why
     _die_with_parent(int(parent))
     # The pipes are the protocol's alone: keep them on fds of our own and point 0 and 1
     # elsewhere, so a task's print() goes to stderr and its input() reads nothing, instead of

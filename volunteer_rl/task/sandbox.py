@@ -66,15 +66,17 @@ def _why(call: str) -> str:
     return f"{call}: {errno.errorcode.get(e, e)} ({os.strerror(e)})"
 
 
-def enter_namespaces() -> str | None:
-    """Unshare NAMESPACES, keeping this process's uid and gid inside. None, or why the kernel
-    refused (then nothing changed). Call while the process has one thread."""
+def enter_namespaces() -> tuple[int | None, str | None]:
+    """Unshare NAMESPACES, keeping this process's uid and gid inside, and fork the PID
+    namespace's reaper. Returns the reaper's pid (None: the kernel refused, nothing changed)
+    and why the kernel refused something (None: nothing). Call while the process has one
+    thread."""
     if not sys.platform.startswith("linux"):
-        return "not Linux"
+        return None, "not Linux"
     uid, gid = os.getuid(), os.getgid()
-    libc = _libc()
-    if libc.unshare(NAMESPACES) != 0:
-        return _why("unshare")
+    if _libc().unshare(NAMESPACES) != 0:
+        return None, _why("unshare")
+    why = None
     try:
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
@@ -83,10 +85,10 @@ def enter_namespaces() -> str | None:
         with open("/proc/self/gid_map", "w") as f:
             f.write(f"{gid} {gid} 1")
     except OSError as exc:
-        # Inside a user namespace with no mapping: this process now runs as nobody. Go on
-        # (files it can read are fewer, not more); say what happened.
-        return f"uid_map: {exc.strerror}"
-    return None
+        # Inside the namespaces with no mapping: the kernel still checks files against our
+        # own uid, and the worker shows as nobody. Go on, and say so.
+        why = f"uid_map: {exc.strerror}"
+    return reaper(), why
 
 
 def reaper() -> int:
