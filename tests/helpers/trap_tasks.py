@@ -43,10 +43,8 @@ class TrapTask(Task):
             return 1.0
         if completion == "die":
             os._exit(3)
-        if completion == "spawn":  # leaves a process behind, its pid in the file row["question"]
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            with open(row["question"], "w") as f:
-                f.write(str(child.pid))
+        if completion == "spawn":  # leaves a process behind, row["question"] in its command line
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", row["question"]])
             os._exit(4)
         if completion == "raise":
             raise ValueError("no reward for you")

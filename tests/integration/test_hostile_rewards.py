@@ -5,12 +5,17 @@ the trainer keeps going and still trains on an honest shard after them.
 The task is tests/plugins/vrl-task-trap, installed with pip into a folder of its own: the
 calculator, whose reward loops forever on "spin" and allocates 2 GiB on "grab" (what a careless
 task might do on text someone crafted). The trainer runs every reward in a worker process under
-the task's bounds (0.5 s of CPU, 64 MiB), so neither completion reaches the trainer itself.
+the task's bounds (0.5 s of CPU, 64 MiB), so neither completion reaches the trainer itself. On
+"leak" the reward does what a grader that evaluates answers lets a completion do: it copies the
+trainer's AWS secret and signing key into the bucket folder; the worker's walls leave it
+nothing to copy and nowhere to write.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from helpers.bucket_objects import FolderBucket, gz_lines, key
 from helpers.plugins import install_plugin, plugin_env
@@ -20,6 +25,7 @@ from volunteer_rl.protocol.draws import pool_prompt
 
 TRAP_PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "vrl-task-trap"
 K = 2
+SECRET = "AKIAvrl-live-test-secret"
 
 
 def rows_for(manifest: dict, volunteer: str, completions: list[list[int]], rewards: list[float],
@@ -39,6 +45,7 @@ def test_completions_that_break_the_rewards_bounds_are_rejected_with_a_reason(
 
     target = install_plugin(TRAP_PACKAGE, tmp_path / "plugin")
     env = plugin_env(target)
+    env["AWS_SECRET_ACCESS_KEY"] = SECRET
     listed = run_vrl(["tasks"], cwd=tmp_path)
     assert "trap" not in listed.stdout  # not installed in this environment, only in `target`
     bucket = FolderBucket(tmp_path / "bucket")
@@ -68,6 +75,9 @@ def test_completions_that_break_the_rewards_bounds_are_rejected_with_a_reason(
         }
         for reason, k in shards.items():
             wait_for(lambda: f"rejected {k}: {reason}:" in trainer.text(), 120, f"{k} rejected")
+        leak = bucket.put(key("leaker", "s", 0), gz_lines(
+            rows_for(manifest, "leaker", [ids("leak"), ids("leak")], [0.0, 0.0])))
+        wait_for(lambda: f"took {leak}: 0 usable" in trainer.text(), 120, f"{leak} taken")
         assert trainer.p.poll() is None, trainer.text()[-3000:]  # still running
         # An honest shard after them is still trained on: two groups with reward variance.
         pid = [pool_prompt(manifest["prompt_pool"], manifest["run_id"], 0, "honest", s) for s in (0, 1)]
@@ -83,4 +93,8 @@ def test_completions_that_break_the_rewards_bounds_are_rejected_with_a_reason(
     for reason, k in shards.items():
         assert json.loads((bucket.path / layout.quarantine_key(k)).read_text())["reason"] == reason
     assert "Traceback" not in log
+    refused = [line for line in log.splitlines() if "the kernel refused" in line]
+    if refused:  # walls this kernel lacks: the leak is open (docs/THREATS.md, class 17)
+        pytest.skip(refused[0])
+    assert not (bucket.path / "leaked.txt").exists()
 

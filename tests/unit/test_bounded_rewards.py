@@ -11,10 +11,11 @@ import time
 
 import pytest
 
+from helpers.process_table import holders, kill_all, wait_until
 from helpers.trap_tasks import DiesOnLoad, ScoreTask, TrapTask
 from volunteer_rl.task.base import Row, completion_reward
-from volunteer_rl.task.bounded import BoundedRewards, RewardBoundExceeded, wall_backstop
-from volunteer_rl.task.registry import TaskError
+from volunteer_rl.task.bounded import (BoundedRewards, RewardBoundExceeded, WorkerStartError,
+                                       wall_backstop)
 
 TRAP = f"{TrapTask.__module__}:TrapTask"
 SCORE = f"{ScoreTask.__module__}:ScoreTask"
@@ -84,21 +85,16 @@ def test_a_trap_ends_as_its_code_at_its_index_and_the_next_call_gets_a_new_worke
     assert trap.pid not in (None, first)
 
 
-def test_processes_a_reward_started_die_with_its_worker(trap, tmp_path):
-    pid_file = tmp_path / "child.pid"
-    with pytest.raises(RewardBoundExceeded) as caught:
-        trap.rewards([("ok", ROW), ("spawn", Row(0, {"question": str(pid_file)}))])
-    assert (caught.value.code, caught.value.index) == ("reward_crash", 1)
-    assert "exit code 4" in caught.value.detail
-    child = int(pid_file.read_text())
+def test_processes_a_reward_started_die_with_its_worker(trap):
+    marker = f"vrl-spawned-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        deadline = time.monotonic() + 60  # a hang guard: SIGKILL takes milliseconds
-        while not gone(child) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert gone(child)
+        with pytest.raises(RewardBoundExceeded) as caught:
+            trap.rewards([("ok", ROW), ("spawn", Row(0, {"question": marker}))])
+        assert (caught.value.code, caught.value.index) == ("reward_crash", 1)
+        assert "exit code 4" in caught.value.detail  # so the child was started
+        assert wait_until(lambda: not holders(marker)), f"{holders(marker)} outlived the worker"
     finally:
-        if not gone(child):
-            os.kill(child, 9)
+        kill_all(marker)
 
 
 def test_a_worker_killed_while_idle_is_replaced_without_blaming_a_completion(trap):
@@ -204,8 +200,9 @@ def test_a_tasks_stdout_stdin_and_a_flood_on_stderr_do_not_reach_the_protocol(tr
     (f"{DiesOnLoad.__module__}:DiesOnLoad", "did not start (boom: this task cannot start here)"),
 ])
 def test_a_task_that_does_not_load_is_a_one_line_task_error(value, says):
+    """The trainer's fault, not a completion's: none was sent (test_reward_start_faults)."""
     bounded = BoundedRewards(value, SECONDS, MEMORY_MB)
-    with pytest.raises(TaskError) as caught:
+    with pytest.raises(WorkerStartError) as caught:
         bounded.rewards([("ok", ROW)])
     message = str(caught.value)
     assert says in message and value in message

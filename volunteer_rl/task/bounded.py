@@ -13,7 +13,7 @@ breach. task.bounded_process is its handle on the worker process (started with P
 fork of the trainer, a large torch process, with PYTHONPATH set to the trainer's sys.path so a
 plugin the trainer can import imports in the worker too), and task.bounded_worker is the
 worker (`python -m volunteer_rl.task.bounded_worker MODULE:CLASS MEMORY_MB PARENT_PID`). It
-loads the task once (START_SECONDS at most, or TaskError) and answers one JSON line per
+loads the task once (START_SECONDS at most, or WorkerStartError) and answers one JSON line per
 request, in order; requests are ASCII-only JSON, so any completion text (newlines, U+2028,
 lone surrogates) arrives exactly. A breach kills the worker; the next call starts a fresh one,
 so one hostile completion costs one bound and one start (~0.15 s). The overhead is ~15 us a
@@ -54,10 +54,12 @@ Limits: POSIX only (poll on pipes, RLIMIT_AS; Windows is not supported). The wor
 own session, so a Ctrl-C at the trainer's terminal does not kill it mid-batch; the trainer
 ending kills it (close(), the finalizer at interpreter exit, and on Linux PR_SET_PDEATHSIG
 even when the trainer is SIGKILLed). Elsewhere a trainer killed while a reward runs leaves the
-worker running until that reward ends. Processes a task starts are killed with the worker's
-process group, but their CPU time is not counted. Not thread-safe: one BoundedRewards per
-thread, which also suits PDEATHSIG (it fires when the *thread* that started the worker ends;
-a worker found dead between calls is replaced without blaming a completion).
+worker running until that reward ends. Processes a task starts are killed with the worker
+(its PID namespace, task.sandbox; else its process group), but their CPU time is not counted.
+What the worker can reach (environment, files, network): task.bounded_process, task.sandbox.
+Not thread-safe: one BoundedRewards per thread, which also suits PDEATHSIG (it fires when the
+*thread* that started the worker ends; a worker found dead between calls is replaced without
+blaming a completion).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from volunteer_rl.task.registry import TaskError
 
 START_SECONDS = 60.0
 """Wall clock a worker gets to start and load its task (a plugin's imports can be slow on a
-busy machine); past it, TaskError."""
+busy machine); past it, WorkerStartError."""
 POLL_MAX = 0.05
 """Seconds between two reads of the worker's CPU time while a completion runs: a breach
 overshoots its bound by at most this (plus a clock tick)."""
@@ -92,6 +94,13 @@ CODES = ("reward_timeout", "reward_memory", "reward_crash")
 def wall_backstop(seconds: float) -> float:
     """The wall-clock bound of one completion whose reward has CPU bound `seconds`."""
     return max(10.0 * seconds, seconds + 5.0)
+
+
+class WorkerStartError(TaskError):
+    """The reward worker could not start or load its task (out of descriptors or processes, a
+    slow or failing import, a worker that died before it was ready): a fault of the trainer's
+    machine, never of a completion, since none was sent yet. The intake leaves the shard for a
+    later poll."""
 
 
 class RewardBoundExceeded(Exception):
@@ -162,7 +171,7 @@ class BoundedRewards:
         try:
             worker = WorkerProcess(self.value, self.memory_mb)
         except OSError as exc:
-            raise TaskError(f"task {self.value}: cannot start the reward worker ({exc})"
+            raise WorkerStartError(f"task {self.value}: cannot start the reward worker ({exc})"
                             .replace("\n", " ")) from None
         try:
             self._cpu = self._handshake(worker)
@@ -180,8 +189,8 @@ class BoundedRewards:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TaskError(f"task {self.value}: the reward worker did not load the task "
-                                f"within {START_SECONDS:g} s")
+                raise WorkerStartError(f"task {self.value}: the reward worker did not load the "
+                                       f"task within {START_SECONDS:g} s")
             lines, eof, _ = worker.lines(min(left, 1.0))
             if lines:
                 try:
@@ -191,14 +200,17 @@ class BoundedRewards:
                 if isinstance(msg, dict) and isinstance(msg.get("ready"), (int, float)):
                     limit = msg.get("memory_limit")
                     self.memory_limit = limit if isinstance(limit, int) else None
+                    worker.take_ready(msg)
                     return float(msg["ready"])
                 if isinstance(msg, dict) and isinstance(msg.get("error"), str):
-                    raise TaskError(printable(msg["error"], 500))
-                raise TaskError(f"task {self.value}: the reward worker said {printable(lines[0])}")
+                    raise WorkerStartError(printable(msg["error"], 500))
+                raise WorkerStartError(f"task {self.value}: the reward worker said "
+                                       f"{printable(lines[0])}")
             if eof:
                 worker.proc.wait()
                 why = worker.last_stderr_line() or f"exit code {worker.proc.returncode}"
-                raise TaskError(f"task {self.value}: the reward worker did not start ({why})")
+                raise WorkerStartError(f"task {self.value}: the reward worker did not start "
+                                       f"({why})")
 
     # -- rewards -------------------------------------------------------------
 

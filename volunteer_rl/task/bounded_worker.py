@@ -9,6 +9,12 @@ arrives exactly), one result line in order: `[reward, <its CPU clock>]`. After l
 address space is bounded (RLIMIT_AS, at `MEMORY_MB` MiB over what it holds then); a
 MemoryError ends it with `{"memory": true}` and exit code MEMORY_EXIT. On Linux it dies with
 the trainer's thread that started it (PR_SET_PDEATHSIG). The bounds and why: task.bounded.
+
+It is walled in (task.sandbox) in two steps: namespaces first, while Python has one thread and
+before the task's code runs; Landlock once the task has loaded (its constructor may read its
+data where it lies) and before the first completion arrives. The ready line also names the
+PID namespace's first process (`"reaper"`, the trainer kills it to end every process the
+worker started) and says which walls the kernel refused (`"refused"`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import signal
 import sys
 import time
 
+from volunteer_rl.task import sandbox
 from volunteer_rl.task.base import Row, clamp_reward
 from volunteer_rl.task.registry import TaskError, load_object
 
@@ -64,8 +71,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The worker: load the task, then one result line per request line until stdin ends."""
+    """The worker: wall itself in, load the task, then one result line per request line until
+    stdin ends."""
     value, memory_mb, parent = (sys.argv[1:] if argv is None else argv)[:3]
+    refused: dict[str, str] = {}  # wall: why the kernel refused it
+    reaper, why = sandbox.enter_namespaces()
+    if why is not None:
+        refused["namespaces"] = why
     _die_with_parent(int(parent))
     # The pipes are the protocol's alone: keep them on fds of our own and point 0 and 1
     # elsewhere, so a task's print() goes to stderr and its input() reads nothing, instead of
@@ -88,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         send((json.dumps({"error": str(exc)}, ensure_ascii=True) + "\n").encode("ascii"))
         return 1
     limit = _limit_memory(int(memory_mb))
-    send((json.dumps({"ready": time.process_time(), "memory_limit": limit}) + "\n").encode("ascii"))
+    abi = sandbox.restrict(os.getcwd())
+    if isinstance(abi, str):
+        refused["landlock"] = abi
+    elif abi < sandbox.FULL_ABI:
+        refused["landlock"] = f"ABI {abi} of {sandbox.FULL_ABI}"
+    send((json.dumps({"ready": time.process_time(), "memory_limit": limit, "reaper": reaper,
+                      "refused": refused}, ensure_ascii=True) + "\n").encode("ascii"))
     try:
         for line in requests:
             text, row_id, fields = json.loads(line)

