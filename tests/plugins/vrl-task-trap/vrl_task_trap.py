@@ -1,8 +1,14 @@
 """The calculator with a reward a completion can break on purpose: "spin" makes it loop
-forever, "grab" makes it allocate 2 GiB. What a buggy or careless task might do on text a
+forever, "grab" makes it allocate 2 GiB, "burn" makes it take BURN of its CPU bound (the
+costliest reward that stays within it). What a buggy or careless task might do on text a
 hostile volunteer crafted; the trainer must turn such completions into reason codes."""
 
+import time
+
 from volunteer_rl.task.calculator_task import CalculatorTask
+
+BURN = 0.8
+"""Share of reward_seconds a "burn" completion's reward takes, in CPU time."""
 
 
 class TrapTask(CalculatorTask):
@@ -16,4 +22,8 @@ class TrapTask(CalculatorTask):
                 pass
         if "grab" in completion:
             return len(bytes(2 << 30))
+        if "burn" in completion:
+            end = time.process_time() + BURN * self.reward_seconds
+            while time.process_time() < end:
+                pass
         return super().reward(completion, row)
