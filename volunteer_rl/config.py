@@ -268,7 +268,8 @@ class TrainerConfig(Checked):
     """Under torchrun (several ranks): seconds a rank waits to join the others, and for any
     collective after that, before it fails with an error instead of hanging. The other ranks
     wait in a collective while the writer (rank 0) warm-starts, publishes, evaluates or reads
-    shards, so it must cover the longest of those. A single process ignores it."""
+    shards, so it must cover the longest of those. A single process ignores it, but for the
+    default of --poll-reward-seconds."""
     work_dir: str | None = None
     """Local folder of this trainer's state: its signing key, the optimizer between publishes
     (state/) and checkpoint staging (default: trainer/<bucket>-<hash> in the per-user state

