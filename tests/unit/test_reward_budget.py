@@ -68,6 +68,7 @@ def test_a_batch_past_its_deadline_is_cut_without_blame_and_keeps_what_it_comput
 def test_a_stop_cuts_a_batch_mid_completion(bounded):
     """"spin" never ends on its own (its bound would end it after 0.5 s of CPU, or 10 s of
     wall clock if the worker were starved): the stop ends it first."""
+    assert bounded.rewards([("ok", ROW)]) == [1.0]  # started: the stop lands mid-batch
     stopped = threading.Event()
     threading.Timer(0.2, stopped.set).start()
     spend = Spend(stop=stopped.is_set)
@@ -125,6 +126,8 @@ def test_a_shard_over_its_budget_is_rejected_and_an_honest_volunteer_still_gets_
     stats = IngestStats()
     taken = ing.poll(WIN, stats)
     assert stats.rejected == {"reward_budget": 1} and hostile in ing.taken
+    assert f"rejected {hostile}: reward_budget: " in LOG[-1]
+    assert "over 0.5 s of CPU in all (--shard-reward-seconds)" in LOG[-1], LOG[-1]
     assert [g.key for g in taken] == [good]
     assert 0 < stats.reward.seconds == stats.reward.poll_max and stats.reward.deferred == 0
 
@@ -162,8 +165,8 @@ def test_a_shard_cut_by_the_polls_deadline_resumes_next_poll_and_is_rejected_at_
         polls.append(stats)
     assert polls[-1].rejected == {"reward_budget": 1}, [s.rejected for s in polls]
     assert len(polls) >= 2 and all(s.reward.deferred == 1 for s in polls[:-1])
-    assert any(line.startswith(f"rejected {hostile}: reward_budget: ") and
-               "in all (--shard-reward-seconds)" in line for line in LOG), LOG[-3:]
+    assert LOG[-1].startswith(f"rejected {hostile}: reward_budget: ") and \
+        "over 1 s of CPU in all (--shard-reward-seconds)" in LOG[-1], LOG[-1]
     assert hostile not in ing.budget.carried
     # the poll's cap holds, give or take the worker's start and the cut's latency
     assert max(s.reward.poll_max for s in polls) < 0.5 + 5.0

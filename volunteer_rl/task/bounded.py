@@ -119,6 +119,11 @@ class Spend:
     """A time.monotonic() deadline: past it the batch is cut (not a breach)."""
     stop: Callable[[], bool] | None = None
     """True once the batch must end now (a stop signal): it is cut (not a breach)."""
+    cpu_before: float = 0.0
+    """CPU seconds earlier calls spent on the same work (a shard resumed after a cut): they
+    count against cpu_bound."""
+    wall_before: float = 0.0
+    """Wall-clock seconds earlier calls spent on it: they count against wall_bound."""
     cpu: float = 0.0
     """CPU seconds the batch's completions took (the worker's clock; wall clock without /proc)."""
     wall: float = 0.0
@@ -331,14 +336,15 @@ class BoundedRewards:
             pass  # just exited: its stdout's EOF comes next
 
     def _over_batch(self, spend: Spend, index: int, wall: float) -> None:
-        if spend.cpu > spend.cpu_bound:
+        cpu = spend.cpu_before + spend.cpu
+        if cpu > spend.cpu_bound:
             raise RewardBoundExceeded(
                 "reward_budget", f"completion {index}: the batch's rewards took over "
                 f"{spend.cpu_bound:g} s of CPU in all", index)
-        if wall > spend.wall_bound:
+        if spend.wall_before + wall > spend.wall_bound:
             raise RewardBoundExceeded(
                 "reward_budget", f"completion {index}: the batch's rewards took over "
-                f"{spend.wall_bound:g} s of wall clock in all ({spend.cpu:.2f} s of CPU)", index)
+                f"{spend.wall_bound:g} s of wall clock in all ({cpu:.2f} s of CPU)", index)
 
     def _result(self, worker: WorkerProcess, line: bytes, index: int) -> tuple[float, float]:
         try:

@@ -89,8 +89,8 @@ class RewardBudget:
         if left <= 0:
             return None
         cpu, wall = self.carried.get(key, (0.0, 0.0))
-        return Spend(cpu_bound=self.shard_seconds - cpu, wall_bound=self.shard_wall - wall,
-                     until=time.monotonic() + left, stop=self.stopping)
+        return Spend(cpu_bound=self.shard_seconds, wall_bound=self.shard_wall, cpu_before=cpu,
+                     wall_before=wall, until=time.monotonic() + left, stop=self.stopping)
 
     def charge(self, key: str, volunteer: str, spend: Spend, cut: bool, stats: RewardStats) -> None:
         """Count what scoring `key` took; `cut`: it was cut short and will be read again."""
