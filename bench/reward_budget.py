@@ -11,7 +11,7 @@ within the per-completion bound. v0 is the tiny model `vrl trainer --model tiny`
 (bench.trl_time_to_accuracy's shared start; 100 warm-start steps with --quick).
 
 Each run is `vrl demo`'s processes (volunteer_rl.demo.start_processes: 1 trainer + 2 honest
-volunteers, 1 torch thread each, a folder bucket) for S seconds of RL (150; 40 with --quick),
+volunteers, 1 torch thread each, a folder bucket) for S seconds of RL (150; 60 with --quick),
 the trainer as one process or as 2 gloo ranks. With the hostile volunteer, a thread of this
 bench writes, every HOSTILE_EVERY seconds, one shard of HOSTILE_GROUPS groups under the
 current version as the volunteer `burner`: K = 8 "burn" completions per group, every one
@@ -43,7 +43,7 @@ from bench.rank_steps import steps_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAP_PACKAGE = ROOT / "tests" / "plugins" / "vrl-task-trap"
-SECONDS, QUICK_SECONDS = 150.0, 40.0
+SECONDS, QUICK_SECONDS = 150.0, 60.0
 WARM_START, QUICK_WARM_START = 900, 100
 HOSTILE_EVERY = 1.0
 """Seconds between two of the burner's shards."""
@@ -166,6 +166,7 @@ def results(quick: bool) -> list[Row]:
         plugin = install_trap(Path(tmp) / "plugin")
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)  # every process's
+        sys.path.insert(0, str(plugin))  # and this one's: DemoSettings checks the task here
         for ranks in (0, 2):
             shape = f"{ranks} ranks" if ranks else "one process"
             log(f"{shape}: the trap task, `vrl demo`'s processes, {seconds:.0f}s of RL, alone")

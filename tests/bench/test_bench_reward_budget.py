@@ -7,7 +7,7 @@ import pytest
 from bench.reward_budget import results
 
 
-@pytest.mark.slow  # four 40 s demo runs of the trap task, two of them as 2 torchrun ranks
+@pytest.mark.slow  # four 60 s demo runs of the trap task, two of them as 2 torchrun ranks
 def test_reward_budget_quick_rows_are_sane():
     one, ranks = results(quick=True)
     for row, shape in ((one, "one process"), (ranks, "2 ranks")):
