@@ -72,6 +72,8 @@ def trainer(
     verify: str = T("verify"),
     curriculum: bool = T("curriculum"),
     prompt_pool: int = T("prompt_pool"),
+    shard_reward_seconds: Optional[float] = T("shard_reward_seconds"),
+    poll_reward_seconds: Optional[float] = T("poll_reward_seconds"),
     deny_after: int = T("deny_after"),
     deny_rate: float = T("deny_rate"),
     log_shards: bool = T("log_shards"),

@@ -73,6 +73,17 @@ they are the same)."""
 REPORT_TO = ("tensorboard", "wandb")
 """Where `--report-to` can send the trainer's metrics besides the bucket (trainer.reporters)."""
 
+SHARD_REWARD_BOUNDS = 4.0
+"""--shard-reward-seconds' default, in per-completion bounds (the task's reward_seconds): a
+shard's rewards may take together what four of its completions may take each. The rewards
+of vrl's own tasks take microseconds, so an honest shard of 2,048 completions uses under 1 %
+of it; a shard of completions crafted to take most of their bound each is refused after
+about five of them."""
+POLL_REWARD_SHARE = 0.25
+"""--poll-reward-seconds' default, as a share of --rank-timeout: a poll's rewards stay well
+inside the time the other ranks wait for it in a collective (the rest of the poll, its reads,
+audits and the step, need room too)."""
+
 # Settings whose flag is not `--` plus the field name with dashes.
 _FLAGS = {"volunteer_id": "--id"}
 
@@ -258,7 +269,8 @@ class TrainerConfig(Checked):
     """Under torchrun (several ranks): seconds a rank waits to join the others, and for any
     collective after that, before it fails with an error instead of hanging. The other ranks
     wait in a collective while the writer (rank 0) warm-starts, publishes, evaluates or reads
-    shards, so it must cover the longest of those. A single process ignores it."""
+    shards, so it must cover the longest of those. A single process ignores it, but for the
+    default of --poll-reward-seconds."""
     work_dir: str | None = None
     """Local folder of this trainer's state: its signing key, the optimizer between publishes
     (state/) and checkpoint staging (default: trainer/<bucket>-<hash> in the per-user state
@@ -304,6 +316,16 @@ class TrainerConfig(Checked):
     only the shards the intake's audits draw (--audit-full-groups, --audit-floor), which lets
     a patient liar get about 1/rate lying groups trained. Nothing is replayed with
     --audit-tolerance 0."""
+    shard_reward_seconds: float | None = setting(None, above=0)
+    """CPU seconds the trainer's rewards of one shard's completions may take together; over
+    it the shard is rejected (`reward_budget`), as are shards whose rewards take over
+    max(10x, +5 s) of it in wall clock (default: SHARD_REWARD_BOUNDS, 4, times the task's
+    reward_seconds). An honest shard must fit: raise it for a task whose rewards cost more."""
+    poll_reward_seconds: float | None = setting(None, above=0)
+    """Wall-clock seconds one poll's rewards may take (each rank's own poll under torchrun);
+    the shards left wait for the next poll, and each volunteer's shards get an equal share of
+    it, at least one shard's budget (default: POLL_REWARD_SHARE, a quarter, of
+    --rank-timeout)."""
     deny_after: int = setting(5, at_least=0)
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically,
     not even for forged tokens, which otherwise deny at the first)..."""
@@ -350,9 +372,14 @@ class TrainerConfig(Checked):
 
     def with_task_defaults(self, task) -> "TrainerConfig":
         """These settings with each one left unset (k, max_new_tokens) taken from the task's
-        suggestion (task.base.Task)."""
+        suggestion (task.base.Task), and the reward budgets unset derived from the task's
+        reward_seconds and --rank-timeout."""
         return replace(self, k=self.k or task.k,
-                       max_new_tokens=self.max_new_tokens or task.max_new_tokens)
+                       max_new_tokens=self.max_new_tokens or task.max_new_tokens,
+                       shard_reward_seconds=(self.shard_reward_seconds
+                                             or SHARD_REWARD_BOUNDS * task.reward_seconds),
+                       poll_reward_seconds=(self.poll_reward_seconds
+                                            or POLL_REWARD_SHARE * self.rank_timeout))
 
 
 @dataclass

@@ -17,6 +17,10 @@ import zlib
 from volunteer_rl.task.base import Row, Task
 
 
+BURN_SECONDS = 0.2
+"""CPU seconds the reward of a completion starting with "burn" takes (TrapTask's bound: 0.5)."""
+
+
 class TrapTask(Task):
     """Reward 1.0 for "ok", 0.0 for other plain text, and a trap for each keyword."""
 
@@ -41,6 +45,11 @@ class TrapTask(Task):
         if completion == "sleep":  # blocks without using CPU
             time.sleep(60)
             return 1.0
+        if completion.startswith("burn"):  # BURN_SECONDS of CPU, within the bound, then 0.0
+            end = time.process_time() + BURN_SECONDS
+            while time.process_time() < end:
+                pass
+            return 0.0
         if completion == "die":
             os._exit(3)
         if completion == "spawn":  # leaves a process behind, row["question"] in its command line

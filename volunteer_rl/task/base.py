@@ -137,9 +137,10 @@ def text_reward(task: Task, text: str, row: Row) -> float:
 
 
 def in_process(task: Task) -> Callable[[list[tuple[str, Row]]], list[float]]:
-    """Rewards of (text, row) pairs computed here, without bounds: the same values as
-    task.bounded.BoundedRewards.rewards, for unit tests and benches of the intake."""
-    return lambda items: [text_reward(task, text, row) for text, row in items]
+    """Rewards of (text, row) pairs computed here, without bounds (a batch's bounds, `spend`,
+    are ignored): the same values as task.bounded.BoundedRewards.rewards, for unit tests and
+    benches of the intake."""
+    return lambda items, spend=None: [text_reward(task, text, row) for text, row in items]
 
 
 def completion_reward(task: Task, row: Row, token_ids: list[int],

@@ -44,6 +44,15 @@ The bounds, per completion:
 - Anything else that ends the worker mid-completion (os._exit, a segfault, the OOM killer) ->
   `reward_crash`.
 
+A batch (one shard's rewards, in the trainer) can be bounded as a whole too, with a `Spend`:
+its completions' CPU time together over `Spend.cpu_bound`, or its wall clock over
+`Spend.wall_bound` -> `reward_budget`, so a shard of many completions each just under the
+per-completion bound is refused after a few of them, not paid in full. A Spend can also cut
+the batch short without blaming it: past `Spend.until` (a time.monotonic() deadline: the
+poll's reward time is spent) or once `Spend.stop()` says so (a stop signal), the worker is
+killed, even mid-completion, and the rewards computed so far are returned. The Spend says
+what the batch took (`cpu`, `wall`), for the caller's accounting (trainer.reward_budget).
+
 What the worker returns is exactly what base.completion_reward gives for the same text
 in-process (the volunteer computes its claimed reward that way and the two must agree): the
 task's reward through base.clamp_reward, and 0.0 when the task raises an Exception or
@@ -65,9 +74,11 @@ blaming a completion).
 from __future__ import annotations
 
 import json
+import math
 import time
 import weakref
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.task.base import Row
@@ -88,7 +99,7 @@ WRITE_AHEAD = 1 << 16
 """Request bytes encoded ahead of what the worker's pipe has taken: keeps a large batch from
 sitting in memory twice, and the parent never blocks on a write (the pipe is non-blocking
 and poll tells when it takes more), so it keeps watching the clock and reading results."""
-CODES = ("reward_timeout", "reward_memory", "reward_crash")
+CODES = ("reward_timeout", "reward_memory", "reward_crash", "reward_budget")
 
 
 def wall_backstop(seconds: float) -> float:
@@ -101,6 +112,33 @@ class WorkerStartError(TaskError):
     slow or failing import, a worker that died before it was ready): a fault of the trainer's
     machine, never of a completion, since none was sent yet. The intake leaves the shard for a
     later poll."""
+@dataclass
+class Spend:
+    """The bounds of one batch as a whole, and what it took (written by BoundedRewards.rewards,
+    breach and cut included). Unbounded by default."""
+
+    cpu_bound: float = math.inf
+    """CPU seconds all the batch's completions may take together; over it, `reward_budget`."""
+    wall_bound: float = math.inf
+    """Wall-clock seconds the batch may take (a reward that blocks uses no CPU); over it,
+    `reward_budget`."""
+    until: float = math.inf
+    """A time.monotonic() deadline: past it the batch is cut (not a breach)."""
+    stop: Callable[[], bool] | None = None
+    """True once the batch must end now (a stop signal): it is cut (not a breach)."""
+    cpu_before: float = 0.0
+    """CPU seconds earlier calls spent on the same work (a shard resumed after a cut): they
+    count against cpu_bound."""
+    wall_before: float = 0.0
+    """Wall-clock seconds earlier calls spent on it: they count against wall_bound."""
+    cpu: float = 0.0
+    """CPU seconds the batch's completions took (the worker's clock; wall clock without /proc)."""
+    wall: float = 0.0
+    """Wall-clock seconds the call took, the worker's start included."""
+
+    def cut(self, now: float) -> bool:
+        """Whether the batch must end here without blame."""
+        return now >= self.until or (self.stop is not None and bool(self.stop()))
 
 
 class RewardBoundExceeded(Exception):
@@ -214,34 +252,43 @@ class BoundedRewards:
 
     # -- rewards -------------------------------------------------------------
 
-    def rewards(self, items: Sequence[tuple[str, Row]]) -> list[float]:
+    def rewards(self, items: Sequence[tuple[str, Row]],
+                spend: Spend | None = None) -> list[float]:
         """The task's reward of each (completion text, row), in [0, 1], as base.completion_reward
-        computes it in-process. RewardBoundExceeded at the first completion over a bound (the
-        worker is then killed; the next call starts another)."""
-        if not items:
-            return []
-        worker = self._worker
-        if worker is not None and worker.exited():
-            # Died while idle (killed from outside): no completion of ours to blame.
-            self.close()
-            worker = None
-        if worker is None:
-            worker = self._start()
+        computes it in-process. RewardBoundExceeded at the first completion over a bound, or
+        when the batch breaks `spend`'s bounds (the worker is then killed; the next call
+        starts another). Cut short by `spend` (Spend.cut), it returns the rewards of the first
+        completions only, fewer than `items`. What the batch took is written into `spend`."""
+        spend = spend if spend is not None else Spend()
+        began = time.monotonic()
         try:
-            return self._run(worker, items)
-        except BaseException:
-            # A breach, or anything else mid-batch (KeyboardInterrupt, a bad item): the
-            # worker's state is unknown, so it goes.
-            self.close()
-            raise
+            if not items or spend.cut(began):
+                return []
+            worker = self._worker
+            if worker is not None and worker.exited():
+                # Died while idle (killed from outside): no completion of ours to blame.
+                self.close()
+                worker = None
+            if worker is None:
+                worker = self._start()
+            try:
+                return self._run(worker, items, spend)
+            except BaseException:
+                # A breach, or anything else mid-batch (KeyboardInterrupt, a bad item): the
+                # worker's state is unknown, so it goes.
+                self.close()
+                raise
+        finally:
+            spend.wall = time.monotonic() - began
 
-    def _run(self, worker: WorkerProcess, items: Sequence[tuple[str, Row]]) -> list[float]:
+    def _run(self, worker: WorkerProcess, items: Sequence[tuple[str, Row]],
+             spend: Spend) -> list[float]:
         n = len(items)
         out: list[float] = []
         pending = bytearray()
         sent = 0
-        started = checked = time.monotonic()  # wall clock when the current completion began
-        cpu_mark = self._cpu
+        started = checked = began = time.monotonic()  # began: the batch's wall clock (not
+        cpu_mark = cpu_start = self._cpu  # counting the worker's start, which is not its doing)
         while len(out) < n:
             while sent < n and len(pending) < WRITE_AHEAD:
                 text, row = items[sent]
@@ -260,16 +307,54 @@ class BoundedRewards:
                     r, c = self._result(worker, line, len(out))
                     out.append(r)
                     cpu_mark = c
+                    spend.cpu = c - cpu_start
+                    self._over_batch(spend, len(out) - 1, time.monotonic() - began)
                 started = checked = time.monotonic()
+                if len(out) < n and spend.cut(started):
+                    return self._cut(out)
                 continue
             if eof:
                 self._died(worker, len(out))
             now = time.monotonic()
+            if spend.cut(now):
+                self._charge_running(worker, spend, cpu_start, now - began)
+                return self._cut(out)
             if now - started >= self.poll and now - checked >= self.poll:
                 checked = now
                 self._check(worker, len(out), now - started, cpu_mark)
+                self._charge_running(worker, spend, cpu_start, now - began)
+                self._over_batch(spend, len(out), now - began)
         self._cpu = cpu_mark
         return out
+
+    def _cut(self, out: list[float]) -> list[float]:
+        """End a batch cut short: requests already sent are still queued in the worker, so it
+        goes (the next call starts another); the rewards computed so far stand."""
+        self.close()
+        return out
+
+    def _charge_running(self, worker: WorkerProcess, spend: Spend, cpu_start: float,
+                        wall: float) -> None:
+        """Bring spend.cpu up to the worker's clock while a completion runs (its wall clock
+        without /proc, as the per-completion rule)."""
+        if not worker.has_proc:
+            spend.cpu = wall
+            return
+        try:
+            spend.cpu = max(spend.cpu, worker.cpu() - cpu_start)
+        except (OSError, IndexError, ValueError):
+            pass  # just exited: its stdout's EOF comes next
+
+    def _over_batch(self, spend: Spend, index: int, wall: float) -> None:
+        cpu = spend.cpu_before + spend.cpu
+        if cpu > spend.cpu_bound:
+            raise RewardBoundExceeded(
+                "reward_budget", f"completion {index}: the batch's rewards took over "
+                f"{spend.cpu_bound:g} s of CPU in all", index)
+        if spend.wall_before + wall > spend.wall_bound:
+            raise RewardBoundExceeded(
+                "reward_budget", f"completion {index}: the batch's rewards took over "
+                f"{spend.wall_bound:g} s of wall clock in all ({cpu:.2f} s of CPU)", index)
 
     def _result(self, worker: WorkerProcess, line: bytes, index: int) -> tuple[float, float]:
         try:

@@ -6,6 +6,11 @@ at the first bad line.
 Nothing a volunteer reports is believed that the trainer can recompute: the prompt text comes
 from the trainer's dataset (the shard names only its id), the completion text is re-decoded
 from the token ids, and the reward is recomputed from the trainer's own target.
+
+A shard's rewards are computed in one batch under the bounds the intake gives it
+(task.bounded.Spend, from trainer.reward_budget): over the shard's budget it is rejected
+(`reward_budget`); cut short by the poll's deadline or a stop, it raises RewardsCut, keeping
+the rewards computed so far in the cache for the next poll's read of the same shard.
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ from volunteer_rl.protocol.shards import (
 )
 from volunteer_rl.storage.base import Storage, TooLarge
 from volunteer_rl.task.base import Row, completion_text
-from volunteer_rl.task.bounded import RewardBoundExceeded
+from volunteer_rl.task.bounded import RewardBoundExceeded, Spend
 from volunteer_rl.trainer.groups import ScoredGroup, Window
 
 REWARD_CACHE_SIZE = 200_000  # entries; cleared when full
+
+
+class RewardsCut(Exception):
+    """A shard's rewards were cut short (the poll's reward time ran out, or a stop came): not
+    the shard's fault; it is read again at a later poll."""
 
 
 @dataclass
@@ -51,20 +61,24 @@ class Rules:
     """Groups per shard: the manifest's `max_shard_groups`."""
     run_id: str = ""
     """The run's id: with the version, volunteer and number, it draws each group's prompt."""
-    rewards: Callable[[list[tuple[str, Row]]], list[float]] | None = None
-    """The task's rewards of (completion text, row) pairs: in the trainer, a worker process
-    that runs them under the task's bounds (task.bounded.BoundedRewards.rewards, which raises
-    RewardBoundExceeded); task.base.in_process(task) in unit tests."""
+    rewards: Callable[..., list[float]] | None = None
+    """The task's rewards of (completion text, row) pairs, called as rewards(items) or
+    rewards(items, spend) (task.bounded.Spend: the batch's bounds; what it took is written
+    there; fewer values than items when cut): in the trainer, a worker process that runs
+    them under the task's bounds (task.bounded.BoundedRewards.rewards, which raises
+    RewardBoundExceeded); task.base.in_process(task) in unit tests (no bounds)."""
 
     def reward(self, prompt_id: int, token_ids: list[int]) -> float:
         """The reward of one completion (score of one)."""
         return self.score([(prompt_id, token_ids)])[0]
 
-    def score(self, completions: list[tuple[int, list[int]]]) -> list[float]:
+    def score(self, completions: list[tuple[int, list[int]]],
+              spend: Spend | None = None) -> list[float]:
         """The rewards of (prompt id, token ids) pairs: 0 where vrl's rule refuses the tokens
         (task.base.completion_text), else the task's, each computed once (the cache). Raises
         ShardError (`reward_timeout`, `reward_memory`, `reward_crash`) when a completion makes
-        the task's reward break its bounds."""
+        the task's reward break its bounds, or (`reward_budget`) when the batch breaks
+        `spend`'s; RewardsCut when `spend` cut it short."""
         values: list[float | None] = []
         todo: dict[tuple, list[int]] = {}  # cache key -> positions waiting for it
         items: list[tuple[str, Row]] = []
@@ -83,15 +97,18 @@ class Rules:
             values.append(value)
         if items:
             try:
-                found = self.rewards(items)
+                found = self.rewards(items) if spend is None else self.rewards(items, spend)
             except RewardBoundExceeded as exc:
-                raise ShardError(exc.code, exc.detail) from None
+                flag = " (--shard-reward-seconds)" if exc.code == "reward_budget" else ""
+                raise ShardError(exc.code, exc.detail + flag) from None
             if len(self.cache) + len(items) >= REWARD_CACHE_SIZE:
                 self.cache.clear()
             for key, value in zip(todo, found):
                 self.cache[key] = value
                 for i in todo[key]:
                     values[i] = value
+            if len(found) < len(items):
+                raise RewardsCut(f"{len(found)} of {len(items)} rewards computed")
         return values
 
 
@@ -159,8 +176,10 @@ def fetch_shard(storage: Storage, key: str) -> bytes:
         raise ShardError("too_large", f"more than {MAX_SHARD_BYTES} compressed bytes") from None
 
 
-def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[ScoredGroup]:
-    """Decode, check and rescore the bytes of shard `key`; ShardError if any part is bad.
+def check_shard(data: bytes, key: str, rules: Rules, win: Window,
+                spend: Spend | None = None) -> list[ScoredGroup]:
+    """Decode, check and rescore the bytes of shard `key`; ShardError if any part is bad,
+    RewardsCut if its rewards were cut short (`spend`: their bounds, Rules.score).
 
     A shard is accepted or rejected whole: one bad line means its author is not following
     the protocol, and the rest of its content is not worth trusting either."""
@@ -174,5 +193,5 @@ def check_shard(data: bytes, key: str, rules: Rules, win: Window) -> list[Scored
         groups.append(g)
     # The whole shard's rewards in one batch (a worker's round trip per shard, not per group);
     # each group's scoring then finds them in the cache.
-    rules.score([(g.prompt_id, c.token_ids) for g in groups for c in g.completions])
+    rules.score([(g.prompt_id, c.token_ids) for g in groups for c in g.completions], spend)
     return [score_group(g, key, i, rules) for i, g in enumerate(groups)]

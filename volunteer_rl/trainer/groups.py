@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.audit import AuditStats
+from volunteer_rl.trainer.reward_budget import RewardStats
 
 
 @dataclass
@@ -56,6 +57,7 @@ class IngestStats:
     trainer_errors: int = 0
     """Shards left after MAX_TRAINER_FAULTS faults of the trainer's own (not charged)."""
     audit: AuditStats = field(default_factory=AuditStats)
+    reward: RewardStats = field(default_factory=RewardStats)
     rejected: Counter = field(default_factory=Counter)  # reason -> shards
     by_volunteer: dict = field(default_factory=dict)  # volunteer id -> [accepted, rejected] shards
 
@@ -65,7 +67,7 @@ class IngestStats:
         the pairs.)"""
         return {**{name: getattr(self, name) for name in _COUNTS},
                 "rejected": dict(self.rejected), "by_volunteer": self.by_volunteer,
-                "audit": dataclasses.asdict(self.audit)}
+                "audit": dataclasses.asdict(self.audit), "reward": dataclasses.asdict(self.reward)}
 
     def add_json(self, raw: dict) -> None:
         """Add another rank's counts (to_json of its IngestStats: the trainer's own rank)."""
@@ -76,6 +78,7 @@ class IngestStats:
             counts = self.by_volunteer.setdefault(volunteer, [0, 0])
             counts[0] += accepted
             counts[1] += rejected
+        self.reward.add(raw["reward"])
         a, b = self.audit, raw["audit"]
         a.audited, a.skipped, a.deferred = a.audited + b["audited"], a.skipped + b["skipped"], a.deferred + b["deferred"]
         a.seconds += b["seconds"]

@@ -3,10 +3,11 @@ check them, and take their groups against the ledger, or reject them with a reas
 
 A poll, in order: the denylist is refreshed; the window's folders are listed and the keys to
 read admitted (trainer.listing); each admitted shard is fetched, checked and rescored
-(trainer.checks); the groups whose content is also under another id are found
-(trainer.claims); then each shard is audited if due (trainer.audit_desk) and taken: its
-repeats, group numbers, zero-variance and duplicate groups sorted out, the rest handed to the
-loop. Every shard ends in "accepted" or a reason code, counted per volunteer, and a volunteer
+(trainer.checks), its rewards within the poll's budgets (trainer.reward_budget: a shard with
+no reward time left to it waits for a later poll, and a stop ends the reading); the groups
+whose content is also under another id are found (trainer.claims); then each shard is
+audited if due (trainer.audit_desk) and taken: its repeats, group numbers, zero-variance and
+duplicate groups sorted out, the rest handed to the loop. Every shard ends in "accepted" or a reason code, counted per volunteer, and a volunteer
 that keeps sending bad shards is denied.
 
 Nothing a volunteer reports is believed that the trainer can recompute (trainer.checks), and
@@ -32,11 +33,12 @@ from volunteer_rl.storage.base import AlreadyExists, NotFound, Storage, StorageE
 from volunteer_rl.task.bounded import WorkerStartError
 from volunteer_rl.trainer.audit import Auditor
 from volunteer_rl.trainer.audit_desk import AuditDesk
-from volunteer_rl.trainer.checks import Rules, check_shard
+from volunteer_rl.trainer.checks import Rules, RewardsCut, check_shard
 from volunteer_rl.trainer.claims import Claims
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window
 from volunteer_rl.trainer.listing import FETCH_WORKERS, Listing
+from volunteer_rl.trainer.reward_budget import RewardBudget
 from volunteer_rl.trainer.shares import FleetShare
 from volunteer_rl.trainer.withheld import GroupNumbers
 
@@ -74,7 +76,7 @@ class Ingest:
                  log_shards: bool = False, fetch_workers: int = FETCH_WORKERS,
                  numbers: GroupNumbers | None = None,
                  observe: Callable[[int, list[float]], None] | None = None,
-                 share: FleetShare | None = None):
+                 share: FleetShare | None = None, budget: RewardBudget | None = None):
         self.storage = storage
         self.rules = rules
         self._ledger = ledger
@@ -95,6 +97,8 @@ class Ingest:
         """Keys rejected or left after their groups were handed out: poll drops those groups
         from the ones waiting to be trained."""
         self._low = 0  # window's lowest version at the last poll (see _forget_below)
+        self.budget = budget or RewardBudget()
+        """What each poll may spend on rewards, and the stop that ends its reading."""
         self.claims = Claims(ledger, share)
         """Copies and claims. Under torchrun (`share`: this rank's share of the fleet,
         trainer.shares) only its own volunteers are listed, and every poll meets the other
@@ -152,8 +156,12 @@ class Ingest:
             listed += [key for key in self.listing.list_version(v, stats) if self._wanted(key)]
         parsed: list[tuple[str, list[ScoredGroup]]] = []
         out: list[ScoredGroup] = []
+        admitted = self.listing.admit(listed, stats)
+        self.budget.begin(len({a[1] for a in map(layout.rollout_author, admitted) if a}))
         try:
-            for key, fetched in self.listing.prefetch(self.listing.admit(listed, stats)):
+            for key, fetched in self.listing.prefetch(admitted):
+                if self.budget.stopping():  # the rest waits (for a restart)
+                    break
                 if self.listing.denied(key, stats):  # denied by an earlier shard of this very poll
                     continue
                 groups = self._read(key, fetched, win, stats)
@@ -188,6 +196,7 @@ class Ingest:
             self.fleet.count_numbers(volunteer, used, missing)
         self.audits.forget(lambda k: _key_version(k) >= low)
         self.listing.forget(lambda k: _key_version(k) >= low)
+        self.budget.forget(lambda k: _key_version(k) >= low)
         self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
         self.faults = Counter({k: n for k, n in self.faults.items() if _key_version(k) >= low})
         self.withdrawn = {k for k in self.withdrawn if _key_version(k) >= low}
@@ -200,10 +209,24 @@ class Ingest:
 
     def _read(self, key: str, fetched: Future, win: Window,
               stats: IngestStats) -> list[ScoredGroup] | None:
-        """The checked and rescored groups of `key`, or None: rejected, or not to be read now."""
+        """The checked and rescored groups of `key`, or None: rejected, or not to be read now
+        (among them, shards left for a later poll by the reward budget)."""
+        author = layout.rollout_author(key)
+        spend = None
+        if author is not None:  # a volunteer's: its rewards within the poll's budgets
+            spend = self.budget.spend(key, author[1])
+            if spend is None:
+                stats.reward.deferred += 1
+                return None
+        decided = False  # taken or rejected: what the budget carried for it goes
         try:
-            return check_shard(fetched.result(), key, self.rules, win)
+            groups = check_shard(fetched.result(), key, self.rules, win, spend)
+            decided = True
+            return groups
+        except RewardsCut:
+            stats.reward.deferred += 1
         except ShardError as exc:
+            decided = True
             self._reject(key, exc.reason, str(exc), stats)
         except NotFound:
             self.taken.add(key)  # deleted between list and read (retention): nothing to take
@@ -221,7 +244,11 @@ class Ingest:
             # those bytes found, so its traceback goes to the log, and the shard is recorded
             # (and so never read again after a restart) like any reject.
             self._log_trace(f"unexpected {type(exc).__name__} while checking {printable(key)}", exc)
+            decided = True
             self._reject(key, "internal_error", type(exc).__name__, stats)
+        finally:
+            if spend is not None:
+                self.budget.charge(key, author[1], spend, not decided, stats.reward)
         return None
 
     def _take(self, key: str, groups: list[ScoredGroup], stats: IngestStats,

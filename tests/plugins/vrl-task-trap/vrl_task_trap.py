@@ -1,13 +1,18 @@
 """The calculator with a reward a completion can break on purpose: "spin" makes it loop
-forever, "grab" makes it allocate 2 GiB, "leak" makes it do what a grader that evaluates
+forever, "grab" makes it allocate 2 GiB, "burn" makes it take BURN of its CPU bound (the
+costliest reward that stays within it), "leak" makes it do what a grader that evaluates
 answers (`sympy.sympify`) lets a completion do: copy the trainer's AWS secret and signing key
 into the bucket folder, where volunteers read. What a buggy or careless task might do on text
 a hostile volunteer crafted; the trainer must turn such completions into reason codes, and
 its reward worker must give them nothing to copy."""
 
 import os
+import time
 
 from volunteer_rl.task.calculator_task import CalculatorTask
+
+BURN = 0.8
+"""Share of reward_seconds a "burn" completion's reward takes, in CPU time."""
 
 
 def _leak() -> None:
@@ -46,4 +51,8 @@ class TrapTask(CalculatorTask):
         if "leak" in completion:
             _leak()
             return 0.0
+        if "burn" in completion:
+            end = time.process_time() + BURN * self.reward_seconds
+            while time.process_time() < end:
+                pass
         return super().reward(completion, row)
