@@ -29,9 +29,13 @@ def vrl_ranks_command(ranks: int, *args: str, restarts: int = 0) -> list[str]:
 
 
 def vrl_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment plus what every `vrl` child needs, plus `extra`."""
+    """This process's environment plus what every `vrl` child needs, plus `extra`.
+
+    PYTHONSAFEPATH: `python -m` would put the child's cwd (the demo's run folder, with the
+    trainer's work dir and signing key) on its sys.path, and everything on the trainer's path
+    is readable to its reward worker (task.sandbox); the `vrl` script never puts it there."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-            **(extra or {})}
+            "PYTHONSAFEPATH": "1", **(extra or {})}
 
 
 def stop(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[int]:
