@@ -78,7 +78,9 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
     bucket = FolderBucket(template.copy(tmp_path / "bucket"))
     for i in range(0, len(honest), 6):  # its record: shards of 6 honest groups
         bucket.put(key("patient", f"a{i:03d}"), gz_lines(as_dicts(honest[i:i + 6], "patient")))
+    steps = len(honest) // ranks + 1  # its honest groups, then one batch of a bystander's
     proc = Proc(["trainer", *bucket.args, "--groups-per-step", str(ranks), "--publish-every", "100000",
+                 "--max-steps", str(steps),
                  "--audit-full-groups", "1", "--audit-share", "1", "--eval-every", "0",
                  "--eval-dataset", str(template.eval_csv), "--threads", "1",
                  "--poll-seconds", "0.05", "--log-shards", "--work-dir", str(tmp_path / "work"),
@@ -99,7 +101,9 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
                      len(STEP.findall(proc.text())) > len(honest) // ranks + n, 300,
                      f"an outcome for {k}")
         wait_for(lambda: "denied volunteer patient" in proc.text(), 120, "the liar denied")
-        assert proc.terminate() == 0, proc.text()[-3000:]
+        # A bystander's honest batch: the last step, and the trainer publishes and exits.
+        bucket.put(key("bystander", "s"), gz_lines(as_dicts(template.groups("bystander", V)[:ranks], "bystander")))
+        assert proc.wait(300) == 0, proc.text()[-3000:]
     finally:
         proc.kill()
     log = proc.text()

@@ -3,7 +3,7 @@ cost 2 ranks the run.
 
 Each rank reads its own volunteers' shards and then meets the other in a collective that
 waits --rank-timeout (20 s here) at most. A shard of 128 "burn" completions (the trap task,
-tests/integration/test_reward_budget.py) took 51 s of its rank's poll before the budgets:
+tests/integration/test_reward_budget_live.py) took 51 s of its rank's poll before the budgets:
 the other rank gave up (RankLostError) and the run died. Now a poll's rewards stop at
 --poll-reward-seconds (a quarter of --rank-timeout: 5 s), the shard is refused at its budget
 (`reward_budget`), and the honest volunteer's groups are trained and published.
