@@ -83,6 +83,8 @@ SAMPLE_BATCH = 8
 
 @dataclass(frozen=True)
 class Sizes:
+    """How much each liar sends; the fields are named as in the module's docstring."""
+
     trials: int
     """Trials per liar and per --verify setting."""
     honest_run: int
