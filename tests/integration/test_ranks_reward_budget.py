@@ -10,7 +10,7 @@ the other rank gave up (RankLostError) and the run died. Now a poll's rewards st
 """
 from __future__ import annotations
 
-from test_reward_budget import TrapRun, worker_cpu
+from test_reward_budget_live import TrapRun, worker_cpu
 
 from helpers.vrlproc import Proc, wait_for
 
