@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from volunteer_rl.model.sampling import Sample, sample
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
+from volunteer_rl.task.base import completion_reward
+from volunteer_rl.task.calculator_task import CalculatorTask
 
 
 def drawn_prompt(trainer, version: int, volunteer: str, seq: int) -> int:
@@ -23,3 +25,24 @@ def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, pr
     (samples,) = sample(policy, [prompt_tokens], k, temperature, max_new_tokens,
                         draw_keys=[keys])
     return samples
+
+
+def forged(template, group):
+    """The template's calculator `group` with one completion's first token swapped for another
+    ordinary token (one its draw did not select: a lie a replay must catch), that completion's
+    reward recomputed; None if the group lost its reward variance (it would not be trained)."""
+    policy = template.policy
+    vocab = len(policy.tokenizer)
+    completions = list(group.completions)
+    j = next(i for i, c in enumerate(completions) if len(c.token_ids) >= 2)
+    tokens = list(completions[j].token_ids)
+    swap = (tokens[0] + 1) % vocab
+    while swap == tokens[0] or swap == policy.eos_id or swap in policy.special_ids:
+        swap = (swap + 1) % vocab
+    tokens[0] = swap
+    reward = completion_reward(CalculatorTask(), template.problems[group.prompt_id], tokens,
+                               policy.decode_all, policy.eos_id, policy.special_ids)
+    completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
+    if len({c.reward for c in completions}) < 2:
+        return None
+    return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)

@@ -17,10 +17,9 @@ import pytest
 from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, committed, gz_lines, key
+from helpers.honest_groups import forged
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
-from volunteer_rl.task.base import completion_reward
-from volunteer_rl.task.calculator_task import CalculatorTask
 
 V = TEMPLATE_VERSION
 LIES = 6
@@ -37,26 +36,6 @@ def trained(bucket) -> set[tuple[str, int]]:
             if rec["outcome"] == "trained":
                 out.update((rec["key"], line) for line in rec["lines"])
     return out
-
-
-def forged(template, group):
-    """`group` with one completion's first token swapped for another ordinary token (what its
-    draw did not select), its reward recomputed; None if the group lost its reward variance."""
-    policy, task = template.policy, CalculatorTask()
-    vocab = len(policy.tokenizer)
-    completions = list(group.completions)
-    j = next(i for i, c in enumerate(completions) if len(c.token_ids) >= 2)
-    tokens = list(completions[j].token_ids)
-    swap = (tokens[0] + 1) % vocab
-    while swap == tokens[0] or swap == policy.eos_id or swap in policy.special_ids:
-        swap = (swap + 1) % vocab
-    tokens[0] = swap
-    row = template.problems[group.prompt_id]
-    reward = completion_reward(task, row, tokens, policy.decode_all, policy.eos_id, policy.special_ids)
-    completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
-    if len({c.reward for c in completions}) < 2:
-        return None
-    return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-ranks"])

@@ -13,10 +13,9 @@ import pytest
 from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import as_dicts, gz_lines, key
+from helpers.honest_groups import forged
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.protocol import layout
-from volunteer_rl.task.base import completion_reward
-from volunteer_rl.task.calculator_task import CalculatorTask
 from volunteer_rl.trainer.fleet import Counts
 from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.loop import Trainer
@@ -41,26 +40,6 @@ def trainer_on(template, root, **settings) -> Trainer:
 def trust(t: Trainer, *volunteers: str) -> None:
     for v in volunteers:
         t.fleet.counts[v] = Counts(accepted=TRUSTED, clean=TRUSTED, accepted_groups=TRUSTED)
-
-
-def forged(template, group):
-    """`group` with one completion's first token swapped (a token its draw did not select)
-    and that completion's reward recomputed; None if the group lost its reward variance."""
-    policy = template.policy
-    vocab = len(policy.tokenizer)
-    completions = list(group.completions)
-    j = next(i for i, c in enumerate(completions) if len(c.token_ids) >= 2)
-    tokens = list(completions[j].token_ids)
-    swap = (tokens[0] + 1) % vocab
-    while swap == tokens[0] or swap == policy.eos_id or swap in policy.special_ids:
-        swap = (swap + 1) % vocab
-    tokens[0] = swap
-    reward = completion_reward(CalculatorTask(), template.problems[group.prompt_id], tokens,
-                               policy.decode_all, policy.eos_id, policy.special_ids)
-    completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
-    if len({c.reward for c in completions}) < 2:
-        return None
-    return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)
 
 
 def first_forgery(template, groups):
