@@ -66,8 +66,11 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
                  "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path,
                 env={"OMP_NUM_THREADS": "1"}, ranks=ranks if ranks > 1 else 0)
     try:
-        wait_for(lambda: proc.text().count("took rollouts/") >= -(-len(honest) // 6), 300,
-                 "the honest shards taken")
+        # every honest group trained before the first lie: a lie verified earlier denies the
+        # volunteer and withdraws the honest groups still waiting (as it should), and then the
+        # step count the trainer stops at is never reached
+        wait_for(lambda: len(STEP.findall(proc.text())) >= len(honest) // ranks, 300,
+                 "the honest groups trained")
         sent = []
         for n, lie in enumerate(lies):
             if "denied volunteer patient" in proc.text():
