@@ -33,7 +33,7 @@ writer first writes its heavy shapes once:
   until the audit forward pass (`logprob_mismatch`);
 - `gzip_bomb`: 64 MiB + 1 of newlines in 65 KB (`too_large` at the decompression cap);
 - `not_json`: a line at the line budget that is not JSON (`bad_json`);
-- `duplicate`: the newest honest shard, re-labelled with the writer's id (`duplicate_only`).
+- `duplicate`: the newest honest shard, re-labelled with the writer's id (a copy: refused).
   This one reads the honest volunteer's folder, which the IAM policies forbid: an insider's
   attack, kept because the issue lists it.
 

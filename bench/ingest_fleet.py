@@ -15,8 +15,8 @@ that differ only in history:
   fifth of the fleet; the three versions of the window (staleness 2, the trainer's default)
   hold one shard of every volunteer, the same groups in both buckets. Within a version no
   group repeats (the pool has a distinct prompt per group slot, the later arrivals below
-  included), so the ledger's duplicate check neither thins the figures nor rejects a shard
-  as `duplicate_only`.
+  included), so the ledger's duplicate check neither thins the figures nor leaves a shard
+  of nothing but repeats.
 
 Measured, on the `long` bucket, same shards, same server, same process:
 

@@ -14,6 +14,10 @@ import pytest
 from volunteer_rl.protocol import layout
 
 TEMPLATE_VERSION = 2
+PICKED = ("--missing-bound", "1")
+"""Trainer flags for a test that uploads the template's groups: `Template.groups` are the
+numbers whose group has reward variance, not every number a volunteer used, so the gaps
+between them would hold its groups back as withheld (trainer.withheld) if it were priced."""
 GROUPS_WANTED = 32
 """Groups with reward variance that Template.groups makes per volunteer and version: more
 than any test takes (24 at most)."""
@@ -85,6 +89,11 @@ class Template:
         one reward for all K are left out), so they pass a replay audit as that volunteer's and
         no other's. At least 24 of them, in number order; the first GROUPS_WANTED or a few
         more, as the numbers are sampled CHUNK at a time."""
+        return [g for g in self.every_group(volunteer, version) if len({c.reward for c in g.completions}) > 1]
+
+    def every_group(self, volunteer: str, version: int = TEMPLATE_VERSION) -> list:
+        """Every number `volunteer` sampled for `groups`, 0, 1, 2, ... without a gap, those
+        with one reward for all K included: what an honest volunteer uploads."""
         if (volunteer, version) not in self.made:
             with one_thread():
                 self.made[volunteer, version] = honest_groups(self, volunteer, version)
@@ -115,12 +124,12 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
         for j, (p, samples) in enumerate(zip(chunk, out)):
             rewards = [completion_reward(task, p, x.token_ids, policy.decode_all,
                                          policy.eos_id, policy.special_ids) for x in samples]
-            if max(rewards) != min(rewards):
-                groups.append(Group(p.id, version, volunteer, start + j, [
-                    Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
-        if len(groups) >= GROUPS_WANTED:
+            groups.append(Group(p.id, version, volunteer, start + j, [
+                Completion(x.token_ids, x.logprobs, x.text, r) for x, r in zip(samples, rewards)]))
+        varied = sum(1 for g in groups if len({c.reward for c in g.completions}) > 1)
+        if varied >= GROUPS_WANTED:
             break
-    assert len(groups) >= 24, f"only {len(groups)} groups with reward variance"
+    assert varied >= 24, f"only {varied} groups with reward variance"
     return groups
 
 

@@ -8,7 +8,7 @@ a later trainer's window recovery, all through read_manifest) accept it.
 """
 from __future__ import annotations
 
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import Proc
@@ -22,7 +22,7 @@ def trainer(bucket, root, name: str, template, env: dict, *extra: str) -> Proc:
     return Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", "4",
                  "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
                  "--dashboard-every", "0", "--threads", "1", "--poll-seconds", "0.05",
-                 "--work-dir", str(root / "work"), "--signing-key", str(template.key), *extra],
+                 *PICKED, "--work-dir", str(root / "work"), "--signing-key", str(template.key), *extra],
                 root / f"{name}.log", root, env)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
@@ -81,7 +81,7 @@ def trainer(bucket, root: Path, name: str, eval_csv: Path, key: Path, ranks: int
     away the same by whichever rank reads it)."""
     return Proc(["trainer", *bucket.args, "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(eval_csv),
-                 "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
+                 *PICKED, "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
                  "--work-dir", str(root / f"{name}-work"),
                  "--signing-key", str(key)], root / f"{name}.log", root,
                 {"OMP_NUM_THREADS": "1"} if ranks else None, ranks=ranks)
@@ -258,8 +258,8 @@ EXPECTED = {
     "missing_field": "bad_schema", "too_many_tokens": "too_many_tokens",
     "not_a_shard_name": "bad_key", "bignum_logprob": "bad_number", "infinite_logprob": "bad_number",
     "deep_nesting": "too_deep",
-    # repeats of groups already taken: once accepted, and so a free way to dilute rejects
-    "replayed_shard": "duplicate_only",
+    # a shard taken before, again under another key: its numbers were used
+    "replayed_shard": "seq_reused",
     # another volunteer's group under one's own name: its tokens are not what the copier's own
     # committed draws select, and a new volunteer's shards are all audited
     "duplicated_group": "replay_mismatch",

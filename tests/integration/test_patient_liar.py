@@ -14,7 +14,7 @@ import json
 import re
 
 import pytest
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, committed, gz_lines, key
 from helpers.honest_groups import forged
@@ -59,7 +59,7 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
         bucket.put(key("patient", f"a{i:03d}"), gz_lines(as_dicts(honest[i:i + 6], "patient")))
     steps = len(honest) // ranks + 1  # its honest groups, then one batch of a bystander's
     proc = Proc(["trainer", *bucket.args, "--groups-per-step", str(ranks), "--publish-every", "100000",
-                 "--max-steps", str(steps),
+                 *PICKED, "--max-steps", str(steps),
                  "--audit-full-groups", "1", "--audit-share", "1", "--eval-every", "0",
                  "--eval-dataset", str(template.eval_csv), "--threads", "1",
                  "--poll-seconds", "0.05", "--log-shards", "--work-dir", str(tmp_path / "work"),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import Proc
 from volunteer_rl.protocol import layout
@@ -84,7 +84,7 @@ def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = Fa
             for j in range(0, len(groups), GROUPS):
                 shelf.put(key(vid, f"s{j:02d}"), gz_lines(as_dicts(groups[j: j + GROUPS], vid)))
     proc = Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", str(GROUPS),
-                 "--max-steps", str(steps), "--publish-every", str(HALF), "--max-staleness", "4",
+                 *PICKED, "--max-steps", str(steps), "--publish-every", str(HALF), "--max-staleness", "4",
                  "--audit-tolerance", "0", "--eval-every", "0", "--micro-batch", str(MICRO_BATCH),
                  "--eval-dataset", str(template.eval_csv), "--threads", "1", "--poll-seconds", "0.05",
                  "--signing-key", str(template.key), "--work-dir", str(root / "work")],

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 import torch
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
 from helpers.vrlproc import Proc, wait_for
@@ -129,7 +129,7 @@ def test_chosen_tokens_are_caught_in_a_live_run(template, tmp_path: Path):
     cheater = Cheater(template)
     proc = Proc(["trainer", *bucket.args, "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
-                 "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
+                 *PICKED, "--threads", "1", "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",
                  "--work-dir", str(tmp_path / "work"), "--signing-key", str(template.key)],
                 tmp_path / "trainer.log", tmp_path)
     injected, keys = 0, {}

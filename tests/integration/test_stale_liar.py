@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 from safetensors.numpy import load_file
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
@@ -44,7 +44,7 @@ def step_with(template, root: Path, name: str, logprob: float | None, *args: str
         bucket.put(key("honest", "s", V - 1), gz_lines(as_dicts(template.groups("honest", V - 1)[:8], "honest")))
     proc = Proc(["trainer", *bucket.args, "--max-steps", "1", "--groups-per-step", "8",
                  "--max-staleness", "1", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
-                 "--threads", "1", "--poll-seconds", "0.05", "--algo", "grpo",
+                 *PICKED, "--threads", "1", "--poll-seconds", "0.05", "--algo", "grpo",
                  "--work-dir", str(root / f"{name}-work"), "--signing-key", str(template.key), *args],
                 root / f"{name}.log", root)
     try:

@@ -69,7 +69,7 @@ def test_the_trainer_signs_each_versions_quota_into_its_manifest(trained):
 
 def test_fleet_json_and_the_step_metrics_carry_the_useful_fraction(trained):
     doc = json.loads(trained.storage.read(layout.FLEET))
-    assert doc["schema_version"] == 5
+    assert doc["schema_version"] == 6
     b = doc["balance"]
     assert (b["groups_received"], b["groups_trained"], b["useful_fraction"]) == (8, 4, 0.5)
     assert b["usable_fraction"] == 1.0 and b["volunteers"] == 2.0

@@ -191,22 +191,27 @@ def test_a_version_whose_publish_crashed_is_not_accepted():
     assert stats.rejected == {"unpublished_version": 1}
 
 
-def test_duplicates_count_once_across_keys_and_volunteers():
+def test_duplicates_count_once_and_a_shard_of_own_repeats_is_neither_credit_nor_charge():
     s = fresh_storage("dups")
     put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s1")
-    put(s, 3, "a", [g(1, 3, "a", [[8], [1]])], name="s2")          # replayed under a new key
+    again = g(1, 3, "a", [[8], [1]])  # the same content under a fresh number
+    put(s, 3, "a", [again], name="s2")
     put(s, 3, "b", [g(1, 3, "b", [[8], [1]]), g(0, 3, "b", [[12], [3]])], name="s3")
     stats = IngestStats()
     ing = make(s)
     out = ing.poll(win(3), stats)
     assert [(x.volunteer_id, x.prompt_id) for x in out] == [("a", 1), ("b", 0)]
-    # s2 brings nothing new: rejected (a repeat must not count as accepted); s3 brings one
-    # new group, so it is accepted and its repeat is recorded as a duplicate.
-    assert stats.duplicates == 1 and stats.rejected == {"duplicate_only": 1}
-    assert ing.fleet.counts["a"].rejected == 1 and ing.fleet.counts["b"].rejected == 0
+    # s2 is what a confident policy samples again under its next number: nothing new to
+    # train, so not counted as accepted (repeats would dilute rejects), and not charged
+    # either (an honest volunteer would be denied for it). s3 brings one new group.
+    assert stats.duplicates == 2 and stats.rejected == {}
+    a = ing.fleet.counts["a"]
+    assert (a.accepted, a.rejected, a.accepted_groups, a.rejected_groups) == (1, 0, 1, 0)
+    assert ing.fleet.counts["b"].accepted == 1 and ing.fleet.counts["b"].rejected == 0
     outcomes = {(r["key"].split("/")[-1], r["outcome"]) for r in ing.ledger.pending}
-    assert outcomes == {("s2.jsonl.gz", "rejected"), ("s3.jsonl.gz", "duplicate")}
-    assert s.exists("quarantine/v000003/a/s2.json")
+    assert outcomes == {("s2.jsonl.gz", "duplicate"), ("s3.jsonl.gz", "duplicate")}
+    assert not s.exists("quarantine/v000003/a/s2.json")
+    assert again.seq in ing.numbers.by["a"].got  # its number arrived: not missing
 
 
 def test_the_ledger_survives_a_restart_through_the_bucket():

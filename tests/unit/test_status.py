@@ -215,10 +215,11 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     summary.after_publish(manifest(7), 12, [], fleet)
     doc = json.loads(s.read(layout.FLEET))
     assert doc["trainer"] == {"version": 7, "step": 12, "max_staleness": 2, "ranks": 1,
-                              "stopped_at": None}
+                              "stopped_at": None, "missing_bound": 1.0}
     assert doc["volunteers"]["a"] == {"accepted_shards": 3, "rejected_shards": 1, "audited_shards": 0,
                                       "groups_numbered": 0, "groups_missing": 0,
-                                      "next_group_number": 0, "groups_trained": 8,
+                                      "next_group_number": 0, "numbers_recent": 0, "missing_recent": 0,
+                                      "held_back": False, "groups_trained": 8,
                                       "last_version": 6, "version_lag": 1,
                                       "last_trained_at": NOW + 2, "denied": False,
                                       "groups_received_recent": 0, "groups_trained_recent": 0,
@@ -229,7 +230,7 @@ def test_summary_is_written_at_most_every_interval_and_carried_over_a_restart():
     restarted.after_publish(manifest(8), 13, parse_lines([step(3, {layout.shard_key(8, "a", "s3"): 1})]),
                             fleet)
     doc = json.loads(s.read(layout.FLEET))
-    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 5
+    assert doc["volunteers"]["a"]["groups_trained"] == 9 and doc["schema_version"] == 6
     assert doc["timeline"] == [[NOW, 5], [NOW + 6, 7], [NOW + 11, 8]]  # v6 came within a slot
 
 
@@ -285,21 +286,27 @@ def test_status_without_a_manifest_raises_a_storage_error():
 
 
 def test_missing_group_numbers_show_in_status_and_on_the_dashboard():
-    """What a volunteer did not upload (fleet.json's groups_missing of groups_numbered) is in
-    `vrl status --json`, its table and the dashboard's fleet table."""
+    """What a volunteer did not upload (fleet.json's groups_missing of groups_numbered, and
+    missing_recent of numbers_recent), and that its groups are held back for it, are in `vrl
+    status --json`, its table and the dashboard's fleet table."""
     from rich.console import Console
 
     from volunteer_rl.observe.dashboard import fleet_rows_html
     from volunteer_rl.observe.status import volunteer_table
 
-    summary = {"volunteers": {"vol": {"groups_numbered": 40, "groups_missing": 10}}}
+    summary = {"volunteers": {"vol": {"groups_numbered": 40, "groups_missing": 10, "numbers_recent": 48,
+                                      "missing_recent": 12, "held_back": True}}}
     status = build_status("/b", manifest(), {"vol": beat()}, summary, [], [], NOW)
     (row,) = status["volunteers"]
     assert (row["groups_missing"], row["groups_missing_rate"]) == (10, 0.25)
-    assert "<td>25% (10)</td>" in fleet_rows_html(status)
+    assert (row["missing_recent_rate"], row["numbers_recent"], row["held_back"]) == (0.25, 48, True)
+    assert "<td>25% of its last 48, held back; 25% (10) of all</td>" in fleet_rows_html(status)
     console = Console(width=120, record=True)
     console.print(volunteer_table(status, 120)[0])
-    assert "25%" in console.export_text()
+    text = console.export_text()
+    assert "25%" in text and "producing held" in text
+    older = build_status("/b", manifest(), {"vol": beat()}, {"volunteers": {"vol": {}}}, [], [], NOW)
+    assert (older["volunteers"][0]["missing_recent_rate"], older["volunteers"][0]["held_back"]) == (None, False)
 
 
 # --- the trainer stopped, its ranks, the newest reward (issue 39) -----------------------------
@@ -318,7 +325,7 @@ def test_the_trainers_last_write_says_it_stopped_and_how_many_ranks_it_ran_as():
     summary = FleetSummary(s, print, clock=lambda: clock[0], ranks=2)
     summary.after_publish(manifest(5), 10, [], Fleet())
     assert json.loads(s.read(layout.FLEET))["trainer"] == {
-        "version": 5, "step": 10, "max_staleness": 2, "ranks": 2, "stopped_at": None}
+        "version": 5, "step": 10, "max_staleness": 2, "ranks": 2, "stopped_at": None, "missing_bound": 1.0}
     clock[0] += 1
     summary.after_publish(manifest(6), 11, [], Fleet(), final=True)  # not due, but the last
     assert json.loads(s.read(layout.FLEET))["trainer"]["stopped_at"] == NOW + 1

@@ -233,9 +233,13 @@ def _cell(x) -> str:
 
 
 def _missing(row: dict) -> str | None:
-    """Group numbers the trainer never received, of those closed: share and count."""
-    rate, n = row["groups_missing_rate"], row.get("groups_missing")
-    return None if rate is None else f"{rate:.0%} ({n:,})"
+    """Group numbers the trainer never received: the share of its last numbers (and whether
+    that holds its groups back from training), then the share and count of all it closed."""
+    recent, rate, n = row["missing_recent_rate"], row["groups_missing_rate"], row.get("groups_missing")
+    parts = [] if recent is None else [f"{recent:.0%} of its last {row['numbers_recent']:,}"
+                                       + (", held back" if row["held_back"] else "")]
+    parts += [] if rate is None else [f"{rate:.0%} ({n:,}) of all"]
+    return "; ".join(parts) or None
 
 
 def _when(t: float, now: float, text: str | None = None) -> str:

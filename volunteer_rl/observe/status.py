@@ -68,6 +68,8 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
     audited = max(0, json_int(t.get("audited_shards")) or 0)
     numbered = max(0, json_int(t.get("groups_numbered")) or 0)
     missing = max(0, json_int(t.get("groups_missing")) or 0)
+    recent = max(0, json_int(t.get("numbers_recent")) or 0)
+    recent_missing = max(0, json_int(t.get("missing_recent")) or 0)
     last = json_int(t.get("last_version"))
     lag = heartbeat_lag(hb_ok, now, list(points)) if hb_ok else None
     trained_lately = recently_trained(t, now, heartbeat_period(hb_ok) if hb_ok else DEFAULT_PERIOD)
@@ -83,6 +85,11 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
            "audit_coverage": min(1.0, audited / (accepted + rejected)) if accepted + rejected else None,
            "groups_missing": missing,
            "groups_missing_rate": min(1.0, missing / numbered) if numbered else None,
+           # its last numbers (fleet.json schema 6; older files: None and False), and whether
+           # that share holds its groups back from training (trainer.withheld)
+           "missing_recent_rate": min(1.0, recent_missing / recent) if recent else None,
+           "numbers_recent": recent,
+           "held_back": t.get("held_back") is True,
            "groups_trained": json_int(t.get("groups_trained")) or 0,
            # the trainer's last minute (fleet.json schema 5; older files: 0 and None)
            "groups_received_recent": max(0, json_int(t.get("groups_received_recent")) or 0),
@@ -379,14 +386,14 @@ ID_MIN = 12
 
 def _cells(r: dict) -> list[str]:
     """One volunteer's cells in COLUMNS order (rich markup; its own strings escaped)."""
-    state = r["state"] + (" denied" if r["denied"] else "") + (
+    state = r["state"] + (" denied" if r["denied"] else "") + (" held" if r["held_back"] else "") + (
         " (waiting)" if r["state"] == "idle" and r["waiting"] else "")
     rate = r["completions_per_minute"] if r["state"] != "offline" else None
     return [markup_safe(r["id"], 64), f"[{STATE_STYLE[r['state']]}]{state}[/]",
             _short_ago(r["seconds_since_heartbeat"]), _version(r),
             "-" if rate is None else f"{rate:,.0f}", _count(r["completions_total"]),
             _accepted(r), _share(r["audit_coverage"]),
-            _share(r["groups_missing_rate"]), _count(r["groups_trained"]),
+            _share(r["missing_recent_rate"]), _count(r["groups_trained"]),
             _share(r["useful_fraction"]), markup_safe((r["host"] or {}).get("device", "-"), 20)]
 
 

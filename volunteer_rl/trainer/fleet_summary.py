@@ -31,8 +31,9 @@ from volunteer_rl.protocol.metrics import EvalRecord, Record, StepRecord
 from volunteer_rl.storage.base import NotFound, Storage, StorageError
 from volunteer_rl.trainer.balance import Balance
 from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.trainer.withheld import GroupNumbers
 
-SUMMARY_SCHEMA = 5
+SUMMARY_SCHEMA = 6
 SUMMARY_INTERVAL_SECONDS = 5.0
 TIMELINE_POINTS = 256
 TIMELINE_SECONDS = 900.0
@@ -70,13 +71,15 @@ def add_point(timeline: list[list[float]], now: float, version: int) -> None:
 def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                     volunteers: dict[str, dict], fleet: Fleet, last_step: dict | None,
                     evals: list[dict], timeline: list[list[float]], now: float,
-                    next_number: Callable[[str], int] = lambda vid: 0,
+                    numbers: GroupNumbers | None = None,
                     balance: tuple[dict, dict[str, dict]] | None = None,
-                    ranks: int = 1, stopped: bool = False) -> dict:
-    """The JSON object of fleet.json (schema in docs/PROTOCOL.md). `next_number`: one past
-    the highest group number received from a volunteer (withheld.GroupNumbers.next_number);
-    `balance`: Balance.summary (None: a window with nothing in it); `ranks`: the processes
-    the trainer runs as; `stopped`: this is the write after its final publish."""
+                    ranks: int = 1, stopped: bool = False, missing_bound: float = 1.0) -> dict:
+    """The JSON object of fleet.json (schema in docs/PROTOCOL.md). `numbers`: the group
+    numbers received (withheld.GroupNumbers: where each volunteer got to, its recent missing
+    share); `balance`: Balance.summary (None: a window with nothing in it); `ranks`: the
+    processes the trainer runs as; `stopped`: this is the write after its final publish;
+    `missing_bound`: --missing-bound, over which a volunteer's groups are held back."""
+    numbers = numbers or GroupNumbers()
     fleet_balance, recent = balance or Balance(1).summary(now)
     ids = set(volunteers) | set(fleet.counts) | set(fleet.denied) | set(recent)
     rows = {}
@@ -84,12 +87,15 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
         c = fleet.counts.get(vid)
         v = volunteers.get(vid, {})
         last = v.get("last_version")
+        missing, counted = numbers.missing_share(vid)
         rows[vid] = {"accepted_shards": c.accepted if c else 0,
                      "rejected_shards": c.rejected if c else 0,
                      "audited_shards": c.audited if c else 0,
                      "groups_numbered": c.numbered if c else 0,
                      "groups_missing": c.missing if c else 0,
-                     "next_group_number": next_number(vid),
+                     "next_group_number": numbers.next_number(vid),
+                     "numbers_recent": counted, "missing_recent": missing,
+                     "held_back": numbers.held(vid, missing_bound),
                      "groups_trained": v.get("groups_trained", 0), "last_version": last,
                      "version_lag": None if last is None else version - last,
                      "last_trained_at": v.get("last_trained_at"), "denied": vid in fleet.denied,
@@ -97,7 +103,8 @@ def summary_payload(run_id: str, version: int, step: int, max_staleness: int,
                                         "useful_fraction": None})}
     return {"schema_version": SUMMARY_SCHEMA, "run_id": run_id, "updated_at": now,
             "trainer": {"version": version, "step": step, "max_staleness": max_staleness,
-                        "ranks": ranks, "stopped_at": now if stopped else None},
+                        "ranks": ranks, "stopped_at": now if stopped else None,
+                        "missing_bound": missing_bound},
             "last_step": last_step, "evals": evals[-EVALS_KEPT:], "timeline": timeline,
             "balance": fleet_balance, "volunteers": rows}
 
@@ -138,9 +145,8 @@ class FleetSummary:
             self.log(f"warning: {layout.FLEET}: not carried over ({exc})")
 
     def after_publish(self, manifest: Manifest, step: int, records: list[Record], fleet: Fleet,
-                      final: bool = False,
-                      next_number: Callable[[str], int] = lambda vid: 0,
-                      balance: Balance | None = None) -> None:
+                      final: bool = False, numbers: GroupNumbers | None = None,
+                      balance: Balance | None = None, missing_bound: float = 1.0) -> None:
         """Take in the metric records of the steps that led to `manifest`; write fleet.json if
         due. `final`: the trainer's last publish (or last write) before it exits: always
         written, saying it stopped."""
@@ -161,8 +167,8 @@ class FleetSummary:
             self.write(summary_payload(manifest.run_id, manifest.version, step,
                                        manifest.max_staleness, self.volunteers, fleet,
                                        self.last_step, self.evals, self.timeline, now,
-                                       next_number, balance.summary(now) if balance else None,
-                                       self.ranks, final))
+                                       numbers, balance.summary(now) if balance else None,
+                                       self.ranks, final, missing_bound))
 
     def write(self, payload: dict) -> None:
         try:

@@ -40,7 +40,8 @@ class ScoredGroup:
     a step): not replayed again."""
 
 
-_COUNTS = ("shards", "groups", "zero_variance", "duplicates", "denied", "over_cap", "trainer_errors")
+_COUNTS = ("shards", "groups", "zero_variance", "duplicates", "denied", "over_cap", "trainer_errors",
+           "held_missing")
 """IngestStats' plain counts."""
 
 
@@ -56,6 +57,9 @@ class IngestStats:
     """Volunteer folders found over MAX_OBJECTS_PER_VOLUNTEER_VERSION (once per version)."""
     trainer_errors: int = 0
     """Shards left after MAX_TRAINER_FAULTS faults of the trainer's own (not charged)."""
+    held_missing: int = 0
+    """Fresh groups held back from a batch, their volunteer's missing share over
+    --missing-bound (withheld.hold_back), counted each round they wait."""
     audit: AuditStats = field(default_factory=AuditStats)
     reward: RewardStats = field(default_factory=RewardStats)
     rejected: Counter = field(default_factory=Counter)  # reason -> shards

@@ -267,11 +267,7 @@ class Ingest:
         if replayed is None:
             return []  # due for an audit that cannot run now: read again later
         crash_point("ingest")
-        if self._only_repeats(key, volunteer, groups):
-            # Repeats cost nothing to make: counted as accepted they would dilute any number
-            # of rejects below --deny-rate.
-            self._reject(key, "duplicate_only", f"duplicate_only: all {len(groups)} groups were taken before", stats, len(groups))
-            return []
+        repeats = self._only_repeats(key, volunteer, groups)
         refused = self._numbered(key, groups)
         if refused:
             self._reject(key, refused, NUMBERING_ERRORS[refused], stats, len(groups))
@@ -280,7 +276,12 @@ class Ingest:
             self.audits.audit_claimants(volunteer, replayed, stats)
         self.taken.add(key)
         stats.shards += 1
-        self._count(key, True, stats, len(groups))
+        if not repeats:
+            # A shard of nothing but its own volunteer's earlier content under fresh numbers
+            # (a confident policy samples the same completions again) counts neither way:
+            # as accepted, repeats that cost nothing new would dilute its rejects below
+            # --deny-rate; as rejected, they would deny an honest volunteer.
+            self._count(key, True, stats, len(groups))
         usable = self._sort(key, groups, stats)
         self.audits.taken(key, volunteer, usable, replayed)
         return usable

@@ -85,6 +85,7 @@ class Records:
             "ingest/rejected": dict(stats.rejected),
             "ingest/duplicates": stats.duplicates, "ingest/denied_shards": stats.denied,
             "ingest/over_cap": stats.over_cap, "ingest/trainer_errors": stats.trainer_errors,
+            "ingest/held_missing": stats.held_missing,
             "ingest/by_volunteer": stats.by_volunteer,
             "ingest/reward_seconds": stats.reward.seconds,
             "ingest/reward_poll_max": stats.reward.poll_max,
@@ -157,6 +158,6 @@ class Records:
                 theirs.load_counts(peer["volunteers"])
                 fleet.counts.update(theirs.counts)
                 numbers.by.update(GroupNumbers.from_json(peer["group_numbers"]).by)
-        self.fleet_summary.after_publish(manifest, steps, records, fleet, final,
-                                         numbers.next_number, balance)
+        self.fleet_summary.after_publish(manifest, steps, records, fleet, final, numbers,
+                                         balance, self.cfg.missing_bound)
         self.dashboard.after_publish(records, final)

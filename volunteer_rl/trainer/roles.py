@@ -32,7 +32,7 @@ from volunteer_rl.trainer.records import record_groups
 from volunteer_rl.trainer.reward_budget import RewardBudget
 from volunteer_rl.trainer.shares import Share, agree_on_batch
 from volunteer_rl.trainer.verify import Verdict, verify
-from volunteer_rl.trainer.withheld import GroupNumbers
+from volunteer_rl.trainer.withheld import GroupNumbers, hold_back
 
 Round = tuple[list[ScoredGroup], list[ScoredGroup] | None, int, int]
 """An intake round's (groups left waiting, the batch or None, groups gone stale, fresh groups
@@ -113,8 +113,10 @@ class Single:
         buffer = self.ingest.poll(win, stats, buffer)
         fresh, stale = split_fresh(buffer, win.version, self.cfg.max_staleness)
         record_groups(self.publisher.ledger, stale, "stale")
+        fresh, held = hold_back(fresh, self.publisher.numbers, self.cfg.missing_bound)
+        stats.held_missing += len(held)
         batch, taken, stale_n, fresh_n = self.agree(fresh, len(stale), stats)
-        return fresh[taken:], batch, stale_n, fresh_n
+        return held + fresh[taken:], batch, stale_n, fresh_n
 
     def agree(self, fresh: list[ScoredGroup], stale: int,
               stats: IngestStats) -> tuple[list[ScoredGroup] | None, int, int, int]:

@@ -10,17 +10,35 @@ holds volunteers to that (`seq_order`): a number cannot be sampled under one ver
 back, and sampled again under another once higher numbers went out.
 
 Missing numbers are counted when they are closed: once a version leaves the window, every
-number up to the highest one received under it can no longer arrive, and those that never
-did are missing, the tail of a version included as soon as a later version's numbers were
-received. What stays invisible is the end of a volunteer's last version before it goes
+number from 0 up to the highest one received under it can no longer arrive, and those that
+never did are missing, the tail of a version included as soon as a later version's numbers
+were received. What stays invisible is the end of a volunteer's last version before it goes
 silent. Honest volunteers miss few: groups in flight when their version left the window, and
-those lost to a crash. The count cannot tell withheld from late; it is shown per volunteer
-(fleet.json, `vrl status`, the dashboard) for people to judge, and decides nothing by itself.
+those lost to a crash. These totals are shown per volunteer (fleet.json, `vrl status`, the
+dashboard).
+
+Withholding has a price (`missing_share`, `hold_back`): a volunteer's groups are not trained
+while more than --missing-bound of its last RECENT_NUMBERS numbers are missing, counted up to
+its highest number received, open gaps of the window's versions included, so a volunteer that
+keeps only the groups it likes never gets one trained. Its groups wait, untrained and
+uncharged, until the share is back under the bound (a gap that was only late fills in) or they
+leave the window. Honest volunteers number without gaps and upload in order, so their share
+stays 0; one lost shard (a crash) stays well under the bound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from volunteer_rl.trainer.groups import ScoredGroup
+
+RECENT_NUMBERS = 1024
+"""How far back a volunteer's missing share looks: its last 1,024 group numbers below one
+past its highest number received. Long enough that one lost shard is a small share, short
+enough that a volunteer that lost numbers once (a crash, a lost number file) trains again
+after about a thousand honest groups."""
 
 
 @dataclass
@@ -33,6 +51,9 @@ class _Numbers:
     """Number -> (version, shard key) of every number received at or above the frontier."""
     span: dict[int, list[int]] = field(default_factory=dict)
     """Version -> [lowest, highest] number received under it."""
+    gaps: list[list[int]] = field(default_factory=list)
+    """[first, end) runs of closed numbers that never arrived, those reaching into the last
+    RECENT_NUMBERS below the frontier: what missing_share needs of the closed past."""
 
     def record(self, version: int, key: str, seqs: list[int]) -> None:
         """Note `seqs`, received under `version` in shard `key` (checked by the caller)."""
@@ -80,17 +101,42 @@ class GroupNumbers:
             if not old:
                 continue
             top = max(n.span[u][1] for u in old) + 1
-            start = n.frontier if n.frontier is not None else min(n.span[u][0] for u in old)
+            start = n.frontier if n.frontier is not None else 0
             for u in old:
                 del n.span[u]
             if top <= start:
                 continue
-            closed = [s for s in n.got if start <= s < top]
+            closed = sorted(s for s in n.got if start <= s < top)
             for s in closed:
                 del n.got[s]
+            n.gaps += _gaps(closed, start, top)
+            n.gaps = [[max(a, top - RECENT_NUMBERS), b] for a, b in n.gaps if b > top - RECENT_NUMBERS]
             n.frontier = top
             out[volunteer] = (top - start, top - start - len(closed))
         return out
+
+    def missing_share(self, volunteer: str) -> tuple[int, int]:
+        """(missing, counted) over `volunteer`'s last RECENT_NUMBERS numbers below one past
+        its highest number received: the closed ones that never arrived, and the open ones
+        (versions still in the window) not received yet. Counted from number 0, so the
+        numbers before the first one it sent count too. Arithmetic on the numbers received,
+        never a loop over a range a volunteer chose: a number of 2**60 costs nothing more."""
+        n = self.by.get(volunteer)
+        if n is None:
+            return 0, 0
+        top = self.next_number(volunteer)
+        lo = max(0, top - RECENT_NUMBERS)
+        closed_end = n.frontier or 0
+        open_lo = max(lo, closed_end)
+        missing = top - open_lo - sum(1 for s in n.got if open_lo <= s < top) if top > open_lo else 0
+        missing += sum(max(0, min(b, closed_end) - max(a, lo)) for a, b in n.gaps)
+        return missing, top - lo
+
+    def held(self, volunteer: str, bound: float) -> bool:
+        """True while more than `bound` of `volunteer`'s recent numbers are missing
+        (missing_share): its groups are not trained (hold_back), and fleet.json says so."""
+        missing, counted = self.missing_share(volunteer)
+        return counted > 0 and missing > bound * counted
 
     def next_number(self, volunteer: str) -> int:
         """One past the highest number received from `volunteer` (0 if none): where a
@@ -110,7 +156,7 @@ class GroupNumbers:
             shards: dict[tuple[str, int], list[int]] = {}
             for s, (version, key) in n.got.items():
                 shards.setdefault((key, version), []).append(s)
-            out[volunteer] = {"frontier": n.frontier,
+            out[volunteer] = {"frontier": n.frontier, "gaps": n.gaps,
                               "shards": [[key, version, _runs(sorted(seqs))]
                                          for (key, version), seqs in shards.items()]}
         return out
@@ -124,12 +170,37 @@ class GroupNumbers:
                 n = numbers.by.setdefault(str(volunteer), _Numbers())
                 f = entry["frontier"]
                 n.frontier = None if f is None else int(f)
+                n.gaps = [[int(a), int(b)] for a, b in entry.get("gaps", [])]  # older saves: none
                 for key, version, runs in entry["shards"]:
                     n.record(int(version), str(key),
                              [s for a, b in runs for s in range(int(a), int(b) + 1)])
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"saved group numbers are malformed ({type(exc).__name__}: {exc})") from None
         return numbers
+
+
+def hold_back(groups: list["ScoredGroup"], numbers: GroupNumbers,
+              bound: float) -> tuple[list["ScoredGroup"], list["ScoredGroup"]]:
+    """(trainable, held): `groups` split by whether their volunteer's missing share
+    (GroupNumbers.missing_share) is over `bound`; order kept. A bound of 1 holds nothing."""
+    over = {}
+    for g in groups:
+        if g.volunteer_id not in over:
+            over[g.volunteer_id] = numbers.held(g.volunteer_id, bound)
+    return ([g for g in groups if not over[g.volunteer_id]],
+            [g for g in groups if over[g.volunteer_id]])
+
+
+def _gaps(closed: list[int], start: int, end: int) -> list[list[int]]:
+    """[first, end) runs of the numbers in [start, end) missing from sorted `closed`."""
+    out, at = [], start
+    for s in closed:
+        if s > at:
+            out.append([at, s])
+        at = s + 1
+    if at < end:
+        out.append([at, end])
+    return out
 
 
 def _runs(seqs: list[int]) -> list[list[int]]:

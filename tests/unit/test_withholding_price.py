@@ -1,0 +1,79 @@
+"""The price of withholding (trainer.withheld): a volunteer's missing share over its recent
+group numbers, counted from number 0, open versions included, and the groups held back
+while it is over the bound."""
+from __future__ import annotations
+
+from volunteer_rl.trainer.groups import ScoredGroup
+from volunteer_rl.trainer.withheld import RECENT_NUMBERS, GroupNumbers, hold_back
+
+BOUND = 0.05
+
+
+def numbers_of(shards: list[tuple[int, list[int]]], volunteer: str = "v") -> GroupNumbers:
+    """GroupNumbers that took `shards`, (version, numbers) each, in order."""
+    n = GroupNumbers()
+    for i, (version, seqs) in enumerate(shards):
+        assert n.add(volunteer, f"rollouts/v{version:06d}/{volunteer}/s{i}.jsonl.gz", version, seqs) is None
+    return n
+
+
+def group(volunteer: str, seq: int) -> ScoredGroup:
+    return ScoredGroup(0, 1, volunteer, [[1]], [[-0.1]], [0.0], "k", seq=seq)
+
+
+def test_an_honest_volunteer_misses_nothing_open_or_closed():
+    n = numbers_of([(1, list(range(0, 8))), (1, list(range(8, 16))), (2, list(range(16, 24)))])
+    assert n.missing_share("v") == (0, 24)
+    n.close_below(2)
+    assert n.missing_share("v") == (0, 24) and not n.held("v", BOUND)
+
+
+def test_numbers_before_the_first_one_sent_count_from_0():
+    """One that sampled #0-#47 of its first version and sent only #42."""
+    n = numbers_of([(1, [42])])
+    assert n.missing_share("v") == (42, 43) and n.held("v", BOUND)
+    assert n.close_below(2) == {"v": (43, 42)}  # closed: the fleet totals count them too
+    assert n.missing_share("v") == (42, 43)
+
+
+def test_a_volunteer_that_keeps_a_fifth_of_its_groups_is_held_while_its_versions_are_open():
+    kept = [s for s in range(256) if s % 5 == 0]
+    n = numbers_of([(1, kept[:26]), (2, kept[26:])])
+    missing, counted = n.missing_share("v")
+    assert (missing, counted) == (255 + 1 - len(kept), 256) and n.held("v", BOUND)
+    trained, held = hold_back([group("v", 5), group("ok", 0), group("v", 10)], n, BOUND)
+    assert [g.volunteer_id for g in trained] == ["ok"] and [g.seq for g in held] == [5, 10]
+
+
+def test_one_lost_shard_stays_under_the_bound_and_an_old_gap_ages_out():
+    n = numbers_of([(1, list(range(0, 500))), (2, list(range(532, 1100)))])  # #500-#531 lost
+    n.close_below(3)
+    assert n.missing_share("v") == (32, RECENT_NUMBERS) and not n.held("v", BOUND)
+    n = numbers_of([(1, list(range(0, 100))), (2, list(range(400, 500)))])  # 300 missing
+    assert n.held("v", BOUND)
+    n.close_below(3)
+    n.add("v", "rollouts/v000003/v/late.jsonl.gz", 3, list(range(500, 100 + RECENT_NUMBERS)))
+    assert n.missing_share("v") == (300, RECENT_NUMBERS) and n.held("v", BOUND)
+    n.add("v", "rollouts/v000003/v/later.jsonl.gz", 3, list(range(100 + RECENT_NUMBERS, 1500)))
+    assert n.missing_share("v") == (0, RECENT_NUMBERS) and not n.held("v", BOUND)
+
+
+def test_a_late_shard_fills_its_gap_and_the_hold_lifts():
+    n = numbers_of([(1, list(range(0, 8))), (1, list(range(16, 24)))])  # #8-#15 not here yet
+    assert n.held("v", BOUND)
+    n.add("v", "rollouts/v000001/v/late.jsonl.gz", 1, list(range(8, 16)))
+    assert n.missing_share("v") == (0, 24) and not n.held("v", BOUND)
+
+
+def test_a_huge_number_costs_arithmetic_only_and_the_share_survives_a_save():
+    n = numbers_of([(1, [0, 1, 2]), (2, [2 ** 60])])
+    assert n.missing_share("v") == (RECENT_NUMBERS - 1, RECENT_NUMBERS)
+    n.close_below(3)
+    again = GroupNumbers.from_json(n.to_json())
+    assert again.missing_share("v") == n.missing_share("v") == (RECENT_NUMBERS - 1, RECENT_NUMBERS)
+    assert again.by["v"].gaps == [[2 ** 60 + 1 - RECENT_NUMBERS, 2 ** 60]]
+
+
+def test_a_bound_of_1_holds_nothing():
+    n = numbers_of([(1, [900])])
+    assert hold_back([group("v", 900)], n, 1.0) == ([group("v", 900)], [])
