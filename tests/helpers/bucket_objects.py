@@ -56,7 +56,7 @@ def key(volunteer: str, name: str, version: int = TEMPLATE_VERSION) -> str:
 def honest_shards(template, bucket: Path, count: int) -> list[str]:
     """`count` shards of 4 real groups into a copy of the template's bucket, one from each of
     vol-0, vol-1, ... (volunteer i's groups 4i to 4i + 3, so no two shards share a group);
-    their keys."""
+    their keys. Hand-picked numbers: a trainer fed them needs conftest.PICKED."""
     return [FolderBucket(bucket).put(key(f"vol-{i}", "s"), gz_lines(as_dicts(
                 template.groups(f"vol-{i}")[4 * i: 4 * i + 4], f"vol-{i}")))
             for i in range(count)]

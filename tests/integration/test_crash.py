@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import TEMPLATE_VERSION
+from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import assert_manifest_complete, committed, honest_shards, trained_lines
 from helpers.vrlproc import Proc, wait_for
@@ -27,7 +27,7 @@ SHARDS = 6
 def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, crash: str | None,
             key: Path) -> Proc:
     env = {"VRL_CRASH_AT": crash} if crash else {}
-    return Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", "4",
+    return Proc(["trainer", *PICKED, "--bucket", str(bucket), "--groups-per-step", "4",
                  "--max-staleness", "50", "--eval-every", "0", "--eval-dataset", str(eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(root / "work"),
                  "--signing-key", str(key)],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import PICKED
+
 from helpers.bucket_objects import honest_shards
 from helpers.vrlproc import Proc
 from volunteer_rl.protocol import layout
@@ -17,7 +19,7 @@ from volunteer_rl.protocol import layout
 def short_run(template, root: Path, *args: str) -> tuple[Path, str]:
     bucket = template.copy(root / "bucket")
     honest_shards(template, bucket, 2)
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
+    trainer = Proc(["trainer", *PICKED, "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
                     "--eval-dataset", str(template.eval_csv), "--threads", "1",
                     "--poll-seconds", "0.05", "--work-dir", str(root / "tw"),
                     "--signing-key", str(template.key), *args], root / "trainer.log", root,

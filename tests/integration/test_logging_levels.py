@@ -12,6 +12,8 @@ import json
 
 import pytest
 
+from conftest import PICKED
+
 from helpers.bucket_objects import honest_shards
 from helpers.vrlproc import Proc
 
@@ -22,7 +24,7 @@ def test_a_quiet_trainer_warns_and_reports_to_tensorboard(template, tmp_path):
 
     bucket = template.copy(tmp_path / "bucket")
     honest_shards(template, bucket, 2)
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
+    trainer = Proc(["trainer", *PICKED, "--bucket", str(bucket), "--max-steps", "2", "--groups-per-step", "4",
                     "--eval-dataset", str(template.eval_csv), "--threads", "1",
                     "--poll-seconds", "0.05", "--work-dir", str(tmp_path / "tw"),
                     "--dashboard-every", "0", "--signing-key", str(template.key),

@@ -11,6 +11,8 @@ into the version's state folder (torch.distributed.checkpoint).
 The committed ledgers then show each of the 24 groups trained exactly once."""
 from __future__ import annotations
 
+from conftest import PICKED
+
 from helpers.bucket_objects import assert_manifest_complete, honest_shards, trained_lines
 from helpers.vrlproc import Proc, wait_for
 
@@ -22,7 +24,7 @@ def test_a_rank_killed_mid_step_restarts_and_nothing_is_trained_twice_or_lost(te
     bucket = template.copy(tmp_path / "bucket")
     keys = honest_shards(template, bucket, SHARDS)
     expected = {(k, line) for k in keys for line in range(4)}
-    proc = Proc(["trainer", "--bucket", str(bucket), "--groups-per-step", "4",
+    proc = Proc(["trainer", *PICKED, "--bucket", str(bucket), "--groups-per-step", "4",
                  "--max-staleness", "50", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(tmp_path / "work"),
                  "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path,

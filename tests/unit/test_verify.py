@@ -30,7 +30,8 @@ def trainer_on(template, root, **settings) -> Trainer:
     cfg = TrainerConfig(**{"bucket": str(bucket), "eval_every": 0, "dashboard_every": 0,
                            "eval_dataset": str(template.eval_csv), "work_dir": str(root / "work"),
                            "signing_key": str(template.key), "audit_floor": 1e-9,
-                           "groups_per_step": 4, **settings})
+                           "groups_per_step": 4, "missing_bound": 1.0,  # conftest.PICKED
+                           **settings})
     t = Trainer(cfg, log=lambda m: None)
     t.start()
     assert t.version == V

@@ -33,7 +33,7 @@ from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.learner import Learner
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.publish import WeightsChain
-from volunteer_rl.trainer.step import replay_problems
+from volunteer_rl.trainer.step import first_problem, replay_problems
 
 
 class HeldWeights:
@@ -160,8 +160,7 @@ class HeldWeights:
     def replay(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                run_id: str) -> tuple[str, str] | None:
         """Audit `groups` of `version` with that version's weights: the first failure or None."""
-        return next((p for p in self.problems(version, groups, prompt_ids, run_id)
-                     if p is not None), None)
+        return first_problem(self.problems(version, groups, prompt_ids, run_id))
 
     def problems(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                  run_id: str) -> list[tuple[str, str] | None]:

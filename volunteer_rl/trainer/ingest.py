@@ -104,7 +104,7 @@ class Ingest:
         trainer.shares) only its own volunteers are listed, and every poll meets the other
         ranks twice, there. None: a single process, which reads every volunteer."""
         self.audits = AuditDesk(auditor, fleet, ledger, self.claims, rules.max_groups, log,
-                                self._log_trace, self._reject, self._withdraw)
+                                self.log_trace, self._reject, self._withdraw)
         self.listing = Listing(storage, fleet, share, self.audits.waits, log, fetch_workers)
 
     # The ledger and the log are the parts' too: one set after construction (a test's
@@ -243,7 +243,7 @@ class Ingest:
             # an error nobody foresaw while reading a volunteer's bytes is a bug of ours that
             # those bytes found, so its traceback goes to the log, and the shard is recorded
             # (and so never read again after a restart) like any reject.
-            self._log_trace(f"unexpected {type(exc).__name__} while checking {printable(key)}", exc)
+            self.log_trace(f"unexpected {type(exc).__name__} while checking {printable(key)}", exc)
             decided = True
             self._reject(key, "internal_error", type(exc).__name__, stats)
         finally:
@@ -302,14 +302,15 @@ class Ingest:
         record: a restarted trainer tries again)."""
         self.faults[key] += 1
         n = self.faults[key]
-        self._log_trace(f"{type(exc).__name__} of the trainer's own while taking {printable(key)} "
+        self.log_trace(f"{type(exc).__name__} of the trainer's own while taking {printable(key)} "
                         f"({n} of {MAX_TRAINER_FAULTS}; not charged to its volunteer)", exc)
         if n >= MAX_TRAINER_FAULTS:
             self.taken.add(key)
             stats.trainer_errors += 1
             self.log(f"left {printable(key)}: trainer_error after {n} faults of the trainer's own")
 
-    def _log_trace(self, what: str, exc: BaseException) -> None:
+    def log_trace(self, what: str, exc: BaseException) -> None:
+        """An error line with its traceback, every line escaped (a fault may quote a shard)."""
         trace = "".join(traceback.format_exception(exc)).splitlines()  # may quote the shard
         self.log(f"error: {what}:\n" + "\n".join(printable(line, 1000) for line in trace))
 

@@ -138,7 +138,7 @@ class Single:
         if cfg.verify != "every" or cfg.audit_tolerance <= 0:
             return batch, []
         mine = verify(p.held, batch, self.verify_share(len(batch)), self.prompt_ids, p.run_id,
-                      self.log)
+                      self.ingest.log_trace)
         stats.audit.verified += mine.replayed
         stats.audit.verify_failed += len(mine.problems)
         stats.audit.verify_seconds += mine.seconds

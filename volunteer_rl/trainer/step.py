@@ -156,8 +156,12 @@ def audit_groups(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int
                  run_id: str, temperature: float, replay_tolerance: float,
                  logprob_tolerance: float) -> tuple[str, str] | None:
     """The first failure of `groups`' replay (replay_problems), or None if every group passed."""
-    problems = replay_problems(policy, groups, prompt_ids, run_id, temperature,
-                               replay_tolerance, logprob_tolerance)
+    return first_problem(replay_problems(policy, groups, prompt_ids, run_id, temperature,
+                                         replay_tolerance, logprob_tolerance))
+
+
+def first_problem(problems: list[tuple[str, str] | None]) -> tuple[str, str] | None:
+    """The first group's failure of replay_problems' list, or None if every group passed."""
     return next((p for p in problems if p is not None), None)
 
 

@@ -18,11 +18,9 @@ the batch and the ranks exchange what failed, so every rank drops the same group
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from volunteer_rl.protocol.printable import printable
 from volunteer_rl.trainer.audit import Unavailable
 from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.held import HeldWeights
@@ -47,9 +45,10 @@ class Verdict:
 
 def verify(held: HeldWeights, batch: list[ScoredGroup], indices: range,
            prompt_ids: dict[int, list[int]], run_id: str,
-           log: Callable[[str], None]) -> Verdict:
+           trace: Callable[[str, BaseException], None]) -> Verdict:
     """Replay the groups of `batch` at `indices` that are not verified yet, one call per
-    version; mark those that pass."""
+    version; mark those that pass. `trace` logs a fault of the trainer's own with its
+    traceback (Ingest.log_trace)."""
     started = time.monotonic()
     todo: dict[int, list[int]] = {}
     for i in indices:
@@ -64,9 +63,8 @@ def verify(held: HeldWeights, batch: list[ScoredGroup], indices: range,
             verdict.unverifiable.update(ix)
             continue
         except Exception as exc:  # checked input: a fault of the trainer's own, not charged
-            trace = "".join(traceback.format_exception(exc)).splitlines()
-            log(f"error: {type(exc).__name__} of the trainer's own while replaying v{version}'s "
-                "groups before a step:\n" + "\n".join(printable(line, 1000) for line in trace))
+            trace(f"{type(exc).__name__} of the trainer's own while replaying v{version}'s "
+                  "groups before a step", exc)
             verdict.unverifiable.update(ix)
             continue
         for i, g, problem in zip(ix, groups, found):
