@@ -14,7 +14,11 @@ number up to the highest one received under it can no longer arrive, and those t
 did are missing, the tail of a version included as soon as a later version's numbers were
 received. What stays invisible is the end of a volunteer's last version before it goes
 silent. Honest volunteers miss few: groups in flight when their version left the window, and
-those lost to a crash. The count cannot tell withheld from late; it is shown per volunteer
+those lost to a crash. Shards an honest volunteer uploaded in time are read before their
+version leaves (the loop holds a publish back while the window's lowest version has listed
+shards unread, loop.DRAIN_STEPS), and a volunteer told to stop uploads the batch in hand, so
+neither a backlog after a trainer restart nor a stop is counted (docs/LIMITS.md). The count
+cannot tell withheld from late; it is shown per volunteer
 (fleet.json, `vrl status`, the dashboard) for people to judge, and decides nothing by itself.
 """
 
