@@ -10,10 +10,11 @@ CLI installs the handlers first, before it imports torch or transformers (second
 signal must count too), which is why this module is stdlib only and sits below every room.
 
 The first signal sets a flag. Where the process is only reading or computing (imports,
-building or loading a model, the warm start, an evaluation, sampling a batch), code runs
+building or loading a model, the warm start, an evaluation), code runs
 inside `abortable()` and the handler also raises `Stopped` there and then: nothing is lost by
 cutting that short. Everywhere else (the loop, a publish, any write to the bucket), the code
-sees the request at its next check and finishes what it was doing first. A signal that finds
+sees the request at its next check and finishes what it was doing first; so does a
+volunteer's batch being sampled, whose group numbers are reserved (volunteer.numbering). A signal that finds
 an abortable phase inside an import ends the process there (exit 0): an exception raised
 into a C extension's initialisation cannot be undone (`_stop_here`). A second signal
 while stopping ends the process at once (exit 128 + signal), as `kill -9` would: the

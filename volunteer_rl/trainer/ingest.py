@@ -97,6 +97,12 @@ class Ingest:
         """Keys rejected or left after their groups were handed out: poll drops those groups
         from the ones waiting to be trained."""
         self._low = 0  # window's lowest version at the last poll (see _forget_below)
+        self.unread_low = 0
+        """Shards of the window's lowest version that the last poll listed and left unread
+        (the per-poll caps, the reward budget, an audit that must wait): the next publish
+        pushes that version out of the window, and they would never be read. The loop holds
+        the publish back while there are any (loop.DRAIN_STEPS), so an honest volunteer's
+        groups uploaded in time are read, if only as stale, and not counted missing."""
         self.budget = budget or RewardBudget()
         """What each poll may spend on rewards, and the stop that ends its reading."""
         self.claims = Claims(ledger, share)
@@ -178,12 +184,18 @@ class Ingest:
             self.audits.settle()
         for g in out:
             g.arrival = self.listing.polls
+        self.unread_low = sum(1 for k in listed if _key_version(k) == win.low and self._unread(k))
         return [g for g in [*waiting, *out]
                 if g.key not in self.withdrawn and not self.fleet.is_denied(g.volunteer_id)]
 
     def _wanted(self, key: str) -> bool:
         """True if `key` still has something to take."""
         return key not in self.taken and not self.ledger.finished(key)
+
+    def _unread(self, key: str) -> bool:
+        """True if a later poll would still read `key`: wanted, and not a denied volunteer's."""
+        author = layout.rollout_author(key)
+        return self._wanted(key) and not (author and self.fleet.is_denied(author[1]))
 
     def _forget_below(self, low: int) -> None:
         """Drop what is remembered about keys of versions below the window: they are never

@@ -58,6 +58,15 @@ from volunteer_rl.trainer.writer import Writer
 RETENTION_STOP_WAIT = 5.0
 """Seconds a stopping trainer waits for its retention pass to reach its next request."""
 
+DRAIN_STEPS = 16
+"""Steps a due publish may wait while the intake has listed shards of the window's lowest
+version it has not read yet (the publish would push that version out, and them with it:
+their numbers would count as missing though their volunteer sent them in time). The steps go
+on meanwhile; a shard is read at most MAX_SHARDS_PER_VOLUNTEER_POLL per volunteer per poll,
+so 16 steps read a backlog of 256 shards of one volunteer, what a trainer down for a while
+finds (volunteers at their quota sample more of the version they hold, doubling at each
+wait). The bound keeps a volunteer that uploads without end from holding publishes back."""
+
 SPILLED = "weights-last.safetensors"
 """In --work-dir: a `lean` writer's last published weights file, the base of the next patch."""
 
@@ -210,6 +219,7 @@ class Trainer:
         buffer: list[ScoredGroup] = []
         steps, unpublished, stats = 0, 0, IngestStats()
         stale_dropped, waited, t_ingest, last_publish = 0, 0.0, 0.0, 0.0
+        held = 0  # steps the next publish was held back for (DRAIN_STEPS)
         while not self._done(steps, started):
             t0 = time.time()
             role.tell_poll()  # the followers poll their share
@@ -247,10 +257,13 @@ class Trainer:
             stats, stale_dropped, waited, t_ingest = IngestStats(), 0, 0.0, 0.0
             due = time.time() - self.publisher.last_publish_start >= cfg.publish_min_seconds
             if unpublished >= cfg.publish_every and due and not self._done(steps, started):
-                t0 = time.time()
-                self.publish_next(buffered=buffer)
-                last_publish = time.time() - t0
-                unpublished = 0
+                if role.backlog and held < DRAIN_STEPS:
+                    held += 1  # the window's lowest version still holds unread shards
+                else:
+                    t0 = time.time()
+                    self.publish_next(buffered=buffer)
+                    last_publish = time.time() - t0
+                    unpublished, held = 0, 0
         self._finish(unpublished)
         return self.manifest
 

@@ -50,6 +50,9 @@ class Single:
         self.share: Share | None = None  # this rank's share of the fleet; None: all of it
         self.ingest: Ingest | None = None  # make_intake's
         self.prompt_ids: dict[int, list[int]] = {}  # every problem's prompt, as tokens
+        self.backlog = 0
+        """Shards of the window's lowest version listed and left unread by the last intake
+        round (Ingest.unread_low), of every rank: the loop holds a publish back for them."""
 
     def start(self, lead: Callable[[], None]) -> None:
         """Start as the trainer: `lead` publishes v0 or resumes."""
@@ -111,6 +114,7 @@ class Single:
         enough fresh groups (see Round). Under ranks every rank polls its share and they
         agree on the batch (Ranked.agree)."""
         buffer = self.ingest.poll(win, stats, buffer)
+        self.backlog = self.ingest.unread_low
         fresh, stale = split_fresh(buffer, win.version, self.cfg.max_staleness)
         record_groups(self.publisher.ledger, stale, "stale")
         fresh, held = hold_back(fresh, self.publisher.numbers, self.cfg.missing_bound)
@@ -203,9 +207,12 @@ class Ranked(Single):
     def agree(self, fresh: list[ScoredGroup], stale: int,
               stats: IngestStats) -> tuple[list[ScoredGroup] | None, int, int, int]:
         """Every rank polled its share; they agree on the batch (shares.agree_on_batch), and
-        the writer's `stats`, staleness count and curriculum take in every rank's poll."""
+        the writer's `stats`, staleness count and curriculum take in every rank's poll, and
+        every rank's backlog is summed (the writer holds its publish back for any)."""
         batch, taken, reports = agree_on_batch(self.share, fresh, self.cfg.groups_per_step,
-                                               self.poll_report(stats, stale))
+                                               {**self.poll_report(stats, stale),
+                                                "backlog": self.backlog})
+        self.backlog = sum(r["backlog"] for r in reports)
         stale += self.hear_polls(reports, stats)
         return batch, taken, stale, sum(r["fresh"] for r in reports)
 

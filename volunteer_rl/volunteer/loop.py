@@ -99,10 +99,12 @@ class Volunteer:
         self.cfg = cfg
         self.log = log
         # Set by SIGINT/SIGTERM once handlers are installed (the CLI does that first of all).
-        # Loading a version and sampling a batch are abortable: they write nothing to the
-        # bucket, and a stop cuts them short; the shard in hand is still flushed.
+        # Loading a version is abortable: it writes nothing to the bucket, and a stop cuts it
+        # short. A batch being sampled is finished and uploaded with the partial shard: its
+        # numbers are reserved, and numbers left unused would count as missing (a second
+        # signal still ends the process at once, as a crash would).
         self.stop = stop or StopSignal(log)
-        self.stop.then = "flushing the partial shard and stopping"
+        self.stop.then = "finishing the batch in hand, uploading it and stopping"
         with self.stop.shielded():  # a line added to the work dir's ids file: never half of it
             self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
         self.id = self.claim.id
@@ -269,8 +271,9 @@ class Volunteer:
         s = m.sampling
         keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
                 for i, p in enumerate(picked)]
-        with self.stop.abortable():  # a stop drops this batch; its numbers stay unused
-            out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
+        # Not abortable: a stop waits for this batch, whose numbers are reserved already
+        # (numbering.py); it is uploaded before the volunteer exits.
+        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
         groups = []
         for i, (p, samples) in enumerate(zip(picked, out)):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
@@ -414,7 +417,7 @@ class Volunteer:
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
         except Stopped:
-            pass  # it cut short a load or a batch, neither of which wrote to the bucket
+            pass  # it cut short a load, which wrote nothing to the bucket
         finally:
             try:
                 writer.flush()
@@ -423,7 +426,7 @@ class Volunteer:
         return writer.uploaded_groups
 
     def install_signal_handlers(self) -> None:
-        """Ctrl-C and SIGTERM cut short a load or a batch, flush the partial shard, exit 0
-        (stopping.py). `vrl volunteer` installs them itself before it imports torch; this is
-        for programs that build a Volunteer."""
+        """Ctrl-C and SIGTERM cut short a load, finish the batch in hand, flush the partial
+        shard, exit 0 (stopping.py). `vrl volunteer` installs them itself before it imports
+        torch; this is for programs that build a Volunteer."""
         self.stop.install()

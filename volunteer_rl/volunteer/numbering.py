@@ -9,6 +9,10 @@ of a version included once later numbers arrive. Numbers are saved to
 on where it stopped instead of reusing numbers (the trainer refuses a number it has seen,
 and one below the numbers it received under older versions). A volunteer that lost the file
 goes on past the number the trainer's fleet.json says it reached, plus RESUME_GAP.
+
+So a number reserved is sampled and uploaded, or it counts as missing: a stop waits for the
+batch in hand and uploads it (volunteer.loop). What an honest volunteer misses is what was in
+flight when its version left the window, and what a crash (or a second signal) cut short.
 """
 
 from __future__ import annotations

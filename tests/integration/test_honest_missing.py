@@ -1,0 +1,88 @@
+"""Issue 41, point 7: an honest `vrl volunteer` has no group number counted missing, through
+a stop of its own mid-batch and a restart, and a trainer killed with SIGKILL and resumed
+while the volunteer goes on sampling (a backlog of the version it holds, more shards than a
+poll reads).
+
+A live `vrl trainer` (resuming the template's run) and one `vrl volunteer`, a folder bucket.
+No quota (--quota-headroom 0), so the volunteer samples without pause: a SIGTERM lands while
+it samples a batch, whose numbers are reserved. Steps of 32 groups, one batch each, so the
+trainer publishes no faster than the volunteer samples and no group goes stale in flight.
+The volunteer's numbers are all closed once fleet.json counts as many as it had reserved
+when the trainer came back; none of them may be missing.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from helpers.bucket_objects import published_versions
+from helpers.vrlproc import Proc, wait_for
+from volunteer_rl.protocol import layout
+
+VID = "honest"
+BACKLOG_SHARDS = 40
+"""Shards of one version the volunteer uploads while the trainer is down: more than two polls
+read (MAX_SHARDS_PER_VOLUNTEER_POLL each), so the resumed trainer has a backlog when its
+publishes would push that version out of the window."""
+
+
+def fleet_row(bucket) -> dict:
+    try:
+        return json.loads((bucket / layout.FLEET).read_text())["volunteers"].get(VID, {})
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def shards_of(bucket, version: int) -> int:
+    folder = bucket / layout.rollout_volunteer_prefix(version, VID)
+    return len(list(folder.glob("*.jsonl.gz"))) if folder.exists() else 0
+
+
+def reserved(work) -> int:
+    """The volunteer's next group number, as saved in its work dir (volunteer.numbering)."""
+    return json.loads((work / VID / "group-numbers.json").read_text())["next"]
+
+
+def test_an_honest_volunteer_misses_no_number_through_stops_and_trainer_restarts(template, tmp_path):
+    bucket = template.copy(tmp_path / "bucket")
+    work = tmp_path / "vw"
+    targs = ["trainer", "--bucket", str(bucket), "--groups-per-step", "32", "--quota-headroom", "0",
+             "--audit-tolerance", "0", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
+             "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(tmp_path / "tw"),
+             "--signing-key", str(template.key)]
+    vargs = ["volunteer", "--bucket", str(bucket), "--id", VID, "--trust-key", f"{template.key}.pub",
+             "--threads", "1", "--prompts-per-batch", "32", "--shard-groups", "4",
+             "--poll-seconds", "0.2", "--heartbeat-seconds", "1", "--work-dir", str(work)]
+    procs = [Proc(targs, tmp_path / "trainer1.log", tmp_path),
+             Proc(vargs, tmp_path / "volunteer1.log", tmp_path)]
+    trainer, volunteer = procs
+    try:
+        # 1. The volunteer stopped while it samples, and started again.
+        wait_for(lambda: fleet_row(bucket).get("accepted_shards", 0) >= 16, 240, "shards taken")
+        assert volunteer.terminate() == 0, volunteer.text()[-3000:]
+        first = volunteer.text()
+        volunteer = Proc(vargs, tmp_path / "volunteer2.log", tmp_path)
+        procs.append(volunteer)
+        wait_for(lambda: re.search(r"^now on v\d+ ", volunteer.text(), re.M), 120, "the restart")
+
+        # 2. The trainer killed; the volunteer goes on with the version it holds.
+        trainer.kill()
+        held = published_versions(bucket)[-1]
+        wait_for(lambda: shards_of(bucket, held) >= BACKLOG_SHARDS, 240, "a backlog of shards")
+        trainer = Proc(targs, tmp_path / "trainer2.log", tmp_path)
+        procs.append(trainer)
+        wait_for(lambda: "resuming" in trainer.text(), 120, "the trainer resumed")
+        goal = reserved(work)
+
+        # 3. Every number reserved by then is closed (its version left the window).
+        wait_for(lambda: fleet_row(bucket).get("groups_numbered", 0) >= goal, 240,
+                 f"numbers up to {goal} closed")
+        assert trainer.terminate() == 0, trainer.text()[-3000:]
+        assert volunteer.terminate() == 0, volunteer.text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    row = fleet_row(bucket)
+    assert row["groups_missing"] == 0, (row, goal)
+    assert row["rejected_shards"] == 0, row
+    assert "finishing the batch in hand, uploading it and stopping" in first, first[-2000:]
