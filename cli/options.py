@@ -44,7 +44,7 @@ PANELS = {
     "Audits and denylist": ("audit_tolerance", "replay_tolerance", "audit_share",
                             "audit_full_groups", "audit_floor", "verify",
                             "shard_reward_seconds", "poll_reward_seconds", "deny_after",
-                            "deny_rate"),
+                            "deny_rate", "missing_bound"),
     "Trust": ("signing_key", "trust_key", "allow_unsigned"),
     "Volunteering": ("volunteer_id", "prompts_per_batch", "shard_groups", "shard_seconds",
                      "max_groups_per_version"),

@@ -76,6 +76,7 @@ def trainer(
     poll_reward_seconds: Optional[float] = T("poll_reward_seconds"),
     deny_after: int = T("deny_after"),
     deny_rate: float = T("deny_rate"),
+    missing_bound: float = T("missing_bound"),
     log_shards: bool = T("log_shards"),
     dashboard_every: float = T("dashboard_every"),
     quota_headroom: float = T("quota_headroom"),

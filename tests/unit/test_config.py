@@ -73,6 +73,8 @@ RULES = [
     (T, "deny_after", -1, "--deny-after: must be at least 0, not -1", 0),
     (T, "deny_rate", 5.0, "--deny-rate: must be at most 1, not 5.0", 1.0),
     (T, "deny_rate", -0.5, "--deny-rate: must be at least 0, not -0.5", 0.0),
+    (T, "missing_bound", 1.5, "--missing-bound: must be at most 1, not 1.5", 1.0),
+    (T, "missing_bound", -0.1, "--missing-bound: must be at least 0, not -0.1", 0.0),
     (V, "shard_seconds", -1.0, "--shard-seconds: must be at least 0, not -1.0", 0.0),
     (V, "poll_seconds", -1.0, "--poll-seconds: must be more than 0, not -1.0", 1e-3),
     (V, "max_groups_per_version", -1, "--max-groups-per-version: must be at least 0, not -1", 0),
