@@ -13,7 +13,8 @@ count, so --quick uses it too.
 
 Each trainer shape is one run of `vrl demo`'s processes (volunteer_rl.demo.start_processes:
 1 trainer + 2 honest volunteers, 1 torch thread each, a folder bucket) in three phases of S
-seconds (PHASE; QUICK_PHASE with --quick), timed from the trainer's first optimizer step:
+seconds (PHASE; QUICK_PHASE with --quick: on a loaded machine the burner's five shard budgets
+take longer than 15 s of wall clock), timed from the trainer's first optimizer step:
 alone, with the burner, alone again. During the middle phase a thread of this bench writes,
 every HOSTILE_EVERY seconds, one shard of HOSTILE_GROUPS groups under the current version as
 the volunteer `burner`: K = 8 "burn" completions per group, every one distinct (no cache
@@ -27,23 +28,27 @@ shard budgets and is then denied; the row says what that costs the steps of one 
 Row, per trainer shape: optimizer steps/s in the burner's phase over the mean of the two
 phases alone (alone-burner-alone in one run cancels a steady drift of the step rate as the
 policy learns), read from the step lines' times in the metrics the run wrote. The goal is met
-only if that ratio is >= GOAL, the trainer exited 0 with no rank lost (RankLostError), and the
-trap really ran: at least one of the burner's shards was rejected `reward_budget` (its rewards
-were computed until its budget ran out; quarantine/ records, the trainer's own) and the
-burner's phase charged at least one shard budget of reward time (ingest/reward_seconds). The
-note gives the burner's shards written, rejected by reason, deferred, whether it was denied,
-and the reward seconds of each phase.
+only if that ratio is >= GOAL, the trainer exited 0 with no rank lost (RankLostError), the
+trap really ran (at least one of the burner's shards was rejected `reward_budget`: its rewards
+were computed until its budget ran out; quarantine/ records, the trainer's own; and the
+burner's phase charged at least one shard budget of reward time, ingest/reward_seconds), and
+the burner's whole cost fell in its phase (the trainer denied it before the phase ended, by
+its denylist entry's time; a cost spilling into the last phase would lower the rate alone
+and flatter the ratio). The note gives the burner's shards written, rejected by reason,
+deferred, when it was denied, and the reward seconds of each phase.
 
 --no-denial runs the trainers with --deny-after 0, so the burner is never denied: what its
 shards cost while only the reward budgets bound them, the cost a volunteer that keeps its
 rejected share under --deny-rate (cheap honest shards between its burning ones) could impose.
-Those rows have no goal.
+Those rows have no goal, and compare the burner's phase with the first phase only: the
+burner's unread shards are still read in the last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +62,7 @@ from bench.common import Row, emit_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAP_PACKAGE = ROOT / "tests" / "plugins" / "vrl-task-trap"
-PHASE, QUICK_PHASE = 50.0, 15.0
+PHASE, QUICK_PHASE = 50.0, 30.0
 """Seconds of each of a run's three phases (alone, burner, alone)."""
 FIRST_STEP_WAIT = 60.0
 """Seconds of RL the trainer is given to make its first step (volunteers start, fetch v0 and
@@ -153,11 +158,12 @@ class Burner:
                 out[reason] = out.get(reason, 0) + 1
         return out
 
-    def denied(self) -> bool:
-        """Whether the trainer put the burner on the denylist."""
+    def denied_at(self) -> float | None:
+        """When the trainer put the burner on the denylist (time.time()), or None."""
         from volunteer_rl.protocol.fleet import read_denylist
 
-        return "burner" in read_denylist(self.storage)[0]
+        entry = read_denylist(self.storage)[0].get("burner")
+        return None if entry is None else float(entry["since"])
 
 
 @dataclass
@@ -187,12 +193,17 @@ def phases_of(bucket: Path, starts: list[float], phase: float) -> Phases:
     return out
 
 
+STEP_LINE = re.compile(r"(\[rank \d+\] )?step \d+ ")
+"""The trainer's log line of an optimizer step (under torchrun, with its rank's prefix)."""
+
+
 class Watch:
     """The trainer's output, read as it comes: the time of its first step, and the tail."""
 
     def __init__(self, proc: subprocess.Popen):
         self.first_step: float | None = None
-        self.stepped = threading.Event()
+        self.settled = threading.Event()
+        """Set at the first step, or when the trainer's output ends without one."""
         self.lines: list[str] = []
         self.thread = threading.Thread(target=self._run, args=(proc,), daemon=True)
         self.thread.start()
@@ -200,9 +211,10 @@ class Watch:
     def _run(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self.lines = (self.lines + [line.rstrip()])[-400:]
-            if self.first_step is None and line.startswith("step "):
+            if self.first_step is None and STEP_LINE.match(line):
                 self.first_step = time.time()
-                self.stepped.set()
+                self.settled.set()
+        self.settled.set()
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
@@ -220,7 +232,7 @@ class Result:
     """Why the trainer failed (a rank lost, a non-zero exit), or ""."""
     written: int
     rejected: dict[str, int]
-    denied: bool
+    denied_at: float | None
 
 
 def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) -> Result:
@@ -239,17 +251,20 @@ def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) 
                                                 "--eval-dataset", str(tiny_eval),
                                                 *(() if denial else ("--deny-after", "0"))))
     burner = Burner(bucket, model)
+    launched = time.time()
     trainer, volunteers = start_processes(settings, bucket, trainer_ranks=ranks)
     watch = Watch(trainer)
     for v in volunteers:
         _drain(v)
     starts: list[float] = []
     try:
-        if watch.stepped.wait(FIRST_STEP_WAIT + 600):  # + start-up: imports, load v0, publish
+        watch.settled.wait(FIRST_STEP_WAIT + 600)  # + start-up: imports, load v0, publish
+        if watch.first_step is not None:
             starts = [watch.first_step + i * phase for i in range(3)]
             time.sleep(max(0.0, starts[1] - time.time()))
             if trainer.poll() is None:
-                log(f"  burner on at {starts[1] - starts[0]:.0f}s of RL")
+                log(f"  first step at {watch.first_step - launched:.0f}s from launch; "
+                    f"burner on {phase:.0f}s after it")
                 burner.start()
                 time.sleep(max(0.0, starts[2] - time.time()))
                 burner.finish()
@@ -268,16 +283,22 @@ def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) 
         raise SystemExit(f"vrl trainer's first step came {FIRST_STEP_WAIT:.0f}s or more into RL, "
                          f"so the last phase was cut short: raise FIRST_STEP_WAIT")
     return Result(phases_of(bucket, starts, phase) if starts else Phases([]), lost,
-                  len(burner.keys), burner.rejected(), burner.denied())
+                  len(burner.keys), burner.rejected(), burner.denied_at())
 
 
 def row(shape: str, r: Result, phase: float, command: str, denial: bool = True) -> Row:
     p = r.phases
-    alone = (p.steps[0] + p.steps[2]) / 2 if p.starts else 0.0
+    if not p.starts:
+        alone = 0.0
+    else:  # without denial the burner's backlog is still read in the last phase
+        alone = (p.steps[0] + p.steps[2]) / 2 if denial else p.steps[0]
     ratio = p.steps[1] / alone if alone else float("nan")
     trap_ran = bool(r.rejected.get("reward_budget", 0) >= 1 and p.starts
                     and p.reward_seconds[1] >= SHARD_REWARD_SECONDS)
-    met = bool(ratio >= GOAL and not r.lost and trap_ran) if denial else None
+    contained = bool(p.starts and r.denied_at is not None and r.denied_at < p.starts[2])
+    met = bool(ratio >= GOAL and not r.lost and trap_ran and contained) if denial else None
+    denied = ("not denied" if r.denied_at is None or not p.starts
+              else f"denied at {r.denied_at - p.starts[1]:.1f}s of its phase")
     return Row(
         benchmark=f"trainer ({shape}) beside a volunteer sending worst-case rewards"
                   + ("" if denial else ", never denied (--deny-after 0)"),
@@ -289,9 +310,11 @@ def row(shape: str, r: Result, phase: float, command: str, denial: bool = True) 
               f"phases of {phase:.0f}s alone/burner/alone: {'/'.join(map(str, p.steps))} steps, "
               f"reward seconds {'/'.join(f'{s:.1f}' for s in p.reward_seconds)}, deferred "
               f"{'/'.join(map(str, p.deferred))}; burner: {r.written} shards written, rejected "
-              f"{r.rejected or 'none'}, {'denied' if r.denied else 'not denied'}; "
+              f"{r.rejected or 'none'}, {denied}; "
               + ("RANK LOST or trainer failed" if r.lost else "no rank lost")
-              + ("" if trap_ran else "; THE TRAP NEVER RAN (no reward_budget rejection): no result")))
+              + ("" if trap_ran else "; THE TRAP NEVER RAN (no reward_budget rejection): no result")
+              + ("" if contained or not denial else
+                 "; NOT DENIED WITHIN ITS PHASE, its cost not all in it (raise --phase): no result")))
 
 
 def results(quick: bool, phase: float | None = None, denial: bool = True) -> list[Row]:
