@@ -23,7 +23,10 @@ so each shard would cost the trainer 512 x 0.4 s = 205 s of rewards unbounded. T
 defaults hold: --shard-reward-seconds 2 (4 x 0.5 s; over it, `reward_budget`),
 --poll-reward-seconds a quarter of --rank-timeout, each volunteer an equal share of a poll,
 and the denylist (5 rejected shards, half of them). So the burner costs the trainer about 5
-shard budgets and is then denied; the row says what that costs the steps of one phase.
+shard budgets and is then denied; the row says what that costs the steps of one phase. That
+cost is a fixed stretch of the trainer's time (its loop waits for the poll's rewards), so
+the ratio is about 1 - (the burner phase's reward seconds) / S: the note's reward seconds are
+the figure that does not depend on S.
 
 Row, per trainer shape: optimizer steps/s in the burner's phase over the mean of the two
 phases alone (alone-burner-alone in one run cancels a steady drift of the step rate as the
@@ -64,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAP_PACKAGE = ROOT / "tests" / "plugins" / "vrl-task-trap"
 PHASE, QUICK_PHASE = 50.0, 30.0
 """Seconds of each of a run's three phases (alone, burner, alone)."""
-FIRST_STEP_WAIT = 60.0
+FIRST_STEP_WAIT = 40.0
 """Seconds of RL the trainer is given to make its first step (volunteers start, fetch v0 and
 sample 32 usable groups); its --max-seconds is this plus the three phases. A first step
 later than that leaves the last phase short, and the run fails."""
