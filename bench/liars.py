@@ -109,12 +109,13 @@ QUICK = Sizes(trials=1, honest_run=40, honest_shard=5, doses=2, dose=5, burst=6,
 
 
 class Liar:
-    """One volunteer id that samples honest groups as `vrl volunteer` does and forges lies."""
+    """One volunteer id (`vid`) that samples honest groups as `vrl volunteer` does and forges
+    lies."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, vid: str = LIAR):
         from volunteer_rl.model.policy import Policy
 
-        self.t = trainer
+        self.t, self.vid = trainer, vid
         p = trainer.policy
         self.policy = Policy(copy.deepcopy(p.model).eval(), p.tokenizer, p.prompt_format, p.device)
         self.loaded: int | None = None
@@ -146,14 +147,15 @@ class Liar:
         m, task, pol = self.t.manifest, self.t.task, self.policy
         self._load(m.version)
         seqs = range(self.seq, self.seq + n)
-        rows = [self.t.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, LIAR, s)] for s in seqs]
+        rows = [self.t.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.vid, s)]
+                for s in seqs]
         s = m.sampling
         out = sample(pol, encode_prompts(pol, [task.prompt(r) for r in rows], task.instruction),
                      s.k, s.temperature, s.max_new_tokens,
-                     draw_keys=[group_keys(m.run_id, m.version, LIAR, q, r.id, s.k)
+                     draw_keys=[group_keys(m.run_id, m.version, self.vid, q, r.id, s.k)
                                 for q, r in zip(seqs, rows)])
         self.seq += n
-        return [Group(r.id, m.version, LIAR, q, [
+        return [Group(r.id, m.version, self.vid, q, [
                     Completion(x.token_ids, x.logprobs, x.text, completion_reward(
                         task, r, x.token_ids, pol.decode_all, pol.eos_id, pol.special_ids))
                     for x in xs]) for q, r, xs in zip(seqs, rows, out)]
@@ -194,7 +196,7 @@ class Liar:
         from volunteer_rl.protocol import layout
         from volunteer_rl.protocol.shards import encode_shard, new_shard_name
 
-        key = layout.shard_key(groups[0].policy_version, LIAR, new_shard_name(self.shards))
+        key = layout.shard_key(groups[0].policy_version, self.vid, new_shard_name(self.shards))
         self.shards += 1
         self.t.storage.write(key, encode_shard(groups))
         self.lies.update((key, line) for line in lying)
@@ -218,14 +220,15 @@ STEPPED, REFUSED, WAITING = "stepped", "refused", "waiting"
 class Trial:
     """A trainer on a fresh folder bucket, its loop driven one iteration at a time, and a liar."""
 
-    def __init__(self, root: Path, model: Path, verify: str):
+    def __init__(self, root: Path, model: Path, verify: str, **settings):
+        """`settings`: further TrainerConfig fields (their defaults otherwise)."""
         from volunteer_rl.config import TrainerConfig
         from volunteer_rl.trainer.groups import IngestStats
         from volunteer_rl.trainer.loop import Trainer
 
         cfg = TrainerConfig(bucket=str(root / "bucket"), model=str(model), verify=verify,
                             eval_every=0, dashboard_every=0, threads=1, work_dir=str(root / "work"),
-                            signing_key=str(root / "signing-key.pem"))
+                            signing_key=str(root / "signing-key.pem"), **settings)
         self.log: deque[str] = deque(maxlen=LOG_TAIL)
         self.t = Trainer(cfg, log=self.log.append)
         self.t.held_out = self.t.held_out[:EVAL_ROWS]
@@ -322,8 +325,9 @@ class Trial:
                 return
             self.taken(self.liar.honest(shard))
 
-    def close(self) -> dict:
-        """Publish what is left, stop the trainer's helpers; what became of the lies."""
+    def stop(self) -> None:
+        """Publish what is left, note the outcomes no publish committed, stop the trainer's
+        helpers."""
         from volunteer_rl.trainer.ranks import leave
 
         if self.unpublished:
@@ -334,6 +338,11 @@ class Trial:
         t.reporters.close()
         t.retention.close(None)
         leave(t.ranks)
+
+    def close(self) -> dict:
+        """Stop; what became of the lies."""
+        self.stop()
+        t = self.t
         fate = Counter()
         for key, line in self.liar.lies:
             fate[self.outcomes.get((key, -1)) or self.outcomes.get((key, line), "dropped")] += 1
@@ -436,14 +445,20 @@ def side(ts: list[dict]) -> str:
             f"{sum(t['seconds'] for t in ts):.0f} s")
 
 
-def results(quick: bool) -> list[Row]:
+def shared_v0() -> Path:
+    """The demo's v0 (900 warm-start steps, bench.trl_time_to_accuracy.shared_start: built once
+    and cached), with torch set to the one thread the trials run on."""
     import torch
 
     from bench.trl_time_to_accuracy import shared_start
 
     torch.set_num_threads(1)
+    return shared_start()
+
+
+def results(quick: bool) -> list[Row]:
     s = QUICK if quick else FULL
-    model = shared_start()  # the demo's v0 (900 warm-start steps), built once and cached
+    model = shared_v0()
     rows = []
     for name, (_, describe) in LIARS.items():
         runs = {v: [trial(name, v, s, model) for _ in range(s.trials)] for v in ("every", "sampled")}
