@@ -98,9 +98,9 @@ class Ingest:
         from the ones waiting to be trained."""
         self._low = 0  # window's lowest version at the last poll (see _forget_below)
         self.unread_low = 0
-        """Shards of the window's lowest version that the last poll listed and left unread
-        (the per-poll caps, the reward budget, an audit that must wait): the next publish
-        pushes that version out of the window, and they would never be read. The loop holds
+        """Shards the last poll listed and left unread (the per-poll caps, the reward budget,
+        an audit that must wait) of the version the next publish pushes out of the window:
+        they would never be read. The loop holds
         the publish back while there are any (loop.DRAIN_STEPS), so an honest volunteer's
         groups uploaded in time are read, if only as stale, and not counted missing."""
         self.budget = budget or RewardBudget()
@@ -184,7 +184,9 @@ class Ingest:
             self.audits.settle()
         for g in out:
             g.arrival = self.listing.polls
-        self.unread_low = sum(1 for k in listed if _key_version(k) == win.low and self._unread(k))
+        # the versions the next publish pushes out of the window: below version + 1 - staleness
+        leaving = win.version + 1 - win.max_staleness
+        self.unread_low = sum(1 for k in listed if _key_version(k) < leaving and self._unread(k))
         return [g for g in [*waiting, *out]
                 if g.key not in self.withdrawn and not self.fleet.is_denied(g.volunteer_id)]
 
@@ -282,7 +284,7 @@ class Ingest:
         repeats = self._only_repeats(key, volunteer, groups)
         refused = self._numbered(key, groups)
         if refused:
-            self._reject(key, refused, NUMBERING_ERRORS[refused], stats, len(groups))
+            self._reject(key, refused, f"{refused}: {NUMBERING_ERRORS[refused]}", stats, len(groups))
             return []
         if replayed:
             self.audits.audit_claimants(volunteer, replayed, stats)
