@@ -59,8 +59,8 @@ RETENTION_STOP_WAIT = 5.0
 """Seconds a stopping trainer waits for its retention pass to reach its next request."""
 
 DRAIN_STEPS = 16
-"""Steps a due publish may wait while the intake has listed shards of the window's lowest
-version it has not read yet (the publish would push that version out, and them with it:
+"""Steps a due publish may wait while the intake has listed shards of the version it pushes
+out of the window and has not read yet (they would leave the window with it:
 their numbers would count as missing though their volunteer sent them in time). The steps go
 on meanwhile; a shard is read at most MAX_SHARDS_PER_VOLUNTEER_POLL per volunteer per poll,
 so 16 steps read a backlog of 256 shards of one volunteer, what a trainer down for a while
@@ -258,7 +258,7 @@ class Trainer:
             due = time.time() - self.publisher.last_publish_start >= cfg.publish_min_seconds
             if unpublished >= cfg.publish_every and due and not self._done(steps, started):
                 if role.backlog and held < DRAIN_STEPS:
-                    held += 1  # the window's lowest version still holds unread shards
+                    held += 1  # the version it pushes out still holds unread shards
                 else:
                     t0 = time.time()
                     self.publish_next(buffered=buffer)

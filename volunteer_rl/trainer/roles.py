@@ -51,8 +51,9 @@ class Single:
         self.ingest: Ingest | None = None  # make_intake's
         self.prompt_ids: dict[int, list[int]] = {}  # every problem's prompt, as tokens
         self.backlog = 0
-        """Shards of the window's lowest version listed and left unread by the last intake
-        round (Ingest.unread_low), of every rank: the loop holds a publish back for them."""
+        """Shards of the version the next publish pushes out, listed and left unread by the
+        last intake round (Ingest.unread_low), of every rank: the loop holds a publish back
+        for them."""
 
     def start(self, lead: Callable[[], None]) -> None:
         """Start as the trainer: `lead` publishes v0 or resumes."""
