@@ -5,9 +5,12 @@ gets nothing trained and fleet.json shows it held, and the honest one is never h
 import math
 import re
 
+import pytest
+
 from bench.withholding import GOAL_SE, VOLUNTEERS, results
 
 
+@pytest.mark.slow  # in-process trainer runs from the demo's v0, built once (minutes on a fresh clone)
 def test_withholding_quick_rows_are_sane():
     rows = results(quick=True)
     assert [r.benchmark for r in rows] == [f"withholding volunteer's trained reward, volunteer: {n}"
