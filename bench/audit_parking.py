@@ -91,15 +91,21 @@ GOAL = 0.9
 # One group: which prompt, which number.
 
 def parked_group(n: int, version: int, volunteer: str, run_id: str,
-                 pool: list[int]) -> tuple[int, int]:
+                 pool: list[int], secret: bytes) -> tuple[int, int]:
     """(prompt id, seq) of the writer's n-th group (n = 0, 1, 2, ... across versions).
 
     The number is n itself: fresh, and growing with the versions, so the trainer refuses it
     neither as `seq_reused` nor as `seq_order`. The prompt is the one n draws from `version`'s
-    pool (schema 6: protocol.draws.pool_prompt), as an honest volunteer's."""
+    pool with the nonce the trainer of `secret` would grant n for that version
+    (protocol.grants), as an honest volunteer's. The writer deals its nonces itself (it is
+    given the trainer's secret): asking for a quarter of a million numbers a version would
+    take it thousands of polls (one grant of at most 512 a poll), and the row measures what
+    parked shards cost the audits, not the grants."""
     from volunteer_rl.protocol.draws import pool_prompt
+    from volunteer_rl.protocol.grants import seq_nonce
 
-    return pool_prompt(pool, run_id, version, volunteer, n), n
+    return pool_prompt(pool, run_id, version, volunteer, n,
+                       seq_nonce(secret, run_id, volunteer, version, n)), n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,18 +179,18 @@ def build_pieces(model_dir: Path, k: int, max_new_tokens: int, seed: int = 26) -
 class ShardMaker:
     """Shards of parked groups, assembled from the pre-built pieces (no compression)."""
 
-    def __init__(self, pieces: dict, volunteer: str, groups: int):
+    def __init__(self, pieces: dict, volunteer: str, groups: int, secret: bytes = b""):
         self.correct = {int(i): c for i, c in pieces["correct"].items()}
         self.filler = pieces["filler"]
         self.sets = [(raw.encode("latin-1"), blocks.encode("latin-1")) for raw, blocks in pieces["sets"]]
-        self.volunteer, self.groups = volunteer, groups
+        self.volunteer, self.groups, self.secret = volunteer, groups, secret
 
     def shard(self, version: int, run_id: str, pool: list[int], first: int) -> bytes:
         """The gzip bytes of one shard holding the writer's groups first .. first + groups - 1,
         for `version` of `run_id`, whose prompt pool is `pool`."""
         parts, crc, size = [GZIP_HEADER], 0, 0
         for n in range(first, first + self.groups):
-            prompt, seq = parked_group(n, version, self.volunteer, run_id, pool)
+            prompt, seq = parked_group(n, version, self.volunteer, run_id, pool, self.secret)
             head = (f'{{"prompt_id":{prompt},"policy_version":{version},"volunteer_id":'
                     f'"{self.volunteer}","seq":{seq},"completions":['
                     f'{self.correct.get(prompt, self.filler)}').encode()
@@ -240,7 +246,13 @@ def parking_child(spec: dict) -> int:
     from volunteer_rl.protocol.layout import SHARD_SUFFIX
 
     pieces = json.loads(Path(spec["payloads"]["pieces"]).read_text())
-    maker = ShardMaker(pieces, vid, spec["payloads"]["groups"])
+    from volunteer_rl.protocol.grants import grant_secret
+    from volunteer_rl.protocol.signing import parse_private_key
+
+    while not Path(spec["trainer_key"]).exists() and not Path(spec["stop_file"]).exists():
+        time.sleep(0.1)  # the trainer writes it as it starts
+    key = parse_private_key(Path(spec["trainer_key"]).read_bytes(), spec["trainer_key"])
+    maker = ShardMaker(pieces, vid, spec["payloads"]["groups"], grant_secret(key))
     staging = Path(spec["out"]) / "staging"  # same file system as the bucket, outside it
     staging.mkdir()
     stop, state = threading.Event(), {"version": None, "manifest": None}

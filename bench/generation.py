@@ -103,7 +103,7 @@ def vrl_round(policy: Policy, questions: list[str], k: int, temperature: float,
     completions = tokens = 0
     for i in range(0, len(questions), prompts_per_call):
         prompts = encode_prompts(policy, questions[i:i + prompts_per_call])
-        keys = [group_keys("bench-run", 0, "bench", i + j, i + j, k) for j in range(len(prompts))]
+        keys = [group_keys("bench-run", 0, "bench", i + j, i + j, k, "bench") for j in range(len(prompts))]
         groups = sample(policy, prompts, k, temperature, max_new_tokens,
                         batch_size=max(256, prompts_per_call * k), draw_keys=keys)
         completions += sum(len(g) for g in groups)

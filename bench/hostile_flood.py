@@ -389,7 +389,10 @@ def run_contender(name: str, model: Path, plan: Plan, work: Path, payloads: dict
         out.mkdir()
         spec = {"bucket": str(bucket), "ids": list(ids), "honest_id": HONEST_ID,
                 "payloads": payloads, "stop_file": str(work / "stop"), "out": str(out),
-                "nice": writers_nice, "max_staleness": 2}
+                "nice": writers_nice, "max_staleness": 2,
+                # the demo trainer's signing key: a writer that must pass the prompt rule deals
+                # itself the nonces the trainer would grant (protocol.grants)
+                "trainer_key": str(work / "work" / "trainer" / "signing-key.pem")}
 
         def run_flood():
             try:

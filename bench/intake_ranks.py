@@ -101,6 +101,8 @@ RANKS = 2
 GOAL = 1.6
 VERSION = 0  # every shard is v0's: one version of weights for the audits, as at a run's start
 RUN_ID = "run-bench-intake-ranks"
+SECRET = b""
+"""The grant secret of the intake's Rules (its default): the honest volunteers' nonces."""
 BUCKET = "vrl-intake-ranks"
 SIDE_TIMEOUT = 3600.0  # seconds one side may take, start-up included, before the bench gives up
 
@@ -157,6 +159,7 @@ def honest_shards(model_dir: Path, sizes: Sizes, pool: tuple[int, ...]) -> tuple
     from volunteer_rl.model.sampling import sample
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.draws import group_keys, pool_prompt
+    from volunteer_rl.protocol.grants import seq_nonce
     from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
     from volunteer_rl.task.base import completion_reward
     from volunteer_rl.task.calculator_task import CalculatorTask
@@ -170,8 +173,13 @@ def honest_shards(model_dir: Path, sizes: Sizes, pool: tuple[int, ...]) -> tuple
     set_sampling_threads(policy)  # the volunteer's own thread setting
     per_volunteer = sizes.shards * sizes.groups
     slots = [(f"vol-{n:04d}", seq) for n in range(sizes.volunteers) for seq in range(per_volunteer)]
-    picked = [problems[pool_prompt(pool, RUN_ID, VERSION, vid, seq)] for vid, seq in slots]
-    keys = [group_keys(RUN_ID, VERSION, vid, seq, p.id, cfg.k) for (vid, seq), p in zip(slots, picked)]
+    # The intake below checks with no grant secret (Rules' default), so the nonces are those
+    # it computes: the numbers as granted for VERSION.
+    nonce = {slot: seq_nonce(SECRET, RUN_ID, slot[0], VERSION, slot[1]) for slot in slots}
+    picked = [problems[pool_prompt(pool, RUN_ID, VERSION, vid, seq, nonce[vid, seq])]
+              for vid, seq in slots]
+    keys = [group_keys(RUN_ID, VERSION, vid, seq, p.id, cfg.k, nonce[vid, seq])
+            for (vid, seq), p in zip(slots, picked)]
     out = sample(policy, encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction),
                  cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
     groups = [Group(p.id, VERSION, vid, seq,
@@ -242,7 +250,8 @@ def intake(spec: dict, ranks, cfg) -> dict:
     policy = load_policy(spec["model"], "cpu")
     policy.model.eval()
     rules = Rules(problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens, policy.decode_all,
-                  policy.eos_id, policy.special_ids, run_id=RUN_ID, rewards=in_process(task))
+                  policy.eos_id, policy.special_ids, run_id=RUN_ID, secret=SECRET,
+                  rewards=in_process(task))
     prompt_ids = dict(enumerate(encode_prompts(policy, [task.prompt(p) for p in problems],
                                                task.instruction)))
     weights = WindowWeights()

@@ -141,18 +141,23 @@ class Liar:
         from volunteer_rl.model.policy import encode_prompts
         from volunteer_rl.model.sampling import sample
         from volunteer_rl.protocol.draws import group_keys, pool_prompt
+        from volunteer_rl.protocol.grants import grant_secret, seq_nonce
         from volunteer_rl.protocol.shards import Completion, Group
         from volunteer_rl.task.base import completion_reward
 
         m, task, pol = self.t.manifest, self.t.task, self.policy
         self._load(m.version)
         seqs = range(self.seq, self.seq + n)
-        rows = [self.t.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.vid, s)]
+        # Its numbers as the trainer grants them for this version (protocol.grants): the bench
+        # holds the trainer, so it deals the nonces itself instead of asking in the bucket.
+        secret = grant_secret(self.t.publisher.key)
+        nonce = {q: seq_nonce(secret, m.run_id, self.vid, m.version, q) for q in seqs}
+        rows = [self.t.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.vid, s, nonce[s])]
                 for s in seqs]
         s = m.sampling
         out = sample(pol, encode_prompts(pol, [task.prompt(r) for r in rows], task.instruction),
                      s.k, s.temperature, s.max_new_tokens,
-                     draw_keys=[group_keys(m.run_id, m.version, self.vid, q, r.id, s.k)
+                     draw_keys=[group_keys(m.run_id, m.version, self.vid, q, r.id, s.k, nonce[q])
                                 for q, r in zip(seqs, rows)])
         self.seq += n
         return [Group(r.id, m.version, self.vid, q, [

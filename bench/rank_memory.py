@@ -200,12 +200,14 @@ def volunteer_ids() -> list[str]:
     return [ids[r] for r in range(RANKS)]
 
 
-def write_groups(bucket: Path, manifest, tokenizer, problems, vocab: int) -> int:
+def write_groups(bucket: Path, manifest, tokenizer, problems, vocab: int, secret: bytes) -> int:
     """Each volunteer's shard of its groups 0, 1, ... for `manifest`'s version: every group
-    for the prompt its number draws, half its completions right and half wrong (see the
-    module docstring); the number of groups written."""
+    for the prompt its number draws (as granted for that version by the trainer of `secret`,
+    its grant secret), half its completions right and half wrong (see the module docstring);
+    the number of groups written."""
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.draws import pool_prompt
+    from volunteer_rl.protocol.grants import seq_nonce
     from volunteer_rl.protocol.shards import Completion, Group, encode_shard, new_shard_name
     from volunteer_rl.storage import open_storage
     from volunteer_rl.task.reward import completion_reward
@@ -219,7 +221,8 @@ def write_groups(bucket: Path, manifest, tokenizer, problems, vocab: int) -> int
     for vid in volunteer_ids():
         groups = []
         for seq in range(per_volunteer):
-            pid = pool_prompt(manifest.prompt_pool, manifest.run_id, manifest.version, vid, seq)
+            pid = pool_prompt(manifest.prompt_pool, manifest.run_id, manifest.version, vid, seq,
+                              seq_nonce(secret, manifest.run_id, vid, manifest.version, seq))
             p = problems[pid]
             # The wrong answer differs by group, so no two groups share their content.
             answers = [p.expression, f"{p.expression} + {seq + 1}"]
@@ -307,7 +310,8 @@ def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, pro
     from volunteer_rl.launch import stop, vrl_command, vrl_env, vrl_ranks_command
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.manifest import read_manifest
-    from volunteer_rl.protocol.signing import Trust
+    from volunteer_rl.protocol.grants import grant_secret
+    from volunteer_rl.protocol.signing import Trust, parse_private_key
     from volunteer_rl.storage import open_storage
 
     root.mkdir(parents=True)
@@ -333,7 +337,8 @@ def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, pro
                 break
             if not fed and (bucket / layout.MANIFEST).exists():
                 manifest = read_manifest(open_storage(str(bucket)), trust=Trust(allow_unsigned=False))
-                n = write_groups(bucket, manifest, tokenizer, problems, vocab)
+                key = parse_private_key((work / "signing-key.pem").read_bytes(), "the trainer's key")
+                n = write_groups(bucket, manifest, tokenizer, problems, vocab, grant_secret(key))
                 log(f"  v{manifest.version} is out after {time.monotonic() - started:.0f}s: wrote "
                     f"{n} groups in {len(volunteer_ids())} shards")
                 fed = True

@@ -184,7 +184,7 @@ def results(quick: bool) -> list[Row]:
     for vocab in VOCABS:
         prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(4, 13))]
                    for _ in range(groups[vocab])]
-        keys = [group_keys("bench-replay-choice", 0, "v", g, g, K) for g in range(len(prompts))]
+        keys = [group_keys("bench-replay-choice", 0, "v", g, g, K, "bench") for g in range(len(prompts))]
         for shape in ("peaked", "flat"):
             start = time.perf_counter()
             scale = peaked_scale(vocab, tok, prompts) if shape == "peaked" else 1.0

@@ -101,7 +101,7 @@ def make_groups(policy: Policy, problems, n: int, k: int, max_new: int, seed: in
     rng = random.Random(seed)
     ids = [rng.randrange(len(problems)) for _ in range(n)]
     prompts = encode_prompts(policy, [problems[i].prompt for i in ids], CalculatorTask.instruction)
-    keys = [group_keys(RUN_ID, VERSION, VOLUNTEER, g, pid, k) for g, pid in enumerate(ids)]
+    keys = [group_keys(RUN_ID, VERSION, VOLUNTEER, g, pid, k, "bench") for g, pid in enumerate(ids)]
     return Groups(prompts, ids, keys)
 
 

@@ -123,32 +123,55 @@ class Burner:
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
 
-    def _shard(self, manifest: dict, seq: int) -> bytes:
+    def _shard(self, manifest: dict, numbers: list[tuple[int, str]]) -> bytes:
+        """Worst-case groups for `numbers` ((number, nonce) granted for the manifest's version),
+        each for the prompt its number draws, so that the trainer computes their rewards."""
         from volunteer_rl.protocol.draws import pool_prompt
         from volunteer_rl.protocol.shards import Completion, Group, encode_shard
 
-        v, k = manifest["version"], manifest["sampling"]["k"]
+        v, k, run = manifest["version"], manifest["sampling"]["k"], manifest["run_id"]
         groups = []
-        for n in range(seq, seq + HOSTILE_GROUPS):
+        for n, nonce in numbers:
             ids = [self._ids(f"{n} burn {j}") for j in range(k)]
-            groups.append(Group(pool_prompt(manifest["prompt_pool"], manifest["run_id"], v, "burner", n),
+            groups.append(Group(pool_prompt(manifest["prompt_pool"], run, v, "burner", n, nonce),
                                 v, "burner", n, [Completion(c, [-1.0] * len(c), "", 0.0) for c in ids]))
         return encode_shard(groups)
 
+    def _numbers(self, book, version: int) -> list[tuple[int, str]]:
+        """HOSTILE_GROUPS numbers granted for `version`, asked for as a volunteer asks
+        (volunteer.numbering); [] if the trainer has not granted them yet."""
+        batch = book.batch(HOSTILE_GROUPS)
+        while batch is not None and batch.version != version:  # an older version's: left
+            book.skip(batch)
+            batch = book.batch(HOSTILE_GROUPS)
+        if batch is None:
+            book.ask(version, HOSTILE_GROUPS)
+            book.refresh()
+            return []
+        book.sampled(batch)
+        return [(n, batch.nonce(n)) for n in range(batch.first, batch.first + batch.count)]
+
     def _run(self) -> None:
         from volunteer_rl.protocol import layout
+        from volunteer_rl.protocol.signing import Trust
+        from volunteer_rl.volunteer.numbering import GroupNumbers
 
-        seq = 0
+        book = None
         while True:
             try:
                 manifest = json.loads((self.bucket / layout.MANIFEST).read_text())
             except (OSError, ValueError):
                 manifest = None  # mid-write: the next tick reads it
             if manifest is not None:
-                key = layout.shard_key(manifest["version"], "burner", f"b{len(self.keys):06d}")
-                self.storage.write(key, self._shard(manifest, seq))
-                self.keys.append(key)
-                seq += HOSTILE_GROUPS
+                if book is None:
+                    book = GroupNumbers(Path(tempfile.mkdtemp()) / "numbers.json", self.storage,
+                                        "burner", Trust(allow_unsigned=True), log=lambda m: None)
+                    book.start_run(manifest["run_id"])
+                numbers = self._numbers(book, manifest["version"])
+                if numbers:
+                    key = layout.shard_key(manifest["version"], "burner", f"b{len(self.keys):06d}")
+                    self.storage.write(key, self._shard(manifest, numbers))
+                    self.keys.append(key)
             if self._stop.wait(HOSTILE_EVERY):
                 return
 

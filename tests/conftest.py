@@ -69,6 +69,13 @@ class Template:
     """Version -> the prompt pool its manifest published."""
     made: dict = field(default_factory=dict)
 
+    @property
+    def secret(self) -> bytes:
+        """The grant secret of trainers signing with the template's key (protocol.grants): the
+        nonces its groups are drawn with, as if that trainer had granted their numbers."""
+        from helpers.honest_groups import key_secret
+        return key_secret(self.key)
+
     def copy(self, dest: Path) -> Path:
         shutil.copytree(self.bucket, dest)
         return dest
@@ -103,21 +110,23 @@ class Template:
 def honest_groups(t: Template, volunteer: str, version: int) -> list:
     from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.sampling import sample
+    from helpers.honest_groups import nonce
     from volunteer_rl.protocol.draws import group_keys, pool_prompt
     from volunteer_rl.protocol.shards import Completion, Group
     from volunteer_rl.task.base import completion_reward
     from volunteer_rl.task.calculator_task import CalculatorTask
 
     k, temperature, max_new = 8, 1.0, 32  # the trainer's defaults, which the template publishes
-    policy, task = t.policy, CalculatorTask()
+    policy, task, secret = t.policy, CalculatorTask(), t.secret
     groups = []
     # The numbers in chunks, until GROUPS_WANTED groups have reward variance: about one in six
     # gives one, so this samples some 200 numbers, at some 10 s per 400 on a busy 2-core
     # machine, for each volunteer name the tests ask for.
     for start in range(0, MAX_NUMBERS, CHUNK):
-        chunk = [t.problems[pool_prompt(t.pools[version], t.run_id, version, volunteer, n)]
-                 for n in range(start, start + CHUNK)]
-        keys = [group_keys(t.run_id, version, volunteer, start + j, p.id, k)
+        nonces = [nonce(secret, t.run_id, volunteer, version, n) for n in range(start, start + CHUNK)]
+        chunk = [t.problems[pool_prompt(t.pools[version], t.run_id, version, volunteer, n, x)]
+                 for n, x in zip(range(start, start + CHUNK), nonces)]
+        keys = [group_keys(t.run_id, version, volunteer, start + j, p.id, k, nonces[j])
                 for j, p in enumerate(chunk)]
         out = sample(policy, encode_prompts(policy, [task.prompt(p) for p in chunk]), k, temperature,
                      max_new, draw_keys=keys)

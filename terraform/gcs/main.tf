@@ -9,8 +9,10 @@ locals {
 
   volunteer_read_condition = join(" || ", [
     format("resource.name == %q", "${local.objects}manifest.json"),
+    format("resource.name.startsWith(%q)", "${local.objects}manifests/"),
     format("resource.name.startsWith(%q)", "${local.objects}checkpoints/"),
     format("resource.name.startsWith(%q)", "${local.objects}datasets/"),
+    format("resource.name.startsWith(%q)", "${local.objects}grants/"),
   ])
 
   trainer_member = "serviceAccount:${google_service_account.trainer.email}"
@@ -121,7 +123,8 @@ resource "google_service_account" "volunteer" {
   display_name = "volunteer_rl volunteer ${each.key} (${var.bucket_name})"
 }
 
-# Read the manifest, checkpoints and datasets. objectViewer also carries storage.objects.list,
+# Read the manifest and its kept copies, checkpoints, datasets and the grants of group numbers
+# (another id's grants give a volunteer nothing: draws are keyed by the id). objectViewer also carries storage.objects.list,
 # but a list request names the bucket, not an object, so the condition is false for it: no
 # volunteer can list the bucket.
 resource "google_storage_bucket_iam_member" "volunteer_read" {
@@ -133,7 +136,7 @@ resource "google_storage_bucket_iam_member" "volunteer_read" {
 
   condition {
     title       = "vrl-read-${each.key}"
-    description = "manifest.json, checkpoints/ and datasets/ only"
+    description = "manifest.json, manifests/, checkpoints/, datasets/ and grants/ only"
     expression  = local.volunteer_read_condition
   }
 }

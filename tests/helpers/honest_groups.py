@@ -6,22 +6,46 @@ from __future__ import annotations
 
 from volunteer_rl.model.sampling import Sample, sample
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
+from volunteer_rl.protocol.grants import grant_secret, seq_nonce
+from volunteer_rl.protocol.signing import parse_private_key
 from volunteer_rl.task.base import completion_reward
 from volunteer_rl.task.calculator_task import CalculatorTask
 
 
+def key_secret(key_path) -> bytes:
+    """The grant secret of the trainer whose signing key is at `key_path` (protocol.grants):
+    with it a test deals itself the nonces that trainer would grant."""
+    return grant_secret(parse_private_key(open(key_path, "rb").read(), str(key_path)))
+
+
+def nonce(secret: bytes, run_id: str, volunteer: str, version: int, seq: int) -> str:
+    """The nonce number `seq` of `volunteer` is drawn with when granted for `version`."""
+    return seq_nonce(secret, run_id, volunteer, version, seq)
+
+
+def secret_of(trainer) -> bytes:
+    """The grant secret of `trainer`: the conftest Template's, or an in-process Trainer's."""
+    if hasattr(trainer, "publisher"):
+        return grant_secret(trainer.publisher.key)
+    return trainer.secret
+
+
 def drawn_prompt(trainer, version: int, volunteer: str, seq: int) -> int:
     """The prompt id group number `seq` of `volunteer` must be for under `version`, as the
-    trainer published that version's pool (protocol.draws.pool_prompt)."""
-    return pool_prompt(trainer.pools[version], trainer.run_id, version, volunteer, seq)
+    trainer published that version's pool (protocol.draws.pool_prompt), the number granted for
+    that version by that trainer (the Template's, or an in-process Trainer)."""
+    return pool_prompt(trainer.pools[version], trainer.run_id, version, volunteer, seq,
+                       nonce(secret_of(trainer), trainer.run_id, volunteer, version, seq))
 
 
 def honest_group(policy, run_id: str, version: int, volunteer: str, seq: int, prompt_id: int,
                  prompt_tokens: list[int], k: int, temperature: float,
-                 max_new_tokens: int) -> list[Sample]:
+                 max_new_tokens: int, secret: bytes) -> list[Sample]:
     """The K completions (token ids, behavior logprobs, text) volunteer `volunteer` uploads
-    as its group number `seq` of `version` for prompt `prompt_id`, sampled with `policy`."""
-    keys = group_keys(run_id, version, volunteer, seq, prompt_id, k)
+    as its group number `seq` of `version` for prompt `prompt_id`, sampled with `policy`, the
+    number granted for `version` by the trainer of `secret`."""
+    keys = group_keys(run_id, version, volunteer, seq, prompt_id, k,
+                      nonce(secret, run_id, volunteer, version, seq))
     (samples,) = sample(policy, [prompt_tokens], k, temperature, max_new_tokens,
                         draw_keys=[keys])
     return samples

@@ -24,6 +24,7 @@ from botocore.config import Config
 from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import FolderBucket, as_dicts, gz_lines, key
+from helpers.honest_groups import nonce
 from helpers.vrlproc import FAKE_AWS_CREDENTIALS, Proc, load_infra, run_vrl, wait_for
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.draws import pool_prompt
@@ -99,12 +100,13 @@ def renumber(rows: list[dict], vol: str, template) -> list[dict]:
     """`rows` relabelled as `vol`'s, each given the lowest free number that draws its prompt
     from its version's pool for `vol` (schema 6), so the prompt rule passes and only a
     hostile edit can be the reason a shard of them is turned away."""
-    used = set()
+    used, secret = set(), template.secret
     for r in rows:
         r["volunteer_id"] = vol
         pool, v = template.pools[r["policy_version"]], r["policy_version"]
         r["seq"] = next(n for n in itertools.count() if n not in used
-                        and pool_prompt(pool, template.run_id, v, vol, n) == r["prompt_id"])
+                        and pool_prompt(pool, template.run_id, v, vol, n,
+                                        nonce(secret, template.run_id, vol, v, n)) == r["prompt_id"])
         used.add(r["seq"])
     return rows
 

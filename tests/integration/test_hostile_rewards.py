@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.bucket_objects import FolderBucket, gz_lines, key
+from helpers.honest_groups import key_secret, nonce
 from helpers.plugins import install_plugin, plugin_env
 from helpers.vrlproc import Proc, run_vrl, wait_for
 from volunteer_rl.protocol import layout
@@ -29,10 +30,13 @@ SECRET = "AKIAvrl-live-test-secret"
 
 
 def rows_for(manifest: dict, volunteer: str, completions: list[list[int]], rewards: list[float],
-             count: int = 1) -> list[dict]:
-    """`count` groups of `volunteer` for v0, each for the prompt its number draws, every group
-    with the same `completions` (token ids) and claimed `rewards`."""
-    return [{"prompt_id": pool_prompt(manifest["prompt_pool"], manifest["run_id"], 0, volunteer, seq),
+             count: int = 1, secret: bytes = b"") -> list[dict]:
+    """`count` groups of `volunteer` for v0, each for the prompt its number draws (granted for
+    v0 by the trainer of `secret`), every group with the same `completions` (token ids) and
+    claimed `rewards`."""
+    run = manifest["run_id"]
+    return [{"prompt_id": pool_prompt(manifest["prompt_pool"], run, 0, volunteer, seq,
+                                      nonce(secret, run, volunteer, 0, seq)),
              "policy_version": 0, "volunteer_id": volunteer, "seq": seq,
              "completions": [{"token_ids": ids, "logprobs": [-1.0] * len(ids), "text": "",
                               "reward": r} for ids, r in zip(completions, rewards)]}
@@ -60,6 +64,7 @@ def test_completions_that_break_the_rewards_bounds_are_rejected_with_a_reason(
     try:
         wait_for(lambda: (bucket.path / layout.manifest_history_key(0)).exists(), 240, "v0")
         manifest = json.loads((bucket.path / layout.MANIFEST).read_text())
+        secret = key_secret(tmp_path / "work" / "signing-key.pem")
         assert manifest["task"] == {"name": "trap", "package": "vrl-task-trap", "version": "0.0.1"}
         tok = AutoTokenizer.from_pretrained(model)
         eos = tok.eos_token_id
@@ -69,20 +74,21 @@ def test_completions_that_break_the_rewards_bounds_are_rejected_with_a_reason(
 
         shards = {
             "reward_timeout": bucket.put(key("spinner", "s", 0), gz_lines(
-                rows_for(manifest, "spinner", [ids("1 + spin"), ids("2")], [0.0, 0.0]))),
+                rows_for(manifest, "spinner", [ids("1 + spin"), ids("2")], [0.0, 0.0], secret=secret))),
             "reward_memory": bucket.put(key("grabber", "s", 0), gz_lines(
-                rows_for(manifest, "grabber", [ids("3"), ids("grab")], [0.0, 1.0]))),
+                rows_for(manifest, "grabber", [ids("3"), ids("grab")], [0.0, 1.0], secret=secret))),
         }
         for reason, k in shards.items():
             wait_for(lambda: f"rejected {k}: {reason}:" in trainer.text(), 120, f"{k} rejected")
         leak = bucket.put(key("leaker", "s", 0), gz_lines(
-            rows_for(manifest, "leaker", [ids("leak"), ids("leak")], [0.0, 0.0])))
+            rows_for(manifest, "leaker", [ids("leak"), ids("leak")], [0.0, 0.0], secret=secret)))
         wait_for(lambda: f"took {leak}: 0 usable" in trainer.text(), 120, f"{leak} taken")
         assert trainer.p.poll() is None, trainer.text()[-3000:]  # still running
         # An honest shard after them is still trained on: two groups with reward variance.
-        pid = [pool_prompt(manifest["prompt_pool"], manifest["run_id"], 0, "honest", s) for s in (0, 1)]
+        pid = [pool_prompt(manifest["prompt_pool"], manifest["run_id"], 0, "honest", s,
+                           nonce(secret, manifest["run_id"], "honest", 0, s)) for s in (0, 1)]
         right = [ids(template.problems[p]["python_expression"]) for p in pid]
-        groups = [rows_for(manifest, "honest", [right[s], ids("none")], [1.0, 0.0], 2)[s]
+        groups = [rows_for(manifest, "honest", [right[s], ids("none")], [1.0, 0.0], 2, secret)[s]
                   for s in (0, 1)]
         honest = bucket.put(key("honest", "s", 0), gz_lines(groups))
         assert trainer.wait(240) == 0, trainer.text()[-3000:]

@@ -7,7 +7,6 @@ feeds every version, and tops up whenever the trainer still waits: a lost group 
 the run, however busy the machine."""
 from __future__ import annotations
 
-import itertools
 import re
 import shutil
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PICKED
+from helpers.grants import Numbers
 from helpers.vrlproc import Proc, run_vrl
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.protocol import layout
@@ -50,8 +51,8 @@ def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
     eos = tokenizer.token_to_id("<eos>")
     groups = []
     while len(groups) < 2:
-        n = next(numbers)
-        p = problems[pool_prompt(m.prompt_pool, m.run_id, m.version, "scripted", n)]
+        ((n, nonce),) = numbers.take(1, m.version)
+        p = problems[pool_prompt(m.prompt_pool, m.run_id, m.version, "scripted", n, nonce)]
         if len(p.expression) > 24:
             continue
         answers = [tokenizer.encode(p.expression).ids + [eos], tokenizer.encode(f"{n} +").ids + [eos]]
@@ -77,7 +78,7 @@ def feed(storage, trainer: Proc, problems) -> set[int]:
     of the next version, and the tests read which versions were fed instead of assuming."""
     from tokenizers import Tokenizer
 
-    tokenizer, fed, numbers = None, set(), itertools.count()
+    tokenizer, fed, numbers = None, set(), None
     shards, last, since, mark = 0, None, 0.0, 0  # last shard's version, time and log offset
     deadline = time.time() + FEED_SECONDS
     while trainer.p.poll() is None and time.time() < deadline:
@@ -86,6 +87,7 @@ def feed(storage, trainer: Proc, problems) -> set[int]:
                 time.time() - since > TOP_UP_SECONDS and "waiting for" in trainer.text()[mark:])):
             if tokenizer is None:
                 tokenizer = Tokenizer.from_file(str(Path(storage.uri) / m.checkpoint / "tokenizer.json"))
+                numbers = Numbers(storage, "scripted", m.run_id)
             mark = len(trainer.text())
             scripted_shard(storage, m, problems, tokenizer, shards, numbers)
             shards, last, since = shards + 1, m.version, time.time()
@@ -107,6 +109,7 @@ def run(tmp_path_factory):
                     "--max-staleness", str(STALENESS), "--keep-versions", str(KEEP),
                     "--gc-every", str(EVERY), "--poll-seconds", "0.05", "--threads", "1",
                     "--audit-tolerance", "0",  # the scripted logprobs are made up
+                    *PICKED,  # numbers drawing long expressions, and the rest of a grant, are left out
                     "--work-dir", str(root / "tw")], root / "trainer.log", root)
     try:
         fed = feed(open_storage(str(bucket)), trainer, problems)

@@ -21,6 +21,7 @@ from pathlib import Path
 from test_hostile_rewards import TRAP_PACKAGE, rows_for
 
 from helpers.bucket_objects import FolderBucket, gz_lines, key
+from helpers.honest_groups import key_secret, nonce
 from helpers.plugins import install_plugin, plugin_env
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
@@ -49,6 +50,7 @@ class TrapRun:
         self.tok = AutoTokenizer.from_pretrained(self.model)
 
     def args(self, tmp_path: Path, *more: str) -> list[str]:
+        self.work = tmp_path / "work"
         return ["trainer", "--bucket", str(self.bucket.path), "--task", "trap", "--model",
                 str(self.model), "--k", str(K), "--groups-per-step", "2", "--max-steps", "1",
                 "--audit-tolerance", "0", "--eval-every", "0",
@@ -60,6 +62,11 @@ class TrapRun:
         wait_for(lambda: (self.bucket.path / layout.manifest_history_key(0)).exists(), 240, "v0")
         return json.loads((self.bucket.path / layout.MANIFEST).read_text())
 
+    @property
+    def secret(self) -> bytes:
+        """The grant secret of the trainer `args` made (its signing key is in its work dir)."""
+        return key_secret(self.work / "signing-key.pem")
+
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
 
@@ -67,15 +74,18 @@ class TrapRun:
         """A shard of `groups` groups of "burn" completions, every one distinct, numbered
         `first` on (a number used twice would be refused after the rewards, `seq_reused`)."""
         rows = [rows_for(manifest, "burner", [self.ids(f"{n} burn"), self.ids(f"{n} burn 1")],
-                         [0.0, 0.0], n + 1)[-1]  # group number n, for the prompt it draws
+                         [0.0, 0.0], n + 1, self.secret)[-1]  # group number n, for the prompt it draws
                 for n in range(first, first + groups)]
         return self.bucket.put(key("burner", name, 0), gz_lines(rows))
 
     def honest(self, manifest: dict) -> str:
         """Two groups with reward variance: a right answer and a wrong one each."""
-        pid = [pool_prompt(manifest["prompt_pool"], manifest["run_id"], 0, "honest", s) for s in (0, 1)]
+        run = manifest["run_id"]
+        pid = [pool_prompt(manifest["prompt_pool"], run, 0, "honest", s,
+                           nonce(self.secret, run, "honest", 0, s)) for s in (0, 1)]
         right = [self.ids(self.template.problems[p]["python_expression"]) for p in pid]
-        groups = [rows_for(manifest, "honest", [right[s], self.ids("none")], [1.0, 0.0], 2)[s]
+        groups = [rows_for(manifest, "honest", [right[s], self.ids("none")], [1.0, 0.0], 2,
+                           self.secret)[s]
                   for s in (0, 1)]
         return self.bucket.put(key("honest", "s", 0), gz_lines(groups))
 

@@ -6,7 +6,6 @@ run, one given the right key follows the manifest and uploads shards. ~40 s on 2
 """
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 import stat
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PICKED
+from helpers.grants import Numbers
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.launch import vrl_command, vrl_env
@@ -39,13 +40,14 @@ def useful_shard(bucket: Path, groups: int) -> None:
     eos = tok.token_to_id("<eos>")
     problems = load_csv(PACKAGE_DATA / "train.csv")
     wait_for(lambda: (bucket / layout.manifest_history_key(0)).exists(), 30, "v0's manifest copy")
-    m = read_manifest(open_storage(str(bucket)), 0, trust=Trust())  # the run this test started
-    # the prompts numbers draw from v0's pool; numbers drawing a long expression, or a prompt
-    # drawn before, are skipped: a second group of one prompt would have the first's content
-    # (the completions are made from the prompt alone), which the trainer takes only once,
-    # and the run would wait for good for its last step
-    drawn = ((n, problems[pool_prompt(m.prompt_pool, m.run_id, 0, "handmade", n)])
-             for n in itertools.count())
+    storage = open_storage(str(bucket))
+    m = read_manifest(storage, 0, trust=Trust())  # the run this test started
+    # the prompts numbers granted for v0 draw from its pool; numbers drawing a long
+    # expression, or a prompt drawn before, are skipped: a second group of one prompt would
+    # have the first's content (the completions are made from the prompt alone), which the
+    # trainer takes only once, and the run would wait for good for its last step
+    drawn = ((n, problems[pool_prompt(m.prompt_pool, m.run_id, 0, "handmade", n, x)])
+             for n, x in Numbers(storage, "handmade", m.run_id).take(64, 0))
     chosen, prompts = [], set()
     for n, p in drawn:
         if len(chosen) == groups:
@@ -62,7 +64,7 @@ def useful_shard(bucket: Path, groups: int) -> None:
                   for i in range(K)])
            for seq, p in chosen]
     key = layout.shard_key(0, "handmade", "0000000000001-000000-00000000")
-    open_storage(str(bucket)).create(key, encode_shard(out))
+    storage.create(key, encode_shard(out))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,7 @@ def run(tmp_path_factory):
                     "--groups-per-step", "1", "--max-steps", str(STEPS), "--eval-every", "0",
                     "--eval-dataset", str(eval_csv), "--threads", "1", "--poll-seconds", "0.1",
                     "--audit-tolerance", "0",  # the handmade shards carry made-up logprobs
+                    *PICKED,  # numbers drawing long expressions are left out
                     "--work-dir", str(root / "tw")], root / "trainer.log", root)
     # (Every wait below is a hang guard, sized for a busy machine.)
     # Volunteers start with the trainer (their imports overlap its set-up) and wait for v0.

@@ -20,8 +20,6 @@ from volunteer_rl.trainer.audit import (
 )
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.withheld import GroupNumbers
-from volunteer_rl.volunteer.numbering import RESUME_GAP
-from volunteer_rl.volunteer.numbering import GroupNumbers as VolunteerNumbers
 
 
 def test_a_new_or_caught_volunteer_is_audited_on_every_group_then_about_one_in_n():
@@ -265,20 +263,6 @@ def test_group_numbers_survive_the_trainers_state_file():
     assert again.next_number("a") == 9 and again.next_number("b") == 4
     with pytest.raises(ValueError):
         GroupNumbers.from_json({"a": {"frontier": "x", "shards": []}})
-
-
-def test_a_volunteer_goes_on_numbering_where_it_stopped_after_a_restart(tmp_path):
-    path = tmp_path / "numbers.json"
-    n = VolunteerNumbers(path)
-    assert n.take("run-a", 16) == 0
-    assert n.take("run-a", 16) == 16
-    again = VolunteerNumbers(path)  # restarted
-    assert again.take("run-a", 4, lambda: 999) == 32  # its own record wins over fleet.json
-    assert again.take("run-b", 1) == 0  # a new run starts at 0
-    path.write_text("{not json")
-    assert VolunteerNumbers(path).take("run-b", 1) == 0
-    path.unlink()  # lost: go on past where the trainer saw it get to
-    assert VolunteerNumbers(path).take("run-b", 1, lambda: 40) == 40 + RESUME_GAP
 
 
 def test_an_audit_stops_at_the_first_failing_chunk_and_replays_a_passing_shard_whole():

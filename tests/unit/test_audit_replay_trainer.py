@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from helpers.honest_groups import drawn_prompt, honest_group
+from helpers.honest_groups import drawn_prompt, honest_group, secret_of
 from helpers.trainers import started_trainer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.shards import Completion, Group, encode_shard
@@ -51,7 +51,7 @@ def group(t: Trainer, policy, volunteer: str, seq: int, version: int) -> Group:
     seq): honest if `policy` holds the weights of `version`."""
     prompt_id = drawn_prompt(t, version, volunteer, seq)
     samples = honest_group(policy, t.run_id, version, volunteer, seq, prompt_id,
-                           t.prompt_ids[prompt_id], K, t.cfg.temperature, MAX_NEW)
+                           t.prompt_ids[prompt_id], K, t.cfg.temperature, MAX_NEW, secret_of(t))
     return Group(prompt_id, version, volunteer, seq, [completion(t, prompt_id, s.token_ids, s.logprobs)
                                                       for s in samples])
 

@@ -122,15 +122,21 @@ class Recorder(threading.Event):
 
 
 def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wait(tmp_path, monkeypatch):
-    """The loop itself (Volunteer.run) with generation stubbed: batches never cross the
-    quota, the groups made go out as soon as it is reached (the shard would otherwise wait
-    for 100 groups), the heartbeat says `waiting`, and after `wait_seconds` without a new
-    version another quota's worth is sampled, then twice that."""
+    """The loop itself (Volunteer.run) with generation stubbed and a trainer's Granter
+    answering its asks: it asks for numbers of a version only within the quota, the groups
+    made go out as soon as it is reached (the shard would otherwise wait for 100 groups), the
+    heartbeat says `waiting`, and after `wait_seconds` without a new version another quota's
+    worth is asked for and sampled, then twice that."""
     from helpers.status_fixtures import manifest as status_manifest
     from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.protocol.grants import parse_ask_key
+    from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
+    from volunteer_rl.trainer.granting import Granter
+    from volunteer_rl.trainer.groups import Window
+    from volunteer_rl.trainer.withheld import GroupNumbers
     from volunteer_rl.volunteer.loop import Volunteer
 
-    quota = Quota(groups=6, wait_seconds=0.3)
+    quota = Quota(groups=8, wait_seconds=0.3)  # a whole block of numbers (GRANT_BLOCK)
     m = status_manifest(version=3)
     m = type(m)(**{**m.__dict__, "quota": quota})
     cfg = VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", prompts_per_batch=4,
@@ -139,25 +145,37 @@ def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wa
     lines = []
     v = Volunteer(cfg, log=lines.append)
     v.manifest, v.stop = m, Recorder(v)
+    key = Ed25519PrivateKey.generate()
+    v.numbers.trust = Trust(public_key_text(key))
+    granter = Granter(v.storage, m.run_id, key, GroupNumbers(), log=lambda line: None)
     monkeypatch.setattr(v, "poll", lambda: m)  # the same version, never a new one
-    calls = []  # (time, groups asked for, groups in the bucket then)
+    calls = []  # (time, groups sampled, groups in the bucket then)
 
-    def generate(count):
-        uploaded = sum(len(decode_shard(v.storage.read(k))) for k in v.storage.list("rollouts"))
-        calls.append((time.time(), count, uploaded))
-        made = sum(c for _, c, _ in calls)
-        if made >= 4 * quota.groups:
+    def generate(batch):
+        uploaded = sum(len(decode_shard(v.storage.read(k))) for k in v.storage.list("rollouts")
+                       if k.endswith(".jsonl.gz"))
+        calls.append((time.time(), batch.count, uploaded))
+        if sum(c for _, c, _ in calls) >= 4 * quota.groups:
             v.stop.set()
-        return [Group(0, 3, "me", made - count + i, [Completion([1], [-0.5], "", 0.0)])
-                for i in range(count)]
+        return [Group(0, 3, "me", batch.first + i, [Completion([1], [-0.5], "", 0.0)])
+                for i in range(batch.count)]
     monkeypatch.setattr(v, "_generate", generate)
+
+    def trainer():  # answers the asks as a trainer's polls do
+        while not v.stop.is_set():
+            granter.answer([k for k in v.storage.list("rollouts") if parse_ask_key(k)],
+                           Window(3, 2, {1, 2, 3}))
+            time.sleep(0.01)
+    answering = threading.Thread(target=trainer, daemon=True)
+    answering.start()
     v.run()
-    assert [c for _, c, _ in calls] == [4, 2, 4, 2, 4, 4, 4]  # never past the quota: 6, 12, 24
-    starts = [i for i in range(len(calls)) if sum(c for _, c, _ in calls[:i]) in (0, 6, 12)]
+    answering.join()
+    assert [c for _, c, _ in calls] == [4, 4, 4, 4, 4, 4, 4, 4]  # never past the quota: 8, 16, 32
+    starts = [i for i in range(len(calls)) if sum(c for _, c, _ in calls[:i]) in (0, 8, 16)]
     assert starts == [0, 2, 4]
     for i in starts[1:]:
         assert calls[i][0] - calls[i - 1][0] >= quota.wait_seconds  # waited before another quota
         assert calls[i][2] == sum(c for _, c, _ in calls[:i])  # everything made was uploaded
-    assert "quota of v3 reached (6 groups)" in v.stop.waiting
-    assert "quota of v3 reached (12 groups)" in v.stop.waiting
-    assert any(line.startswith("waiting: quota of v3 reached (6 groups)") for line in lines)
+    assert "quota of v3 reached (8 groups)" in v.stop.waiting
+    assert "quota of v3 reached (16 groups)" in v.stop.waiting
+    assert any(line.startswith("waiting: quota of v3 reached (8 groups)") for line in lines)

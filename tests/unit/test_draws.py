@@ -11,13 +11,15 @@ import torch
 from volunteer_rl.model.sampling import gumbel_noise, key_words, noise_bits as torch_bits
 from volunteer_rl.protocol.draws import draw_key, group_keys, gumbel, mix32, noise_bits
 
-FIELDS = ("run-7f3a", 12, "laptop-ab12", 3, 4021, 5)
+NONCE = "5f1c0d2a9b8e7f6a5f1c0d2a9b8e7f6a"
+FIELDS = ("run-7f3a", 12, "laptop-ab12", 3, 4021, 5, NONCE)
+"""draw_key's arguments: run id, version, volunteer, seq, prompt id, index, nonce."""
 # Computed once from this implementation; a change here is a protocol change (vrl-draw-v3).
-KEY_HEX = "0b58926fc555cbf6aff91d641c85361fd6b4a6f9fce4e6413f60a2ada0985feb"
+KEY_HEX = "3b1ae5da77beeccbc3812b4329054ac0acca6ec20194837db69bede819f1a58e"
 AT = [(0, 0), (0, 1), (1, 0), (31, 151935), (7, 65536)]  # (position, token)
-BITS = [2122848010, 2949598474, 1640733686, 1669281704, 4265014433]
-GUMBEL = [0.3500038840720826, 0.9787650110979544, 0.03842858044020812, 0.05651688822348388,
-          4.962077176787996]
+BITS = [2106936098, 934355858, 2085882613, 2388180740, 3944414353]
+GUMBEL = [0.33938368204627256, -0.42221854852604634, 0.3253813650920616, 0.5328802807190675,
+          2.4634177914972395]
 
 
 def spec_bits(fields: tuple, position: int, token: int) -> int:
@@ -26,7 +28,9 @@ def spec_bits(fields: tuple, position: int, token: int) -> int:
         x = ((x ^ (x >> 16)) * 0x7FEB352D) % 2 ** 32
         x = ((x ^ (x >> 15)) * 0x846CA68B) % 2 ** 32
         return x ^ (x >> 16)
-    data = b"vrl-draw-v2" + b"".join(b"\x00" + str(f).encode("utf-8") for f in fields)
+    run_id, version, volunteer, seq, prompt_id, index, nonce = fields
+    hashed = (run_id, version, nonce, volunteer, seq, prompt_id, index)  # the key's field order
+    data = b"vrl-draw-v3" + b"".join(b"\x00" + str(f).encode("utf-8") for f in hashed)
     key = hashlib.sha256(data).digest()
     k0, k1 = int.from_bytes(key[0:4], "big"), int.from_bytes(key[4:8], "big")
     x = lowbias32(k0 ^ lowbias32(k1 ^ position)) ^ lowbias32(token)
@@ -39,11 +43,11 @@ def test_known_answer_vector():
     assert [noise_bits(key, p, t) for p, t in AT] == BITS
     assert [gumbel(key, p, t) for p, t in AT] == GUMBEL
     assert [mix32(x) for x in (0, 1, 2 ** 32 - 1)] == [0, 1753845952, 1734902346]
-    assert group_keys(*FIELDS[:5], 7)[5] == key
+    assert group_keys(*FIELDS[:5], 7, NONCE)[5] == key
 
 
-@pytest.mark.parametrize("fields", [FIELDS, ("", 0, "", 0, 0, 0),
-                                    ("rün", 1, "v-é", 10**6, 7, 63)])
+@pytest.mark.parametrize("fields", [FIELDS, ("", 0, "", 0, 0, 0, ""),
+                                    ("rün", 1, "v-é", 10**6, 7, 63, "ab")])
 def test_implementation_equals_the_written_derivation(fields):
     key = draw_key(*fields)
     rng = random.Random(1)
@@ -74,20 +78,22 @@ def test_every_field_changes_the_noise():
     def first(fields):
         return [noise_bits(draw_key(*fields), p, t) for p in range(3) for t in range(3)]
     base = first(FIELDS)
-    changed = [("run-7f3b", 12, "laptop-ab12", 3, 4021, 5),
-               ("run-7f3a", 13, "laptop-ab12", 3, 4021, 5),
-               ("run-7f3a", 12, "laptop-ab13", 3, 4021, 5),
-               ("run-7f3a", 12, "laptop-ab12", 4, 4021, 5),
-               ("run-7f3a", 12, "laptop-ab12", 3, 4022, 5),
-               ("run-7f3a", 12, "laptop-ab12", 3, 4021, 6),
-               ("run-7f3a1", 2, "laptop-ab12", 3, 4021, 5)]  # same characters, split differently
+    n = NONCE
+    changed = [("run-7f3b", 12, "laptop-ab12", 3, 4021, 5, n),
+               ("run-7f3a", 13, "laptop-ab12", 3, 4021, 5, n),
+               ("run-7f3a", 12, "laptop-ab13", 3, 4021, 5, n),
+               ("run-7f3a", 12, "laptop-ab12", 4, 4021, 5, n),
+               ("run-7f3a", 12, "laptop-ab12", 3, 4022, 5, n),
+               ("run-7f3a", 12, "laptop-ab12", 3, 4021, 6, n),
+               ("run-7f3a", 12, "laptop-ab12", 3, 4021, 5, n[:-1] + "b"),  # another grant's
+               ("run-7f3a1", 2, "laptop-ab12", 3, 4021, 5, n)]  # same characters, split differently
     noises = [first(f) for f in changed]
     assert all(n != base for n in noises)
     assert len({tuple(n) for n in noises}) == len(noises)
 
 
 def test_the_noise_is_standard_gumbel_and_never_infinite():
-    words = key_words([draw_key(*FIELDS[:5], j) for j in range(8)], torch.device("cpu"))
+    words = key_words([draw_key(*FIELDS[:5], j, NONCE) for j in range(8)], torch.device("cpu"))
     g = gumbel_noise(words, torch.arange(8), 50_000)  # 400,000 values
     assert g.isfinite().all()
     assert g.mean().item() == pytest.approx(0.5772157, abs=0.006)      # Euler's constant; 3 s.e.
@@ -105,4 +111,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         noise_bits(key, 0, 2 ** 32)
     with pytest.raises(ValueError):  # NUL separates fields: "a\x00b" could mimic two fields
-        draw_key("run\x00x", 1, "v", 0, 0, 0)
+        draw_key("run\x00x", 1, "v", 0, 0, 0, NONCE)

@@ -130,6 +130,7 @@ def test_a_group_for_another_prompt_than_its_number_draws_rejects_the_shard():
     is for pool_prompt(pool, run, version, volunteer, n); any other prompt is a choice the
     volunteer made (resampling a number with prompts until it likes one)."""
     from volunteer_rl.protocol.draws import pool_prompt
+    from volunteer_rl.protocol.grants import seq_nonce
 
     s = fresh_storage("prompt-draw")
     pools = {3: (0, 1)}
@@ -137,7 +138,7 @@ def test_a_group_for_another_prompt_than_its_number_draws_rejects_the_shard():
     r.run_id = "run-p"
     honest, chosen = [], []
     for seq in range(40):  # about half the numbers draw each of the two prompts
-        drawn = pool_prompt(pools[3], "run-p", 3, "v1", seq)
+        drawn = pool_prompt(pools[3], "run-p", 3, "v1", seq, seq_nonce(r.secret, "run-p", "v1", 3, seq))
         grp = g(drawn, 3, "v1", [[12], [8]])
         grp.seq = seq
         (honest if seq < 20 else chosen).append(grp)

@@ -43,7 +43,7 @@ def tiny():
 
 
 def keys(n_prompts: int, seq0: int = 0, k: int = K) -> list[list[bytes]]:
-    return [group_keys("test-run", 1, "vol-1", seq0 + g, g, k) for g in range(n_prompts)]
+    return [group_keys("test-run", 1, "vol-1", seq0 + g, g, k, "test-nonce") for g in range(n_prompts)]
 
 
 def tokens_of(groups) -> list[list[list[int]]]:

@@ -51,30 +51,21 @@ def test_default_ids_are_safe_and_distinct():
     assert len(ids) == 50 and all(layout.is_safe_name(i) for i in ids)
 
 
-def test_the_per_version_cap_pauses_but_never_deadlocks(tmp_path, monkeypatch):
+def test_the_per_version_cap_pauses_but_never_deadlocks():
     """A trainer that got too few useful groups waits for more; a capped volunteer waiting
-    for a new version would wait forever. The cap must give way after its patience."""
-    from volunteer_rl.config import VolunteerConfig
-    from volunteer_rl.volunteer.loop import Volunteer
+    for a new version would wait forever. The cap must give way after its patience. (The
+    volunteer asks for numbers of a version only while `room` allows: volunteer.loop._ask.)"""
+    from volunteer_rl.volunteer.quota import Allowance
 
-    cfg = VolunteerConfig(bucket=str(tmp_path), volunteer_id="me", max_groups_per_version=8,
-                          prompts_per_batch=4, cap_patience_seconds=5.0)
-    v = Volunteer(cfg, log=lambda m: None)
+    allowance = Allowance(cap=8, batch=4, cap_patience=5.0, log=lambda m: None)
 
     class M:
         run_id, version, quota = "run", 3, None
-    v.manifest = M()
-    w = ShardWriter(v.storage, "me", 100, 1e9, lambda m: None)
-    w.add(groups(8, 3), 3)
-    clock = [1000.0]
-    monkeypatch.setattr("volunteer_rl.volunteer.loop.time.time", lambda: clock[0])
-    assert v.at_cap(w)            # at the cap: pause
-    clock[0] += 4.9
-    assert v.at_cap(w)            # still within its patience
-    clock[0] += 0.2
-    assert not v.at_cap(w)        # patience over: one more batch is allowed
-    w.add(groups(4, 3), 3)
-    assert v.at_cap(w)            # and then it pauses again
+    clock = 1000.0
+    assert allowance.room(M(), 8, clock) == 0            # at the cap: pause
+    assert allowance.room(M(), 8, clock + 4.9) == 0      # still within its patience
+    assert allowance.room(M(), 8, clock + 5.1) == 4      # patience over: one more batch
+    assert allowance.room(M(), 12, clock + 5.2) == 0     # and then it pauses again
 
 
 def test_a_loaded_model_sets_the_sampling_threads_and_round(tmp_path, monkeypatch):
@@ -118,32 +109,6 @@ def test_a_loaded_model_sets_the_sampling_threads_and_round(tmp_path, monkeypatc
         assert v.allowance.batch == 5  # --prompts-per-batch wins
     finally:
         torch.set_num_threads(before)
-
-
-def test_a_volunteer_that_lost_its_numbers_goes_on_from_fleet_json_and_nothing_else(tmp_path):
-    """Only `run_id` and its own `next_group_number` are read; anything else is 0 (numbering
-    from 0 again would have every group refused as `seq_reused`)."""
-    import json
-
-    from volunteer_rl.config import VolunteerConfig
-    from volunteer_rl.protocol import layout
-    from volunteer_rl.volunteer.loop import Volunteer
-
-    v = Volunteer(VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", device="cpu"),
-                  log=lambda m: None)
-    assert v._reached("run-a") == 0  # no fleet.json
-    for doc, expected in (
-            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": 700}}}, 700),
-            ({"run_id": "run-b", "volunteers": {"me": {"next_group_number": 700}}}, 0),
-            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": -5}}}, 0),
-            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": 1 << 62}}}, 0),
-            ({"run_id": "run-a", "volunteers": {"me": {"next_group_number": "700"}}}, 0),
-            ({"run_id": "run-a", "volunteers": []}, 0),
-            ([1, 2], 0)):
-        v.storage.write(layout.FLEET, json.dumps(doc).encode())
-        assert v._reached("run-a") == expected, doc
-    v.storage.write(layout.FLEET, b"[" * 100_000)
-    assert v._reached("run-a") == 0
 
 
 def test_a_pool_naming_rows_the_dataset_lacks_is_refused_before_the_model_changes(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 from conftest import one_thread
 from safetensors import safe_open
 
-from helpers.honest_groups import drawn_prompt
+from helpers.honest_groups import drawn_prompt, nonce, secret_of
 
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.model.chain import fetch_weights
@@ -103,7 +103,9 @@ def test_an_honest_bf16_volunteer_passes_the_audit(bf16_trainer, tmp_path):
     cfg = trainer.cfg
     volunteer = load_policy(fetch_checkpoint(trainer.storage, trainer.manifest, tmp_path / "v"))
     problems = [trainer.problems[drawn_prompt(trainer, 0, "honest", i)] for i in range(64)]
-    keys = [group_keys(trainer.run_id, 0, "honest", i, p.id, cfg.k) for i, p in enumerate(problems)]
+    secret = secret_of(trainer)
+    keys = [group_keys(trainer.run_id, 0, "honest", i, p.id, cfg.k,
+                       nonce(secret, trainer.run_id, "honest", 0, i)) for i, p in enumerate(problems)]
     out = sample(volunteer, encode_prompts(volunteer, [p["natural_language"] for p in problems]),
                  cfg.k, cfg.temperature, cfg.max_new_tokens, draw_keys=keys)
     groups = [Group(p.id, 0, "honest", i, [

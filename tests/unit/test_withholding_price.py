@@ -77,3 +77,19 @@ def test_a_huge_number_costs_arithmetic_only_and_the_share_survives_a_save():
 def test_a_bound_of_1_holds_nothing():
     n = numbers_of([(1, [900])])
     assert hold_back([group("v", 900)], n, 1.0) == ([group("v", 900)], [])
+
+
+def test_the_unsent_tail_of_a_grant_is_missing_once_its_version_leaves_the_window():
+    """Numbers granted for a version (trainer.granting) and never sent count as missing when
+    the version closes, even with nothing sent after them: before grants the end of a
+    volunteer's last version was invisible. While the version is open they do not count:
+    an honest volunteer is still sampling them."""
+    n = numbers_of([(1, list(range(0, 4)))])
+    n.grant("v", 0, 16, 1)  # a grant of 16, of which 4 were sent
+    n.grant("v", 16, 24, 2)  # the next grant, for v2, not sampled yet
+    assert n.missing_share("v") == (0, 4) and n.granted_end("v") == 24
+    assert n.close_below(2) == {"v": (16, 12)}
+    assert n.missing_share("v") == (12, 16) and n.held("v", BOUND)
+    assert n.close_below(3) == {"v": (8, 8)}  # v2's grant: nothing of it ever came
+    again = GroupNumbers.from_json(n.to_json())  # kept with the trainer's state
+    assert again.missing_share("v") == (20, 24) and again.granted_end("v") == 24

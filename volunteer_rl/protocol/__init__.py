@@ -2,7 +2,7 @@
 
 Owns the keys and the staleness window (layout), the commit point and its signature (manifest,
 signing), the weights patches between versions (patch), rollout shards and their bounds
-(shards), the committed sampling noise (draws),
+(shards), the committed sampling noise (draws), the grants of group numbers (grants),
 the trainer's records (ledger, metrics),
 the fleet objects people read (fleet, heartbeat), and how volunteer-written text may be shown
 (printable). docs/PROTOCOL.md is the same contract in prose.

@@ -10,8 +10,8 @@ selects under the policy's distribution. The token at position p is the Gumbel-m
 
 which is an exact sample of softmax(z), with one noise value per vocabulary entry:
 
-    key    = sha256(b"vrl-draw-v2" + for each field of (run_id, version, volunteer_id, seq,
-                    prompt_id, index): b"\\x00" + str(field).encode("utf-8"))
+    key    = sha256(b"vrl-draw-v3" + for each field of (run_id, version, nonce, volunteer_id,
+                    seq, prompt_id, index): b"\\x00" + str(field).encode("utf-8"))
     k0, k1 = big-endian uint32 of key[0:4], key[4:8]
     b[p]   = mix32(k0 ^ mix32(k1 ^ p))                          one word per position
     x      = b[p] ^ mix32(t)
@@ -21,6 +21,8 @@ which is an exact sample of softmax(z), with one noise value per vocabulary entr
 
 with mix32 the 32-bit mixer below (lowbias32: xor-shifts and multiplications mod 2**32).
 run_id is the manifest's run id, version the policy version the group is sampled with,
+nonce the nonce of the block of numbers seq is in, which the trainer granted for that version
+(protocol.grants: unknown to the volunteer until the number is bound to the version),
 volunteer_id the volunteer's id, seq the group's number among this volunteer's groups of
 this run (0, 1, 2, ... without gaps, across versions, so a volunteer cannot try several
 keys for one prompt and keep the one it likes), prompt_id the dataset row and index the
@@ -47,9 +49,9 @@ import hashlib
 import math
 import struct
 
-DOMAIN = b"vrl-draw-v2"
+DOMAIN = b"vrl-draw-v3"
 """Domain tag: these hashes can never be mistaken for any other use of sha256 (v1 drew by
-inverse CDF from a SHAKE-256 stream of uniforms, schema 4)."""
+inverse CDF from a SHAKE-256 stream of uniforms, schema 4; v2 had no nonce, schema 8)."""
 
 MASK32 = 0xFFFFFFFF
 MIX32 = (0x7FEB352D, 0x846CA68B)
@@ -67,11 +69,11 @@ def mix32(x: int) -> int:
 
 
 def draw_key(run_id: str, version: int, volunteer_id: str, seq: int, prompt_id: int,
-             index: int) -> bytes:
+             index: int, nonce: str) -> bytes:
     """The 32-byte key of one completion's noise. A field containing NUL is refused: NUL
     separates the fields, so such a field could make two different tuples share a key."""
     h = hashlib.sha256(DOMAIN)
-    for field in (run_id, version, volunteer_id, seq, prompt_id, index):
+    for field in (run_id, version, nonce, volunteer_id, seq, prompt_id, index):
         text = str(field)
         if "\x00" in text:
             raise ValueError(f"a draw key field may not contain NUL: {text!r:.40}")
@@ -80,31 +82,34 @@ def draw_key(run_id: str, version: int, volunteer_id: str, seq: int, prompt_id: 
 
 
 def group_keys(run_id: str, version: int, volunteer_id: str, seq: int, prompt_id: int,
-               k: int) -> list[bytes]:
+               k: int, nonce: str) -> list[bytes]:
     """The keys of a group's K completions (index 0..k-1), what `model.sampling.sample`
     takes for one prompt to sample that group honestly."""
-    return [draw_key(run_id, version, volunteer_id, seq, prompt_id, j) for j in range(k)]
+    return [draw_key(run_id, version, volunteer_id, seq, prompt_id, j, nonce) for j in range(k)]
 
 
-PROMPT_DOMAIN = b"vrl-prompt-v1"
+PROMPT_DOMAIN = b"vrl-prompt-v2"
 """Domain tag of the prompt draw: a group's prompt is no choice of the volunteer's either."""
 
 
-def prompt_index(run_id: str, version: int, volunteer_id: str, seq: int, pool_size: int) -> int:
+def prompt_index(run_id: str, version: int, volunteer_id: str, seq: int, pool_size: int,
+                 nonce: str) -> int:
     """Which entry of version `version`'s prompt pool (the manifest's `prompt_pool`, of
     `pool_size` rows) group number `seq` of `volunteer_id` must be sampled for:
 
-        h = sha256(b"vrl-prompt-v1" + for each field of (run_id, version, volunteer_id, seq):
+        h = sha256(b"vrl-prompt-v2" + for each field of (run_id, version, nonce, volunteer_id,
+                   seq):
                    b"\\x00" + str(field).encode("utf-8"))
         index = (big-endian uint64 of h[0:8]) mod pool_size
 
-    A volunteer that samples a number sees the prompt it gets, and can only upload the group
-    or leave a gap (trainer.withheld counts those). The modulo's bias is below 2**-50 for
+    A volunteer sees the prompt of a number only once the trainer has bound the number to a
+    version (the nonce comes with the grant), and can then only upload the group or leave a
+    gap (trainer.withheld counts those). The modulo's bias is below 2**-50 for
     any pool a manifest may hold."""
     if pool_size < 1:
         raise ValueError("the prompt pool is empty")
     h = hashlib.sha256(PROMPT_DOMAIN)
-    for field in (run_id, version, volunteer_id, seq):
+    for field in (run_id, version, nonce, volunteer_id, seq):
         text = str(field)
         if "\x00" in text:
             raise ValueError(f"a draw key field may not contain NUL: {text!r:.40}")
@@ -112,9 +117,9 @@ def prompt_index(run_id: str, version: int, volunteer_id: str, seq: int, pool_si
     return struct.unpack(">Q", h.digest()[:8])[0] % pool_size
 
 
-def pool_prompt(pool, run_id: str, version: int, volunteer_id: str, seq: int) -> int:
+def pool_prompt(pool, run_id: str, version: int, volunteer_id: str, seq: int, nonce: str) -> int:
     """The dataset row (prompt id) group number `seq` must be sampled for: pool[prompt_index]."""
-    return pool[prompt_index(run_id, version, volunteer_id, seq, len(pool))]
+    return pool[prompt_index(run_id, version, volunteer_id, seq, len(pool), nonce)]
 
 
 def key_words(key: bytes) -> tuple[int, int]:

@@ -9,6 +9,8 @@ relative to the bucket root (the storage object adds any prefix from the URI).
     checkpoints/v000042/<file>                      immutable checkpoint files
     datasets/<name>-<sha12>.csv                     the train split volunteers sample prompts from
     rollouts/v000042/<volunteer_id>/<shard>.jsonl.gz  gzip JSONL shards, one line per prompt group
+    rollouts/v000042/<volunteer_id>/ask-<block>-<n>   a volunteer's ask for group numbers (empty)
+    grants/<volunteer_id>.json                      the numbers granted to it (trainer, overwritten)
     metrics/v000042.jsonl                           trainer metrics of the steps that led to v42
     ledger/v000042.jsonl                            what the steps that led to v42 did with each shard
     quarantine/v000042/<volunteer_id>/<shard>.json  why a shard was rejected
@@ -25,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
 `weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
 4: the weights file is named by the root of its pieces (manifest.pieces_root), not by its
@@ -35,11 +37,14 @@ Gumbel-max over committed per-token noise (protocol.draws, "vrl-draw-v2"), not b
 across the versions of a run (protocol.draws.pool_prompt). 7: the manifest's `quota` says how
 many groups of the version each volunteer should sample before it waits for the next
 (manifest.Quota). 8: the manifest's `task` names the task's package and version too
-(manifest.TaskRef), and the calculator is one task of several. Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a
-patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
+(manifest.TaskRef), and the calculator is one task of several. 9: group numbers are granted
+by the trainer in blocks bound to one version, and a block's nonce keys its prompt and noise
+(protocol.grants; "vrl-draw-v3", "vrl-prompt-v2"). Readers refuse any other value: a
+volunteer of schema 2 cannot fetch a version published as a patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
 gives; one of schema 4 would sample tokens the replay rejects; one of schema 5 would choose its
 prompts, which the trainer refuses (`prompt_mismatch`); one of schema 6 would not stop at its
-quota; one of schema 7 would sample any task's prompts as calculator problems."""
+quota; one of schema 7 would sample any task's prompts as calculator problems; one of schema 8
+would number its groups itself and draw without a nonce (`prompt_mismatch`)."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"
@@ -52,6 +57,7 @@ DENYLIST = "denylist.json"
 VOLUNTEERS = "volunteers"
 FLEET = "fleet.json"
 DASHBOARD = "dashboard"
+GRANTS = "grants"
 
 # Volunteer ids and shard names end up in object keys: keep them to a safe alphabet so no id
 # can climb out of its prefix ("../") or collide with another after normalisation. Every

@@ -20,6 +20,7 @@ from typing import Callable
 
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.draws import pool_prompt
+from volunteer_rl.protocol.grants import seq_nonce
 from volunteer_rl.protocol.ledger import group_digest
 from volunteer_rl.protocol.shards import (
     MAX_SHARD_BYTES,
@@ -61,6 +62,9 @@ class Rules:
     """Groups per shard: the manifest's `max_shard_groups`."""
     run_id: str = ""
     """The run's id: with the version, volunteer and number, it draws each group's prompt."""
+    secret: bytes = b""
+    """The trainer's grant secret (protocol.grants.grant_secret): the nonce of each group's
+    block of numbers, under the version it was granted for, is recomputed with it."""
     rewards: Callable[..., list[float]] | None = None
     """The task's rewards of (completion text, row) pairs, called as rewards(items) or
     rewards(items, spend) (task.bounded.Spend: the batch's bounds; what it took is written
@@ -133,10 +137,12 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, wi
         pool = win.pools.get(g.policy_version)
         if not pool:  # a published version whose pool the trainer could not read back
             raise ShardError("unpublished_version", f"v{g.policy_version}: its prompt pool is unknown")
-        drawn = pool_prompt(pool, rules.run_id, g.policy_version, g.volunteer_id, g.seq)
+        drawn = pool_prompt(pool, rules.run_id, g.policy_version, g.volunteer_id, g.seq,
+                            group_nonce(g, rules))
         if g.prompt_id != drawn:
             raise ShardError("prompt_mismatch", f"group {g.seq} is for prompt {g.prompt_id}, its "
-                             f"number draws prompt {drawn} from v{g.policy_version}'s pool")
+                             f"number draws prompt {drawn} from v{g.policy_version}'s pool (if it "
+                             "was granted for that version)")
     if len(g.completions) != rules.k:
         raise ShardError("bad_group_size", f"{len(g.completions)} completions, manifest says {rules.k}")
     for c in g.completions:
@@ -152,6 +158,12 @@ def check_group(g: Group, key_version: int, key_volunteer: str, rules: Rules, wi
                              f"max_new_tokens {rules.max_new_tokens}")
 
 
+def group_nonce(g: Group, rules: Rules) -> str:
+    """The nonce `g`'s draws are keyed by if its number was granted for its version
+    (protocol.grants): a volunteer that was not granted it there cannot know it."""
+    return seq_nonce(rules.secret, rules.run_id, g.volunteer_id, g.policy_version, g.seq)
+
+
 def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
     """Rescore every completion; a reward that differs from the volunteer's claim means it
     runs another task or lies, and its shard is not taken."""
@@ -162,7 +174,7 @@ def score_group(g: Group, key: str, line: int, rules: Rules) -> ScoredGroup:
     ids = [c.token_ids for c in g.completions]
     return ScoredGroup(g.prompt_id, g.policy_version, g.volunteer_id, ids,
                        [c.logprobs for c in g.completions], rewards, key, g.seq, line,
-                       group_digest(g.prompt_id, g.policy_version, ids))
+                       group_digest(g.prompt_id, g.policy_version, ids), nonce=group_nonce(g, rules))
 
 
 def fetch_shard(storage: Storage, key: str) -> bytes:

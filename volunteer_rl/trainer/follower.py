@@ -17,7 +17,7 @@ from volunteer_rl.model.weights import gather_along
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import rebuild
 from volunteer_rl.protocol.manifest import Manifest, poll_manifest
-from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.protocol.signing import Trust, parse_private_key
 from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window
 from volunteer_rl.trainer.preflight import TrainerError
 from volunteer_rl.trainer.ranks import barrier, broadcast_bytes, collective_errors, full_state_dict
@@ -48,6 +48,7 @@ class Follower(Ranked):
         cfg, p, learner = self.cfg, self.publisher, self.publisher.learner
         start = json.loads(broadcast_bytes(None, self.ranks))
         self.trust = Trust(start["trust_key"], cfg.allow_unsigned, origin="the writer rank's key")
+        p.key = parse_private_key(start["key"].encode(), "the writer rank's signing key")
         p.manifest, _ = poll_manifest(p.storage, None, trust=self.trust)
         if p.manifest is None:  # the writer told us it published: a bug, or a second trainer
             raise TrainerError(f"{layout.MANIFEST}: missing after the writer rank started")

@@ -35,6 +35,8 @@ class ScoredGroup:
     arrival: int = 0
     """The poll that took it (Ingest's count): groups of one version are trained in order of
     arrival, then key and line, the same order on every rank (split_fresh)."""
+    nonce: str = ""
+    """The nonce of its block of numbers under its version (protocol.grants): keys its draws."""
     verified: bool = False
     """Passed a replay with its version's weights (an intake audit, or trainer.verify before
     a step): not replayed again."""

@@ -1,8 +1,9 @@
 """The trainer's intake: each poll, find the new shards inside the staleness window, read and
 check them, and take their groups against the ledger, or reject them with a reason code.
 
-A poll, in order: the denylist is refreshed; the window's folders are listed and the keys to
-read admitted (trainer.listing); each admitted shard is fetched, checked and rescored
+A poll, in order: the denylist is refreshed; the window's folders are listed, the volunteers'
+asks for group numbers answered (trainer.granting) and the keys to read admitted
+(trainer.listing); each admitted shard is fetched, checked and rescored
 (trainer.checks), its rewards within the poll's budgets (trainer.reward_budget: a shard with
 no reward time left to it waits for a later poll, and a stop ends the reading); the groups
 whose content is also under another id are found (trainer.claims); then each shard is
@@ -26,6 +27,7 @@ from typing import Callable
 
 from volunteer_rl.faults import crash_point
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.grants import parse_ask_key
 from volunteer_rl.protocol.ledger import Ledger
 from volunteer_rl.protocol.printable import printable
 from volunteer_rl.protocol.shards import ShardError
@@ -36,6 +38,7 @@ from volunteer_rl.trainer.audit_desk import AuditDesk
 from volunteer_rl.trainer.checks import Rules, RewardsCut, check_shard
 from volunteer_rl.trainer.claims import Claims
 from volunteer_rl.trainer.fleet import Fleet
+from volunteer_rl.trainer.granting import Granter
 from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window
 from volunteer_rl.trainer.listing import FETCH_WORKERS, Listing
 from volunteer_rl.trainer.reward_budget import RewardBudget
@@ -76,7 +79,8 @@ class Ingest:
                  log_shards: bool = False, fetch_workers: int = FETCH_WORKERS,
                  numbers: GroupNumbers | None = None,
                  observe: Callable[[int, list[float]], None] | None = None,
-                 share: FleetShare | None = None, budget: RewardBudget | None = None):
+                 share: FleetShare | None = None, budget: RewardBudget | None = None,
+                 granter: Granter | None = None):
         self.storage = storage
         self.rules = rules
         self._ledger = ledger
@@ -112,6 +116,9 @@ class Ingest:
         self.audits = AuditDesk(auditor, fleet, ledger, self.claims, rules.max_groups, log,
                                 self.log_trace, self._reject, self._withdraw)
         self.listing = Listing(storage, fleet, share, self.audits.waits, log, fetch_workers)
+        self.granter = granter
+        """Answers the volunteers' asks for group numbers (trainer.granting); None: asks are
+        passed over (unit tests of the rest of the intake)."""
 
     # The ledger and the log are the parts' too: one set after construction (a test's
     # ledger, a log that is captured) becomes theirs as well.
@@ -158,8 +165,15 @@ class Ingest:
         self._forget_below(win.low)
         self.audits.drop_trained()
         listed: list[str] = []
+        asks: list[str] = []
         for v in win.versions():
-            listed += [key for key in self.listing.list_version(v, stats) if self._wanted(key)]
+            for key in self.listing.list_version(v, stats):
+                if parse_ask_key(key) is not None:
+                    asks.append(key)
+                elif self._wanted(key):
+                    listed.append(key)
+        if self.granter is not None:
+            self.granter.answer(asks, win)
         parsed: list[tuple[str, list[ScoredGroup]]] = []
         out: list[ScoredGroup] = []
         admitted = self.listing.admit(listed, stats)
@@ -211,6 +225,8 @@ class Ingest:
         self.audits.forget(lambda k: _key_version(k) >= low)
         self.listing.forget(lambda k: _key_version(k) >= low)
         self.budget.forget(lambda k: _key_version(k) >= low)
+        if self.granter is not None:
+            self.granter.forget(lambda k: _key_version(k) >= low)
         self.failures = Counter({k: n for k, n in self.failures.items() if _key_version(k) >= low})
         self.faults = Counter({k: n for k, n in self.faults.items() if _key_version(k) >= low})
         self.withdrawn = {k for k in self.withdrawn if _key_version(k) >= low}

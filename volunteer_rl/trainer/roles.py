@@ -16,6 +16,7 @@ from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.policy import encode_prompts
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.grants import grant_secret
 from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import StorageError
@@ -24,6 +25,7 @@ from volunteer_rl.task.bounded import BoundedRewards
 from volunteer_rl.task.curriculum import PromptPicker
 from volunteer_rl.trainer.audit import Auditor, Budget
 from volunteer_rl.trainer.checks import Rules
+from volunteer_rl.trainer.granting import Granter
 from volunteer_rl.trainer.groups import IngestStats, ScoredGroup, Window, split_fresh
 from volunteer_rl.trainer.ingest import Ingest
 from volunteer_rl.trainer.publisher import Publisher
@@ -95,7 +97,7 @@ class Single:
         policy = p.learner.policy
         rules = Rules(self.problems, len(policy.tokenizer), cfg.k, cfg.max_new_tokens,
                       policy.decode_all, policy.eos_id, policy.special_ids, run_id=p.run_id,
-                      rewards=self.rewards.rewards)
+                      secret=grant_secret(p.key), rewards=self.rewards.rewards)
         self.prompt_ids = dict(enumerate(encode_prompts(
             policy, [task.prompt(row) for row in self.problems], task.instruction)))
         auditor = None
@@ -107,7 +109,8 @@ class Single:
         budget = RewardBudget(cfg.shard_reward_seconds, cfg.poll_reward_seconds, p.records.stop.is_set)
         self.ingest = Ingest(p.storage, rules, p.ledger, p.fleet, auditor, self.log,
                              cfg.log_shards, numbers=p.numbers, observe=self.observe,
-                             share=self.share, budget=budget)
+                             share=self.share, budget=budget,
+                             granter=Granter(p.storage, p.run_id, p.key, p.numbers, self.log))
 
     def intake_round(self, buffer: list[ScoredGroup], stats: IngestStats,
                      win: Window) -> Round:

@@ -178,7 +178,7 @@ def replay_problems(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[
     logprob is further than `logprob_tolerance` (nats) from the recomputed one: other weights
     or another temperature."""
     keys = [group_keys(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
-                       len(g.token_ids)) for g in groups]
+                       len(g.token_ids), g.nonce) for g in groups]
     rows = iter(replay(policy, [prompt_ids[g.prompt_id] for g in groups],
                        [g.token_ids for g in groups], keys, temperature))
     problems: list[tuple[str, str] | None] = []

@@ -1,19 +1,18 @@
 """Withheld groups: the group numbers (`seq`) each volunteer used, the ones the trainer
 received, and the gaps, counted as versions leave the window; kept across restarts.
 
-A volunteer numbers its groups of a run 0, 1, 2, ... across versions, and the number draws
-the group's prompt from the version's pool and keys its sampling noise (protocol.draws), so
-it cannot sample a number again for a better outcome under the same version. An honest
-volunteer takes numbers in order and only ever moves to newer versions, so every number it
-used under version u is below every number it used under a later version w. The trainer
-holds volunteers to that (`seq_order`): a number cannot be sampled under one version, kept
-back, and sampled again under another once higher numbers went out.
+A volunteer's groups of a run are numbered 0, 1, 2, ... across versions by the trainer's
+grants (trainer.granting), each block of numbers bound to one version, and a number's nonce
+draws the group's prompt from the version's pool and keys its sampling noise
+(protocol.grants, protocol.draws), so it cannot be sampled again for a better outcome, under
+that version or another. An honest volunteer samples its numbers in order and only ever moves
+to newer versions, so every number it used under version u is below every number it used
+under a later version w; the trainer holds volunteers to that (`seq_order`).
 
 Missing numbers are counted when they are closed: once a version leaves the window, every
-number from 0 up to the highest one received under it can no longer arrive, and those that
-never did are missing, the tail of a version included as soon as a later version's numbers
-were received. What stays invisible is the end of a volunteer's last version before it goes
-silent. Honest volunteers miss few: groups in flight when their version left the window, and
+number from 0 up to the highest one received or granted under it can no longer arrive, and
+those that never did are missing, the unsent tail of a grant included. Honest volunteers
+miss few: groups in flight when their version left the window, and
 those lost to a crash. Shards an honest volunteer uploaded in time are read before their
 version leaves (the loop holds a publish back while the version it would push out has listed
 shards unread, loop.DRAIN_STEPS), and a volunteer told to stop uploads the batch in hand, so
@@ -57,6 +56,11 @@ class _Numbers:
     gaps: list[list[int]] = field(default_factory=list)
     """[first, end) runs of closed numbers that never arrived, those reaching into the last
     RECENT_NUMBERS below the frontier: what missing_share needs of the closed past."""
+    granted: dict[int, int] = field(default_factory=dict)
+    """Version -> one past the highest number this trainer granted under it (protocol.grants),
+    for the versions in the window: closing one closes its grants' tails too."""
+    granted_top: int = 0
+    """One past the highest number ever granted to it by this trainer."""
 
     def record(self, version: int, key: str, seqs: list[int]) -> None:
         """Note `seqs`, received under `version` in shard `key` (checked by the caller)."""
@@ -94,19 +98,35 @@ class GroupNumbers:
         n.record(version, key, seqs)
         return None
 
+    def grant(self, volunteer: str, first: int, end: int, version: int) -> None:
+        """Numbers [first, end) were granted to `volunteer` under `version` (trainer.granting):
+        once that version leaves the window, those not received are missing."""
+        n = self.by.setdefault(volunteer, _Numbers())
+        n.granted[version] = max(n.granted.get(version, 0), end)
+        n.granted_top = max(n.granted_top, end)
+
+    def granted_end(self, volunteer: str) -> int:
+        """One past the highest number granted to or received from `volunteer`: where its next
+        grant may start."""
+        n = self.by.get(volunteer)
+        return 0 if n is None else max(n.granted_top, self.next_number(volunteer))
+
     def close_below(self, low: int) -> dict[str, tuple[int, int]]:
         """Close the numbers of the versions below `low`; per volunteer, (numbers closed,
-        numbers missing among them): from the last frontier (or its lowest number received,
-        the first time) up to its highest number received under those versions."""
+        numbers missing among them): from the last frontier (0 the first time) up to its
+        highest number received or granted under those versions."""
         out: dict[str, tuple[int, int]] = {}
         for volunteer, n in self.by.items():
             old = [u for u in n.span if u < low]
-            if not old:
+            grants = [u for u in n.granted if u < low]
+            if not old and not grants:
                 continue
-            top = max(n.span[u][1] for u in old) + 1
+            top = max([n.span[u][1] + 1 for u in old] + [n.granted[u] for u in grants])
             start = n.frontier if n.frontier is not None else 0
             for u in old:
                 del n.span[u]
+            for u in grants:
+                del n.granted[u]
             if top <= start:
                 continue
             closed = sorted(s for s in n.got if start <= s < top)
@@ -160,6 +180,8 @@ class GroupNumbers:
             for s, (version, key) in n.got.items():
                 shards.setdefault((key, version), []).append(s)
             out[volunteer] = {"frontier": n.frontier, "gaps": n.gaps,
+                              "granted": [[u, end] for u, end in n.granted.items()],
+                              "granted_top": n.granted_top,
                               "shards": [[key, version, _runs(sorted(seqs))]
                                          for (key, version), seqs in shards.items()]}
         return out
@@ -174,6 +196,8 @@ class GroupNumbers:
                 f = entry["frontier"]
                 n.frontier = None if f is None else int(f)
                 n.gaps = [[int(a), int(b)] for a, b in entry.get("gaps", [])]  # older saves: none
+                n.granted = {int(u): int(end) for u, end in entry.get("granted", [])}
+                n.granted_top = int(entry.get("granted_top", 0))
                 for key, version, runs in entry["shards"]:
                     n.record(int(version), str(key),
                              [s for a, b in runs for s in range(int(a), int(b) + 1)])

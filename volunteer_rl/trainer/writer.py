@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from volunteer_rl.protocol.signing import public_key_text
+from volunteer_rl.protocol.signing import private_key_pem, public_key_text
 from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.ranks import barrier, broadcast_bytes, collective_errors, full_state_dict
 from volunteer_rl.trainer.roles import Ranked
@@ -35,7 +35,10 @@ class Writer(Ranked):
         the followers and give them its weights."""
         p = self.publisher
         learner, held = p.learner, p.held
-        start = {"trust_key": trust_key, "steps": learner.steps, "published": sorted(p.published),
+        # The followers grant numbers to their volunteers and check their draws: they sign
+        # grant objects and derive the grant secret with the writer's key (protocol.grants).
+        start = {"trust_key": trust_key, "key": private_key_pem(p.key).decode(),
+                 "steps": learner.steps, "published": sorted(p.published),
                  "volunteers": p.fleet.to_json(), "group_numbers": p.numbers.to_json(),
                  "moments": learner.moments}
         broadcast_bytes(json.dumps(start).encode(), self.ranks)

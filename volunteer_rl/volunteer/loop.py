@@ -2,9 +2,11 @@
 
 Everything it needs comes from the bucket: the manifest (polled, its signature checked
 against the trainer's key), the dataset and the checkpoint files it names (each checked
-against the manifest's sha256). All it writes is its own shards, under
-rollouts/<version>/<its id>/, each one written once, and its heartbeat volunteers/<its id>.json,
-overwritten every --heartbeat-seconds from a thread of its own (heartbeat.py).
+against the manifest's sha256). It samples only the group numbers the trainer granted it,
+each with the version it was granted for (numbering.py, protocol.grants). All it writes is
+its own shards and asks for numbers, under rollouts/<version>/<its id>/, each one written
+once, and its heartbeat volunteers/<its id>.json, overwritten every --heartbeat-seconds from a
+thread of its own (heartbeat.py).
 
 A manifest whose signature it does not accept is fatal before the first one was accepted (a
 volunteer must not work for a foreign trainer) and, later, refused with a warning while it
@@ -36,7 +38,7 @@ from volunteer_rl.progress import Every
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
-from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest
+from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest, read_manifest
 from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.stopping import Stopped, StopSignal
@@ -47,13 +49,15 @@ from volunteer_rl.task.dataset import DatasetError, load_rows
 from volunteer_rl.task.registry import for_manifest
 from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
-from volunteer_rl.volunteer.numbering import GroupNumbers
+from volunteer_rl.volunteer.numbering import Batch, GroupNumbers
 from volunteer_rl.volunteer.quota import Allowance
 from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 
 OUTAGE_MAX_WAIT = 60.0
 """Longest wait between two polls of a bucket that does not answer."""
+ASK_BATCHES = 2
+"""Batches of numbers one ask is for: the next grant comes while one batch is sampled."""
 UNPUBLISHED_LINE_SECONDS = 60.0
 """While nothing is published, the "waiting for the trainer's first version" line comes at
 once and then once a minute: a trainer's warm start takes minutes, and a line every status
@@ -133,7 +137,10 @@ class Volunteer:
         self.summary = Every()  # the upload summary line's interval
         self.unpublished = Every(UNPUBLISHED_LINE_SECONDS)
         self.last_summary = (self.tally.started_at, 0, 0)  # (time, shards, groups) at the last one
-        self.numbers = GroupNumbers(self.work / "group-numbers.json")
+        self.numbers = GroupNumbers(self.work / "group-numbers.json", self.storage, self.id,
+                                    self.trust, log)
+        self.manifests: dict[int, Manifest] = {}
+        """The manifests of the window's versions read so far: the grants name their versions."""
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
                                    self._heartbeat_payload, log)
 
@@ -259,44 +266,75 @@ class Volunteer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _generate(self, count: int) -> list[Group]:
-        """One batch of `count` groups, each numbered, for the prompt its number draws from
-        the version's pool, and sampled with its committed noise."""
+    def _generate(self, batch: Batch) -> list[Group]:
+        """One batch of granted numbers (all of the version in hand), each sampled for the
+        prompt its number draws from the version's pool, with its committed noise, both keyed
+        by the nonce of its grant."""
         m, policy = self.manifest, self.policy
-        first = self.numbers.take(m.run_id, count, lambda: self._reached(m.run_id))
-        picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, first + i)]
-                  for i in range(count)]
+        seqs = range(batch.first, batch.first + batch.count)
+        picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, n,
+                                            batch.nonce(n))] for n in seqs]
         task = self.task
         prompts = encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction)
         s = m.sampling
-        keys = [group_keys(m.run_id, m.version, self.id, first + i, p.id, s.k)
-                for i, p in enumerate(picked)]
-        # Not abortable: a stop waits for this batch, whose numbers are reserved already
-        # (numbering.py); it is uploaded before the volunteer exits.
+        keys = [group_keys(m.run_id, m.version, self.id, n, p.id, s.k, batch.nonce(n))
+                for n, p in zip(seqs, picked)]
+        # Not abortable: a stop waits for this batch, whose numbers are granted (numbering.py);
+        # it is uploaded before the volunteer exits.
         out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
         groups = []
-        for i, (p, samples) in enumerate(zip(picked, out)):
+        for n, p, samples in zip(seqs, picked, out):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
                                       completion_reward(task, p, x.token_ids, policy.decode_all,
                                                         policy.eos_id, policy.special_ids))
                            for x in samples]
-            groups.append(Group(p.id, m.version, self.id, first + i, completions))
+            groups.append(Group(p.id, m.version, self.id, n, completions))
         return groups
 
-    def _reached(self, run_id: str) -> int:
-        """The group number the trainer's fleet.json says this volunteer reached in `run_id`
-        (0 if it names none): asked only when no number of this run is saved locally."""
+    def _next_batch(self, m: Manifest | None) -> Batch | None:
+        """The next granted numbers to sample, if their version is still in the window of the
+        newest manifest `m` (grants of versions that left it are skipped, and said so)."""
+        while True:
+            batch = self.numbers.batch(self.allowance.batch)
+            if batch is None:
+                return None
+            if m is None and time.time() - self.last_manifest_ok > self.cfg.manifest_grace_seconds:
+                return None
+            if m is None or batch.version >= layout.window(m.version, m.max_staleness).start:
+                return batch
+            self.log(f"numbers {batch.first}-{batch.grant.end - 1} were granted for "
+                     f"v{batch.version}, which left the window before they were sampled; skipped")
+            self.numbers.skip(batch)
+
+    def _manifest_of(self, version: int) -> Manifest | None:
+        """The manifest of `version`: one polled, else its kept copy (checked like any)."""
+        m = self.manifests.get(version)
+        if m is not None:
+            return m
         try:
-            raw = jsonbounds.loads(self.storage.read(layout.FLEET, max_bytes=MAX_SUMMARY_BYTES), 8)
-            n = raw["volunteers"][self.id]["next_group_number"] if raw.get("run_id") == run_id else 0
-        except (StorageError, jsonbounds.JsonError, KeyError, TypeError, AttributeError):
-            return 0
-        if type(n) is not int or not 0 <= n < MAX_GROUP_SEQ // 2:
-            return 0
-        if n:
-            self.log(f"no group number of {run_id} saved here; going on after {n}, where "
-                     f"{layout.FLEET} says this id reached")
-        return n
+            m = read_manifest(self.storage, version, trust=self.trust)
+        except (ManifestError, SignatureError) as exc:
+            self._warn("manifest", f"{exc}; cannot sample the numbers granted for v{version} yet")
+            return None
+        if m is None or self.latest is None or m.run_id != self.latest.run_id:
+            return None
+        self.manifests[version] = m
+        return m
+
+    def _remember(self, m: Manifest) -> None:
+        """Keep the manifests of the window's versions: grants name them."""
+        low = layout.window(m.version, m.max_staleness).start
+        self.manifests = {v: x for v, x in self.manifests.items() if v >= low and x.run_id == m.run_id}
+        self.manifests[m.version] = m
+
+    def _ask(self, m: Manifest | None) -> None:
+        """Ask for numbers to sample with the newest version `m`, within its limits (room)."""
+        if m is None or self.manifest is None or not self.usable(m):
+            return
+        granted = sum(x.end - x.first for x in self.numbers.grants if x.version == m.version)
+        room = self.allowance.room(m, granted, time.time())
+        if room:
+            self.numbers.ask(m.version, min(room, ASK_BATCHES * self.allowance.batch))
 
     def try_switch(self, m: Manifest) -> bool:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
@@ -366,15 +404,6 @@ class Volunteer:
         return (m.run_id == self.manifest.run_id
                 and self.manifest.version >= layout.window(m.version, m.max_staleness).start)
 
-    def room(self, writer: ShardWriter) -> int:
-        """Groups of the version in hand it may sample now (volunteer.quota: the manifest's
-        quota and --max-groups-per-version pause it, never for good); 0: wait."""
-        return self.allowance.room(self.manifest, writer.version_groups(self.manifest), time.time())
-
-    def at_cap(self, writer: ShardWriter) -> bool:
-        """Has this version had its share of groups for now?"""
-        return self.room(writer) == 0
-
     def run(self) -> int:
         """Generate until stopped; returns the number of groups uploaded."""
         cfg = self.cfg
@@ -398,24 +427,46 @@ class Volunteer:
                 if m is None and self._nothing_published() and self.unpublished.due():
                     self.log(f"waiting for the trainer's first version: no {layout.MANIFEST} in "
                              f"{self.storage.uri} yet ({time.time() - started:.0f}s so far)")
-                if m is not None and (self.manifest is None or m.version != self.manifest.version
-                                      or m.run_id != self.manifest.run_id):
-                    writer.flush()  # its groups belong to the version we are leaving
-                    self.try_switch(m)
-                room = self.room(writer) if self.usable(m) else 0
-                if not room:
-                    # Nothing published yet, our weights fell out of the staleness window and
-                    # the new ones did not load, or this version has had its share of groups:
-                    # groups made now would only be dropped. At the manifest's quota the
-                    # trainer is waiting for what we hold: it goes out now.
-                    if self.usable(m) and self.allowance.quota_reached:
+                if m is not None:
+                    self._remember(m)
+                    if self.manifest is None or m.run_id != self.manifest.run_id:
+                        writer.flush()  # its groups belong to the run we are leaving
+                        if not self.try_switch(m):
+                            self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
+                            continue
+                    self.numbers.start_run(m.run_id)
+                latest = m if self.manifest is not None else None  # None: none readable now
+                batch = self._next_batch(m)
+                if batch is None:
+                    # No numbers granted to sample (or nothing published yet, or the bucket
+                    # is away past the grace period): load the newest version while waiting,
+                    # ask for numbers to sample with it and read the grants; at the manifest's
+                    # quota what we hold goes out now.
+                    if latest is not None and latest.version != self.manifest.version:
+                        writer.flush()  # its groups belong to the version we are leaving
+                        self.try_switch(latest)
+                    self._ask(latest)
+                    self.numbers.refresh()
+                    if latest is not None and self.usable(latest) and self.allowance.quota_reached:
                         writer.flush()
-                    self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
+                    if self._next_batch(m) is None:
+                        self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
-                groups = self._generate(min(self.allowance.batch, room))
+                if batch.version != self.manifest.version:
+                    writer.flush()  # its groups belong to the version we are leaving
+                    target = self._manifest_of(batch.version)
+                    if target is None or not self.try_switch(target):
+                        self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
+                        continue
+                    batch = self.numbers.batch(self.allowance.batch)  # the batch size may change
+                if self.numbers.pending() - batch.count < self.allowance.batch:
+                    self._ask(latest)  # the next grant arrives while this batch is sampled
+                groups = self._generate(batch)
+                self.numbers.sampled(batch)
                 self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
                 writer.limit = self.manifest.max_shard_groups
                 writer.add(groups, self.manifest.version)
+                self.numbers.refresh()
         except Stopped:
             pass  # it cut short a load, which wrote nothing to the bucket
         finally:

@@ -1,0 +1,39 @@
+"""Group numbers from a live trainer, the way a volunteer gets them (volunteer.numbering): an
+ask in the bucket, then the trainer's grant object. For tests that write shards by hand."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from helpers.vrlproc import wait_for
+
+from volunteer_rl.protocol.signing import Trust
+from volunteer_rl.volunteer.numbering import GroupNumbers
+
+
+class Numbers:
+    """A hand-made volunteer's numbers: `take(n)` asks the live trainer of `storage` for `n`
+    numbers under `version` and returns (number, nonce) for each once they are granted."""
+
+    def __init__(self, storage, volunteer: str, run_id: str, folder: Path | None = None):
+        folder = folder or Path(tempfile.mkdtemp(prefix="numbers-"))
+        self.book = GroupNumbers(folder / volunteer / "group-numbers.json", storage, volunteer,
+                                 Trust(allow_unsigned=True), log=lambda m: None)
+        self.book.start_run(run_id)
+
+    def take(self, n: int, version: int, timeout: float = 300) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        while len(out) < n:
+            batch = self.book.batch(n - len(out))
+            if batch is None or batch.version != version:
+                if batch is not None:  # granted for another version: left unsampled
+                    self.book.skip(batch)
+                    continue
+                self.book.asked = None
+                self.book.ask(version, n - len(out))
+                wait_for(lambda: self.book.refresh() and self.book.batch(n - len(out)) is not None,
+                         timeout, f"a grant of numbers under v{version}")
+                continue
+            out += [(s, batch.nonce(s)) for s in range(batch.first, batch.first + batch.count)]
+            self.book.sampled(batch)
+        return out
