@@ -20,10 +20,12 @@ from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
 
 VID = "honest"
-BACKLOG_SHARDS = 40
-"""Shards of one version the volunteer uploads while the trainer is down: more than two polls
-read (MAX_SHARDS_PER_VOLUNTEER_POLL each), so the resumed trainer has a backlog when its
-publishes would push that version out of the window."""
+BACKLOG_SHARDS = 24
+"""Shards of one version the volunteer uploads while the trainer is down: more than a poll
+reads (MAX_SHARDS_PER_VOLUNTEER_POLL), so the resumed trainer has a backlog when its publishes
+would push that version out of the window. A volunteer samples only granted numbers, and a
+trainer that is down grants none: what it uploads meanwhile is the batch in hand and the one
+granted ahead (32 groups each, one a shard)."""
 
 
 def fleet_row(bucket) -> dict:
@@ -39,7 +41,8 @@ def shards_of(bucket, version: int) -> int:
 
 
 def reserved(work) -> int:
-    """The volunteer's next group number, as saved in its work dir (volunteer.numbering)."""
+    """The first group number the volunteer has not sampled, as saved in its work dir
+    (volunteer.numbering)."""
     return json.loads((work / VID / "group-numbers.json").read_text())["next"]
 
 
@@ -51,7 +54,7 @@ def test_an_honest_volunteer_misses_no_number_through_stops_and_trainer_restarts
              "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(tmp_path / "tw"),
              "--signing-key", str(template.key)]
     vargs = ["volunteer", "--bucket", str(bucket), "--id", VID, "--trust-key", f"{template.key}.pub",
-             "--threads", "1", "--prompts-per-batch", "32", "--shard-groups", "4",
+             "--threads", "1", "--prompts-per-batch", "32", "--shard-groups", "1",
              "--poll-seconds", "0.2", "--heartbeat-seconds", "1", "--work-dir", str(work)]
     procs = [Proc(targs, tmp_path / "trainer1.log", tmp_path),
              Proc(vargs, tmp_path / "volunteer1.log", tmp_path)]
