@@ -123,6 +123,8 @@ LOG: list[str] = []
 
 
 WIN = Window(0, 2, {0})
+LEAVING = Window(1, 1, {0, 1})
+"""v0 (every shard's here) is inside the window and leaves it at the next publish."""
 
 
 def test_a_shard_over_its_budget_is_rejected_and_an_honest_volunteer_still_gets_in(bounded):
@@ -256,7 +258,8 @@ def test_a_volunteer_past_its_share_of_the_trainers_time_waits_unfetched_and_the
     is 1 % of the trainer's time, on a clock the test moves: its first shard is scored and
     overdraws its bucket, and its other shards wait, neither fetched nor rejected, polls on
     end, while the honest volunteer's shards are taken at every poll. Once the clock has
-    given back what it overdrew, its next shard is scored."""
+    given back what it overdrew, its next shard is scored. Its shards wait in the version the
+    next publish pushes out of the window, and do not hold that publish back."""
     clock = Clock()
     storage, ing = intake("time-share", bounded, RewardBudget(
         shard_seconds=1.0, poll_seconds=60, shares=RewardShares(0.01, clock)))
@@ -270,17 +273,18 @@ def test_a_volunteer_past_its_share_of_the_trainers_time_waits_unfetched_and_the
 
     storage.read = counted
     first, good = IngestStats(), honest(storage, "h0")
-    assert good in {g.key for g in ing.poll(WIN, first)}
+    assert good in {g.key for g in ing.poll(LEAVING, first)}
     assert hostile[0] in ing.taken and first.reward.deferred == 2, first.reward
     for n in range(1, 4):
         fetched.clear()
         stats = IngestStats()
         good = shard(storage, "good", [[OK], [3 + n]], f"h{n}")  # not a duplicate of h0
-        assert good in {g.key for g in ing.poll(WIN, stats)}
+        assert good in {g.key for g in ing.poll(LEAVING, stats)}
         assert not set(hostile[1:]) & ing.taken and not stats.rejected
         assert fetched == [good], fetched  # the burner's shards wait unfetched
         assert stats.reward.deferred == 2 and stats.reward.waiting == 1, stats.reward
+        assert ing.unread_low == 0
     clock.now += 100  # 1 s earned: its bucket is above zero again
     stats = IngestStats()
-    ing.poll(WIN, stats)
+    ing.poll(LEAVING, stats)
     assert hostile[1] in ing.taken and hostile[2] not in ing.taken, stats.reward
