@@ -4,6 +4,7 @@ completion starting with "burn" takes BURN_SECONDS of CPU, within its 0.5 s boun
 intake (trainer.ingest) on an in-memory bucket, with a stand-in decoder."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -244,6 +245,9 @@ def test_the_budget_charges_a_shards_rewards_to_its_volunteer_but_not_the_worker
     assert budget.spend("d", "good") is not None
     budget.begin(2, stats)
     assert stats.waiting == 1 and stats.seconds == 5.0
+    for _ in range(3):  # a follower rank's report after each of its polls: the most, not a sum
+        stats.add(dataclasses.asdict(RewardStats(waiting=1)))
+    assert stats.waiting == 1
 
 
 def test_a_volunteer_past_its_share_of_the_trainers_time_waits_unfetched_and_the_others_get_in(bounded):

@@ -62,14 +62,14 @@ class RewardStats:
     time) or the poll's reward time was spent, or a stop came."""
     waiting: int = 0
     """The most volunteers waiting for their share of the trainer's time at one poll (under
-    ranks: the ranks' counts added)."""
+    ranks: any rank's; a follower reports after every poll, so its counts cannot be added)."""
 
     def add(self, other: dict) -> None:
         """Another rank's (dataclasses.asdict of its RewardStats)."""
         self.seconds += other["seconds"]
         self.poll_max = max(self.poll_max, other["poll_max"])
         self.deferred += other["deferred"]
-        self.waiting += other["waiting"]
+        self.waiting = max(self.waiting, other["waiting"])
 
 
 class RewardShares:
