@@ -22,23 +22,27 @@ hit), each group numbered and for the prompt its number draws, claiming its true
 so each shard would cost the trainer 512 x 0.4 s = 205 s of rewards unbounded. The trainer's
 defaults hold: --shard-reward-seconds 2 (4 x 0.5 s; over it, `reward_budget`),
 --poll-reward-seconds a quarter of --rank-timeout, each volunteer an equal share of a poll,
-and the denylist (5 rejected shards, half of them). So the burner costs the trainer about 5
-shard budgets and is then denied; the row says what that costs the steps of one phase. That
-cost is a fixed stretch of the trainer's time (its loop waits for the poll's rewards), so
-the ratio is about 1 - (the burner phase's reward seconds) / S: the note's reward seconds are
-the figure that does not depend on S.
+--reward-share 0.03 of the trainer's time per volunteer, and the denylist (5 rejected shards,
+half of them). So the burner costs the trainer about one shard budget (the shard that
+overdraws its share) and then 3 % of its time, its other shards waiting unread; the row says
+what that costs the steps of one phase. The trainer's loop waits for the poll's rewards, so
+the ratio is about 1 - (the burner phase's reward seconds) / S. At the end of its phase the
+bench denies the burner itself, as an operator would (`vrl volunteers deny`: an entry in
+denylist.json by compare-and-swap), unless the trainer did already: the last phase is the
+trainer alone again, not one still reading the burner's backlog at its share.
 
 Row, per trainer shape: optimizer steps/s in the burner's phase over the mean of the two
 phases alone (alone-burner-alone in one run cancels a steady drift of the step rate as the
 policy learns), read from the step lines' times in the metrics the run wrote. The goal is met
 only if that ratio is >= GOAL, the trainer exited 0 with no rank lost (RankLostError), the
-trap really ran (at least one of the burner's shards was rejected `reward_budget`: its rewards
-were computed until its budget ran out; quarantine/ records, the trainer's own; and the
-burner's phase charged at least one shard budget of reward time, ingest/reward_seconds), and
-the burner's whole cost fell in its phase (the trainer denied it before the phase ended, by
-its denylist entry's time; a cost spilling into the last phase would lower the rate alone
-and flatter the ratio). The note gives the burner's shards written, rejected by reason,
-deferred, when it was denied, and the reward seconds of each phase.
+trap really ran (the burner's phase charged at least half a shard budget of reward time more
+than the first phase, ingest/reward_seconds: its rewards were computed until its share or a
+budget stopped them), and the burner's whole cost fell in its phase (it was denied, by the
+trainer or the bench, before the last phase began, by its denylist entry's time, give or take
+DENY_MARGIN; a cost spilling into the last phase would lower the rate alone and flatter the
+ratio). The note gives the burner's shards written, rejected by reason (quarantine/ records,
+the trainer's own), the shards deferred, the most volunteers waiting for their share, who
+denied the burner and when, and the reward seconds of each phase.
 
 --no-denial runs the trainers with --deny-after 0, so the burner is never denied: what its
 shards cost while only the reward budgets bound them, the cost a volunteer that keeps its
@@ -79,6 +83,9 @@ SHARD_REWARD_SECONDS = 4 * 0.5
 """The trainer's default --shard-reward-seconds for the trap task (SHARD_REWARD_BOUNDS x its
 reward_seconds): the least reward time the burner's phase must have charged."""
 GOAL = 0.9
+DENY_MARGIN = 2.0
+"""Seconds past the burner's phase its denial may be dated: the bench's own is written just
+after the burner thread's last shard."""
 
 
 def log(msg: str) -> None:
@@ -184,12 +191,25 @@ class Burner:
                 out[reason] = out.get(reason, 0) + 1
         return out
 
-    def denied_at(self) -> float | None:
-        """When the trainer put the burner on the denylist (time.time()), or None."""
+    def denied(self) -> tuple[float, str] | None:
+        """When the burner went on the denylist (time.time()) and by whom, or None."""
         from volunteer_rl.protocol.fleet import read_denylist
 
         entry = read_denylist(self.storage)[0].get("burner")
-        return None if entry is None else float(entry["since"])
+        return None if entry is None else (float(entry["since"]), str(entry.get("by")))
+
+    def deny(self) -> None:
+        """Deny the burner as an operator would (`vrl volunteers deny`), unless it is already."""
+        from volunteer_rl.protocol.fleet import update_denylist
+
+        def change(entries: dict) -> bool:
+            if "burner" in entries:
+                return False
+            entries["burner"] = {"since": time.time(), "by": "operator",
+                                 "reason": "the bench: the end of the burner's phase"}
+            return True
+
+        update_denylist(self.storage, change)
 
 
 @dataclass
@@ -201,6 +221,8 @@ class Phases:
     steps: list[int] = field(default_factory=lambda: [0, 0, 0])
     reward_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     deferred: list[int] = field(default_factory=lambda: [0, 0, 0])
+    waiting: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """The most volunteers waiting for their reward share at one step's polls."""
 
 
 def phases_of(bucket: Path, starts: list[float], phase: float) -> Phases:
@@ -216,6 +238,7 @@ def phases_of(bucket: Path, starts: list[float], phase: float) -> Phases:
                     out.steps[i] += 1
                     out.reward_seconds[i] += m.get("ingest/reward_seconds", 0.0)
                     out.deferred[i] += m.get("ingest/reward_deferred", 0)
+                    out.waiting[i] = max(out.waiting[i], m.get("ingest/reward_waiting", 0))
     return out
 
 
@@ -258,12 +281,13 @@ class Result:
     """Why the trainer failed (a rank lost, a non-zero exit), or ""."""
     written: int
     rejected: dict[str, int]
-    denied_at: float | None
+    denied: tuple[float, str] | None
+    """When the burner was denied and by whom (trainer, or operator: the bench), or None."""
 
 
 def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) -> Result:
     """One run of the trap task: alone, with the burner, alone (see the module doc); without
-    `denial`, the trainer never denies the burner."""
+    `denial`, nobody denies the burner."""
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.demo import DemoSettings, start_processes
     from volunteer_rl.launch import stop
@@ -294,6 +318,8 @@ def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) 
                 burner.start()
                 time.sleep(max(0.0, starts[2] - time.time()))
                 burner.finish()
+                if denial:
+                    burner.deny()
         trainer.wait(timeout=FIRST_STEP_WAIT + 3 * phase + 900)
         ended = time.time()
     finally:
@@ -309,7 +335,7 @@ def run(model: Path, phase: float, root: Path, ranks: int, denial: bool = True) 
         raise SystemExit(f"vrl trainer's first step came {FIRST_STEP_WAIT:.0f}s or more into RL, "
                          f"so the last phase was cut short: raise FIRST_STEP_WAIT")
     return Result(phases_of(bucket, starts, phase) if starts else Phases([]), lost,
-                  len(burner.keys), burner.rejected(), burner.denied_at())
+                  len(burner.keys), burner.rejected(), burner.denied())
 
 
 def row(shape: str, r: Result, phase: float, command: str, denial: bool = True) -> Row:
@@ -319,12 +345,12 @@ def row(shape: str, r: Result, phase: float, command: str, denial: bool = True) 
     else:  # without denial the burner's backlog is still read in the last phase
         alone = (p.steps[0] + p.steps[2]) / 2 if denial else p.steps[0]
     ratio = p.steps[1] / alone if alone else float("nan")
-    trap_ran = bool(r.rejected.get("reward_budget", 0) >= 1 and p.starts
-                    and p.reward_seconds[1] >= SHARD_REWARD_SECONDS)
-    contained = bool(p.starts and r.denied_at is not None and r.denied_at < p.starts[2])
+    trap_ran = bool(p.starts and p.reward_seconds[1] - p.reward_seconds[0] >= SHARD_REWARD_SECONDS / 2)
+    contained = bool(p.starts and r.denied is not None and r.denied[0] < p.starts[2] + DENY_MARGIN)
     met = bool(ratio >= GOAL and not r.lost and trap_ran and contained) if denial else None
-    denied = ("not denied" if r.denied_at is None or not p.starts
-              else f"denied at {r.denied_at - p.starts[1]:.1f}s of its phase")
+    denied = ("not denied" if r.denied is None or not p.starts
+              else f"denied by the {'bench' if r.denied[1] == 'operator' else r.denied[1]} at "
+                   f"{r.denied[0] - p.starts[1]:.1f}s of its phase")
     return Row(
         benchmark=f"trainer ({shape}) beside a volunteer sending worst-case rewards"
                   + ("" if denial else ", never denied (--deny-after 0)"),
@@ -335,12 +361,13 @@ def row(shape: str, r: Result, phase: float, command: str, denial: bool = True) 
         note=(f"trap task (0.4 s of CPU per 'burn' completion), 1 trainer + 2 honest volunteers, "
               f"phases of {phase:.0f}s alone/burner/alone: {'/'.join(map(str, p.steps))} steps, "
               f"reward seconds {'/'.join(f'{s:.1f}' for s in p.reward_seconds)}, deferred "
-              f"{'/'.join(map(str, p.deferred))}; burner: {r.written} shards written, rejected "
+              f"{'/'.join(map(str, p.deferred))}, volunteers waiting for their share at most "
+              f"{'/'.join(map(str, p.waiting))}; burner: {r.written} shards written, rejected "
               f"{r.rejected or 'none'}, {denied}; "
               + ("RANK LOST or trainer failed" if r.lost else "no rank lost")
-              + ("" if trap_ran else "; THE TRAP NEVER RAN (no reward_budget rejection): no result")
+              + ("" if trap_ran else "; THE TRAP NEVER RAN (no reward time of the burner's): no result")
               + ("" if contained or not denial else
-                 "; NOT DENIED WITHIN ITS PHASE, its cost not all in it (raise --phase): no result")))
+                 "; NOT DENIED WITHIN ITS PHASE, its cost not all in it: no result")))
 
 
 def results(quick: bool, phase: float | None = None, denial: bool = True) -> list[Row]:

@@ -74,6 +74,7 @@ def trainer(
     prompt_pool: int = T("prompt_pool"),
     shard_reward_seconds: Optional[float] = T("shard_reward_seconds"),
     poll_reward_seconds: Optional[float] = T("poll_reward_seconds"),
+    reward_share: float = T("reward_share"),
     deny_after: int = T("deny_after"),
     deny_rate: float = T("deny_rate"),
     missing_bound: float = T("missing_bound"),

@@ -83,6 +83,12 @@ POLL_REWARD_SHARE = 0.25
 """--poll-reward-seconds' default, as a share of --rank-timeout: a poll's rewards stay well
 inside the time the other ranks wait for it in a collective (the rest of the poll, its reads,
 audits and the step, need room too)."""
+REWARD_SHARE = 0.03
+"""--reward-share's default: the share of the trainer's wall time one volunteer's rewards may
+take. The calculator's rewards of one demo volunteer take about 1.2 % of an idle 2-core
+trainer's time (docs/PERFORMANCE.md, the reward rows alone), and of a volunteer of a larger
+model far less (fewer groups a second); a volunteer sending worst-case rewards then costs
+about this share, and issue 41's bench row (d) allows 10 %."""
 
 # Settings whose flag is not `--` plus the field name with dashes.
 _FLAGS = {"volunteer_id": "--id"}
@@ -326,6 +332,12 @@ class TrainerConfig(Checked):
     the shards left wait for the next poll, and each volunteer's shards get an equal share of
     it, at least one shard's budget (default: POLL_REWARD_SHARE, a quarter, of
     --rank-timeout)."""
+    reward_share: float = setting(REWARD_SHARE, above=0, at_most=1)
+    """Share of the trainer's wall time (each rank's, under torchrun) the rewards of one
+    volunteer's shards may take: past it its next shards wait unread, not rejected, until its
+    share has grown back, so a volunteer whose rewards are slow (hostile or an honestly
+    expensive task) is slowed, and no volunteer takes the trainer's time from the others.
+    Raise it for a task whose honest rewards cost more."""
     deny_after: int = setting(5, at_least=0)
     """Rejected shards after which a volunteer goes on the denylist (0: never automatically,
     not even for forged tokens, which otherwise deny at the first)..."""

@@ -49,10 +49,10 @@ class TrapRun:
         self.template = template
         self.tok = AutoTokenizer.from_pretrained(self.model)
 
-    def args(self, tmp_path: Path, *more: str) -> list[str]:
+    def args(self, tmp_path: Path, *more: str, steps: int = 1) -> list[str]:
         self.work = tmp_path / "work"
         return ["trainer", "--bucket", str(self.bucket.path), "--task", "trap", "--model",
-                str(self.model), "--k", str(K), "--groups-per-step", "2", "--max-steps", "1",
+                str(self.model), "--k", str(K), "--groups-per-step", "2", "--max-steps", str(steps),
                 "--audit-tolerance", "0", "--eval-every", "0",
                 "--eval-dataset", str(self.template.eval_csv), "--threads", "1",
                 "--poll-seconds", "0.05", "--log-shards", "--deny-after", "0",

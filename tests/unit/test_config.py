@@ -70,6 +70,8 @@ RULES = [
     (T, "rank_timeout", 0.0, "--rank-timeout: must be more than 0, not 0.0", 1e-3),
     (T, "shard_reward_seconds", 0.0, "--shard-reward-seconds: must be more than 0, not 0.0", 1e-3),
     (T, "poll_reward_seconds", -1.0, "--poll-reward-seconds: must be more than 0, not -1.0", 1e-3),
+    (T, "reward_share", 0.0, "--reward-share: must be more than 0, not 0.0", 1e-3),
+    (T, "reward_share", 1.5, "--reward-share: must be at most 1, not 1.5", 1.0),
     (T, "deny_after", -1, "--deny-after: must be at least 0, not -1", 0),
     (T, "deny_rate", 5.0, "--deny-rate: must be at most 1, not 5.0", 1.0),
     (T, "deny_rate", -0.5, "--deny-rate: must be at least 0, not -0.5", 0.0),

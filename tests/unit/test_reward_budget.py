@@ -4,11 +4,13 @@ completion starting with "burn" takes BURN_SECONDS of CPU, within its 0.5 s boun
 intake (trainer.ingest) on an in-memory bucket, with a stand-in decoder."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
 
 import pytest
+from test_audit_policy import Clock
 
 from helpers.trap_tasks import BURN_SECONDS, TrapTask
 from volunteer_rl.protocol import layout
@@ -21,7 +23,12 @@ from volunteer_rl.trainer.checks import Rules
 from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.groups import IngestStats, Window
 from volunteer_rl.trainer.ingest import Ingest
-from volunteer_rl.trainer.reward_budget import RewardBudget
+from volunteer_rl.trainer.reward_budget import (
+    SHARE_BURST_SECONDS,
+    RewardBudget,
+    RewardShares,
+    RewardStats,
+)
 
 TRAP = f"{TrapTask.__module__}:TrapTask"
 ROW = Row(0, {"question": "q"})
@@ -118,6 +125,8 @@ LOG: list[str] = []
 
 
 WIN = Window(0, 2, {0})
+LEAVING = Window(1, 1, {0, 1})
+"""v0 (every shard's here) is inside the window and leaves it at the next publish."""
 
 
 def test_a_shard_over_its_budget_is_rejected_and_an_honest_volunteer_still_gets_in(bounded):
@@ -185,3 +194,94 @@ def test_a_stop_ends_a_polls_reading_and_leaves_the_shards_for_later(bounded):
     assert hostile in ing.budget.carried
     stop.clear()
     assert good in {g.key for g in ing.poll(WIN, IngestStats())}
+
+
+# -- each volunteer's share of the trainer's time (RewardShares, --reward-share) ----------
+
+
+def test_a_volunteers_share_is_a_token_bucket_it_may_overdraw_once_then_waits():
+    clock = Clock()
+    shares = RewardShares(0.1, clock)
+    assert shares.level("evil") == SHARE_BURST_SECONDS and not shares.owes("evil")  # new: full
+    shares.take("evil", 2.0)  # one shard, scored while the bucket was above zero
+    assert shares.level("evil") == pytest.approx(SHARE_BURST_SECONDS - 2.0) and shares.owes("evil")
+    assert not shares.owes("good")  # each volunteer its own bucket
+    clock.now += 14.9  # 0.1 s earned a second: still owes 0.01 s
+    assert shares.owes("evil") and shares.owing() == 1
+    clock.now += 0.2
+    assert not shares.owes("evil") and shares.owing() == 0
+    clock.now += 3600  # an idle spell refills it to the burst, no more
+    assert shares.level("evil") == SHARE_BURST_SECONDS
+    assert shares.owing() == 0 and shares.buckets == {}  # full buckets are not kept
+    # Over T seconds a volunteer that keeps sending costs at most burst + one shard + share x T.
+    spent, shard = 0.0, 2.0
+    for _ in range(1000):
+        clock.now += 1.0
+        if not shares.owes("evil"):
+            shares.take("evil", shard)
+            spent += shard
+    assert spent <= SHARE_BURST_SECONDS + shard + 0.1 * 1000, spent
+
+
+def test_an_unbounded_share_never_makes_anyone_wait():
+    shares = RewardShares()
+    shares.take("evil", 1e9)
+    assert not shares.owes("evil") and shares.buckets == {}
+
+
+def test_the_budget_charges_a_shards_rewards_to_its_volunteer_but_not_the_workers_start():
+    clock = Clock()
+    budget = RewardBudget(shard_seconds=2.0, poll_seconds=60, shares=RewardShares(0.01, clock))
+    stats = RewardStats()
+    budget.begin(2, stats)
+    spend = budget.spend("a", "evil")
+    spend.wall, spend.start = 3.0, 2.9  # a worker start of 2.9 s, then 0.1 s of rewards
+    budget.charge("a", "evil", spend, False, stats)
+    assert budget.shares.level("evil") == pytest.approx(SHARE_BURST_SECONDS - 0.1)
+    spend = budget.spend("b", "evil")
+    spend.wall = 2.0
+    budget.charge("b", "evil", spend, False, stats)
+    assert budget.owes("evil") and budget.spend("c", "evil") is None  # waits
+    assert budget.spend("d", "good") is not None
+    budget.begin(2, stats)
+    assert stats.waiting == 1 and stats.seconds == 5.0
+    for _ in range(3):  # a follower rank's report after each of its polls: the most, not a sum
+        stats.add(dataclasses.asdict(RewardStats(waiting=1)))
+    assert stats.waiting == 1
+
+
+def test_a_volunteer_past_its_share_of_the_trainers_time_waits_unfetched_and_the_others_get_in(bounded):
+    """Each "burn" shard (4 completions, 0.8 s) is within its budget (1 s); the burner's share
+    is 1 % of the trainer's time, on a clock the test moves: its first shard is scored and
+    overdraws its bucket, and its other shards wait, neither fetched nor rejected, polls on
+    end, while the honest volunteer's shards are taken at every poll. Once the clock has
+    given back what it overdrew, its next shard is scored, and overdraws it again. Its shards wait in the version the
+    next publish pushes out of the window, and do not hold that publish back."""
+    clock = Clock()
+    storage, ing = intake("time-share", bounded, RewardBudget(
+        shard_seconds=1.0, poll_seconds=60, shares=RewardShares(0.01, clock)))
+    hostile = [burner(storage, 4, f"s{i:02d}", 40 + 4 * i) for i in range(3)]
+    fetched: list[str] = []
+    read = storage.read
+
+    def counted(key, *args, **kwargs):
+        fetched.append(key)
+        return read(key, *args, **kwargs)
+
+    storage.read = counted
+    first, good = IngestStats(), honest(storage, "h0")
+    assert good in {g.key for g in ing.poll(LEAVING, first)}
+    assert hostile[0] in ing.taken and first.reward.deferred == 2, first.reward
+    for n in range(1, 4):
+        fetched.clear()
+        stats = IngestStats()
+        good = shard(storage, "good", [[OK], [3 + n]], f"h{n}")  # not a duplicate of h0
+        assert good in {g.key for g in ing.poll(LEAVING, stats)}
+        assert not set(hostile[1:]) & ing.taken and not stats.rejected
+        assert fetched == [good], fetched  # the burner's shards wait unfetched
+        assert stats.reward.deferred == 2 and stats.reward.waiting == 1, stats.reward
+        assert ing.unread_low == 0
+    clock.now += 1000  # 10 s earned (a shard's wall clock on a loaded machine): above zero
+    stats = IngestStats()
+    ing.poll(LEAVING, stats)
+    assert hostile[1] in ing.taken and hostile[2] not in ing.taken, stats.reward

@@ -135,6 +135,9 @@ class Spend:
     """CPU seconds the batch's completions took (the worker's clock; wall clock without /proc)."""
     wall: float = 0.0
     """Wall-clock seconds the call took, the worker's start included."""
+    start: float = 0.0
+    """Of `wall`, the seconds spent starting the worker (after another batch's breach or cut
+    killed it, or the first): the trainer's cost, not the batch's."""
 
     def cut(self, now: float) -> bool:
         """Whether the batch must end here without blame."""
@@ -270,7 +273,10 @@ class BoundedRewards:
                 self.close()
                 worker = None
             if worker is None:
-                worker = self._start()
+                try:
+                    worker = self._start()
+                finally:
+                    spend.start = time.monotonic() - began
             try:
                 return self._run(worker, items, spend)
             except BaseException:

@@ -115,7 +115,7 @@ class Ingest:
         ranks twice, there. None: a single process, which reads every volunteer."""
         self.audits = AuditDesk(auditor, fleet, ledger, self.claims, rules.max_groups, log,
                                 self.log_trace, self._reject, self._withdraw)
-        self.listing = Listing(storage, fleet, share, self.audits.waits, log, fetch_workers)
+        self.listing = Listing(storage, fleet, share, self._waits, log, fetch_workers)
         self.granter = granter
         """Answers the volunteers' asks for group numbers (trainer.granting); None: asks are
         passed over (unit tests of the rest of the intake)."""
@@ -177,7 +177,7 @@ class Ingest:
         parsed: list[tuple[str, list[ScoredGroup]]] = []
         out: list[ScoredGroup] = []
         admitted = self.listing.admit(listed, stats)
-        self.budget.begin(len({a[1] for a in map(layout.rollout_author, admitted) if a}))
+        self.budget.begin(len({a[1] for a in map(layout.rollout_author, admitted) if a}), stats.reward)
         try:
             for key, fetched in self.listing.prefetch(admitted):
                 if self.budget.stopping():  # the rest waits (for a restart)
@@ -209,9 +209,20 @@ class Ingest:
         return key not in self.taken and not self.ledger.finished(key)
 
     def _unread(self, key: str) -> bool:
-        """True if a later poll would still read `key`: wanted, and not a denied volunteer's."""
+        """True if a later poll would still read `key` soon: wanted, and not the shard of a
+        denied volunteer or of one waiting for its reward share (holding a publish back for
+        it would make its slowness the trainer's)."""
         author = layout.rollout_author(key)
-        return self._wanted(key) and not (author and self.fleet.is_denied(author[1]))
+        return self._wanted(key) and not (author and (self.fleet.is_denied(author[1])
+                                                      or self.budget.owes(author[1])))
+
+    def _waits(self, key: str, volunteer: str, stats: IngestStats) -> bool:
+        """True if `key` is not fetched this poll: its volunteer's reward share is spent
+        (counted deferred), or it is due for an audit the budget has no room for."""
+        if self.budget.owes(volunteer):
+            stats.reward.deferred += 1
+            return True
+        return self.audits.waits(key, volunteer, stats)
 
     def _forget_below(self, low: int) -> None:
         """Drop what is remembered about keys of versions below the window: they are never

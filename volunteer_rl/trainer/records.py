@@ -90,6 +90,7 @@ class Records:
             "ingest/reward_seconds": stats.reward.seconds,
             "ingest/reward_poll_max": stats.reward.poll_max,
             "ingest/reward_deferred": stats.reward.deferred,
+            "ingest/reward_waiting": stats.reward.waiting,
             metrics.USEFUL_FRACTION: balance.useful_fraction(time.time()),
             metrics.USABLE_FRACTION: balance.usable_fraction(time.time()),
             "audit/shards": stats.audit.audited, "audit/skipped": stats.audit.skipped,

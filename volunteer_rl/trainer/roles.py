@@ -31,7 +31,7 @@ from volunteer_rl.trainer.ingest import Ingest
 from volunteer_rl.trainer.publisher import Publisher
 from volunteer_rl.trainer.ranks import Ranks, leave, rank_share
 from volunteer_rl.trainer.records import record_groups
-from volunteer_rl.trainer.reward_budget import RewardBudget
+from volunteer_rl.trainer.reward_budget import RewardBudget, RewardShares
 from volunteer_rl.trainer.shares import Share, agree_on_batch
 from volunteer_rl.trainer.verify import Verdict, verify
 from volunteer_rl.trainer.withheld import GroupNumbers, hold_back
@@ -106,7 +106,8 @@ class Single:
             auditor = Auditor(replay, Budget(cfg.audit_share), cfg.audit_full_groups,
                               cfg.audit_floor)
             p.held.recover(p.published, p.storage, trust, self.log)
-        budget = RewardBudget(cfg.shard_reward_seconds, cfg.poll_reward_seconds, p.records.stop.is_set)
+        budget = RewardBudget(cfg.shard_reward_seconds, cfg.poll_reward_seconds,
+                              p.records.stop.is_set, RewardShares(cfg.reward_share))
         self.ingest = Ingest(p.storage, rules, p.ledger, p.fleet, auditor, self.log,
                              cfg.log_shards, numbers=p.numbers, observe=self.observe,
                              share=self.share, budget=budget,
