@@ -8,7 +8,7 @@ import torch
 from volunteer_rl.model import replay_forward
 from volunteer_rl.model.policy import encode_prompts, load_policy
 from volunteer_rl.model.replay import replay
-from volunteer_rl.model.replay_forward import replay_logits, tree_ok
+from volunteer_rl.model.replay_forward import CALL_POSITIONS, by_length, replay_logits, tree_ok
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.tiny import build_tokenizer
 from volunteer_rl.protocol.draws import group_keys
@@ -16,18 +16,20 @@ from volunteer_rl.task.calculator_generate import generate_problems
 
 K, MAX_NEW, T = 6, 12, 0.1
 TOL = 5e-5  # the trainer's default replay tolerance, in nats
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "gpt2"]
 
 
 def small_config(arch: str, vocab: int):
-    """A tiny random config of an architecture family: llama and qwen3 take the tree, gemma3
-    (sliding-window layers, a window shorter than its sequences here) and gpt2 do not."""
-    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen3Config
+    """A tiny random config of an architecture family: llama, qwen2 and qwen3 take the tree,
+    gemma3 (sliding-window layers, a window shorter than its sequences here) and gpt2 do not."""
+    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     # weights drawn wide enough that the policy is peaked: a prompt's completions share prefixes
     small = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                  initializer_range=0.2)
     return {"llama": lambda: LlamaConfig(**small),
+            "qwen2": lambda: Qwen2Config(**small),
             "qwen3": lambda: Qwen3Config(**small, head_dim=8),
             "gemma3": lambda: Gemma3TextConfig(**small, head_dim=8, sliding_window=4),
             "gpt2": lambda: GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4,
@@ -58,15 +60,17 @@ def saved_policy(arch: str, tokenizer, folder):
 @pytest.fixture(scope="module")
 def policies(tokenizer, tmp_path_factory):
     return {arch: saved_policy(arch, tokenizer, tmp_path_factory.mktemp(arch))
-            for arch in ("llama", "qwen3", "gemma3", "gpt2")}
+            for arch in ARCHS}
 
 
 def prompts_of(policy) -> list[list[int]]:
-    """Prompts of different lengths, so the prompt pass left-pads."""
-    by_length = {}
+    """Prompts of different lengths, so the prompt pass left-pads: the two shortest and the two
+    longest, which run apart (`by_length`)."""
+    lengths = {}
     for p in encode_prompts(policy, [p.prompt for p in generate_problems(60, seed=4)]):
-        by_length.setdefault(len(p), p)
-    return [by_length[n] for n in sorted(by_length)][:4]
+        lengths.setdefault(len(p), p)
+    ordered = [lengths[n] for n in sorted(lengths)]
+    return ordered[:2] + ordered[-2:]
 
 
 def honest(policy, prompts) -> tuple[list[list[list[int]]], list[list[bytes]]]:
@@ -106,10 +110,26 @@ def alone(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
     return logits[len(prompt) - 1:len(prompt) + len(completion) - 1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_every_token_gets_the_logits_of_its_completion_alone(policies, arch):
     policy = policies[arch]
+    assert_logits_of_each_alone(policy)
+    assert tree_ok(policy) == (arch in ("llama", "qwen2", "qwen3"))
+
+
+def test_an_eager_attention_model_takes_the_tree_with_an_additive_mask(policies, tokenizer,
+                                                                       tmp_path):
+    policy = saved_policy("llama", tokenizer, tmp_path / "eager")
+    policy.model.set_attn_implementation("eager")
+    assert tree_ok(policy)
+    assert_logits_of_each_alone(policy)
+
+
+def assert_logits_of_each_alone(policy) -> None:
+    """replay_logits on prompts of two runs and completions_of's shapes: each completion's
+    rows are the logits of that completion alone."""
     prompts = prompts_of(policy)
+    assert len(by_length([len(p) for p in prompts])) == 2
     comps = completions_of(policy, prompts)
     with torch.inference_mode():
         logits, at = replay_logits(policy, prompts, comps)
@@ -119,21 +139,6 @@ def test_every_token_gets_the_logits_of_its_completion_alone(policies, arch):
             assert len(index) == len(completion)
             want = alone(policy, prompt, completion)
             assert (logits[index] - want).abs().max().item() < 1e-4
-    assert tree_ok(policy) == (arch in ("llama", "qwen3"))
-
-
-def test_an_eager_attention_model_takes_the_tree_with_an_additive_mask(policies, tokenizer,
-                                                                       tmp_path):
-    policy = saved_policy("llama", tokenizer, tmp_path / "eager")
-    policy.model.set_attn_implementation("eager")
-    assert tree_ok(policy)
-    prompts = prompts_of(policy)
-    comps = completions_of(policy, prompts)
-    with torch.inference_mode():
-        logits, at = replay_logits(policy, prompts, comps)
-        for (prompt, completion), index in zip(
-                [(p, c) for p, cs in zip(prompts, comps) for c in cs], at):
-            assert (logits[index] - alone(policy, prompt, completion)).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -188,3 +193,18 @@ def test_verdicts_are_the_same_as_a_row_per_completion_and_a_forged_token_is_cau
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         finite = [(x, y) for x, y in zip(a.margins, b.margins) if x > -1e300 or y > -1e300]
         assert all(abs(x - y) < 1e-4 for x, y in finite)
+
+
+def test_prompts_run_apart_only_where_that_saves_more_than_a_call():
+    """`by_length` splits the sorted prompt lengths where the padding saved outweighs
+    CALL_POSITIONS a run, and every prompt is in exactly one run."""
+    assert by_length([12] * 10 + [40] * 10) == [list(range(10)), list(range(10, 20))]
+    assert by_length([40, 12] * 5) == [[1, 3, 5, 7, 9], [0, 2, 4, 6, 8]]
+    assert by_length([12, 13, 14]) == [[0, 1, 2]]  # 3 positions saved: not worth a call
+    assert by_length([30, 30 + CALL_POSITIONS + 1]) == [[0], [1]]
+    assert by_length([30, 30 + CALL_POSITIONS - 1]) == [[0, 1]]
+    lengths = [n % 200 + 1 for n in range(7919 * 3)]
+    runs = by_length(lengths)
+    assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
+    assert all(max(lengths[i] for i in a) <= min(lengths[i] for i in b)
+               for a, b in zip(runs, runs[1:]))
