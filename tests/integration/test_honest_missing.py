@@ -88,4 +88,4 @@ def test_an_honest_volunteer_misses_no_number_through_stops_and_trainer_restarts
     row = fleet_row(bucket)
     assert row["groups_missing"] == 0, (row, goal)
     assert row["rejected_shards"] == 0, row
-    assert "finishing the batch in hand, uploading it and stopping" in first, first[-2000:]
+    assert "finishing the batches granted, uploading them and stopping" in first, first[-2000:]

@@ -15,7 +15,7 @@ those that never did are missing, the unsent tail of a grant included. Honest vo
 miss few: groups in flight when their version left the window, and
 those lost to a crash. Shards an honest volunteer uploaded in time are read before their
 version leaves (the loop holds a publish back while the version it would push out has listed
-shards unread, loop.DRAIN_STEPS), and a volunteer told to stop uploads the batch in hand, so
+shards unread, loop.DRAIN_STEPS), and a volunteer told to stop samples and uploads the numbers granted to it, so
 neither a backlog after a trainer restart nor a stop is counted (docs/LIMITS.md). These
 totals are shown per volunteer (fleet.json, `vrl status`, the dashboard).
 

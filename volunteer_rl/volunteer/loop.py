@@ -104,11 +104,11 @@ class Volunteer:
         self.log = log
         # Set by SIGINT/SIGTERM once handlers are installed (the CLI does that first of all).
         # Loading a version is abortable: it writes nothing to the bucket, and a stop cuts it
-        # short. A batch being sampled is finished and uploaded with the partial shard: its
-        # numbers are reserved, and numbers left unused would count as missing (a second
-        # signal still ends the process at once, as a crash would).
+        # short. The batch being sampled, and the numbers granted ahead of it, are sampled and
+        # uploaded with the partial shard: numbers granted and left unused would count as
+        # missing (a second signal still ends the process at once, as a crash would).
         self.stop = stop or StopSignal(log)
-        self.stop.then = "finishing the batch in hand, uploading it and stopping"
+        self.stop.then = "finishing the batches granted, uploading them and stopping"
         with self.stop.shielded():  # a line added to the work dir's ids file: never half of it
             self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
         self.id = self.claim.id
@@ -461,12 +461,9 @@ class Volunteer:
                     batch = self.numbers.batch(self.allowance.batch)  # the batch size may change
                 if self.numbers.pending() - batch.count < self.allowance.batch:
                     self._ask(latest)  # the next grant arrives while this batch is sampled
-                groups = self._generate(batch)
-                self.numbers.sampled(batch)
-                self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
-                writer.limit = self.manifest.max_shard_groups
-                writer.add(groups, self.manifest.version)
+                self._sample(batch, writer)
                 self.numbers.refresh()
+            self._finish(writer)
         except Stopped:
             pass  # it cut short a load, which wrote nothing to the bucket
         finally:
@@ -476,8 +473,35 @@ class Volunteer:
                 self.heartbeat.stop()  # the last heartbeat says `stopped`, with final totals
         return writer.uploaded_groups
 
+    def _sample(self, batch: Batch, writer: ShardWriter) -> None:
+        """Sample `batch` (its version loaded) and hand its groups to the writer."""
+        groups = self._generate(batch)
+        self.numbers.sampled(batch)
+        self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
+        writer.limit = self.manifest.max_shard_groups
+        writer.add(groups, self.manifest.version)
+
+    def _finish(self, writer: ShardWriter) -> None:
+        """Before exiting, sample the numbers granted and not sampled yet (the batch granted
+        ahead, ASK_BATCHES), so that a stop leaves none to count as missing; not those whose
+        version left the window, nor those of a version that cannot be loaded now."""
+        while (batch := self._next_batch(self.latest)) is not None:
+            if batch.version != self.manifest.version:
+                writer.flush()  # its groups belong to the version we are leaving
+                target = self._manifest_of(batch.version)
+                try:
+                    if target is None:
+                        return
+                    self.switch(target)  # not abortable: the stop already came
+                except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+                    self.log(f"warning: cannot load v{batch.version} to sample the numbers "
+                             f"granted for it: {exc}; leaving them")
+                    return
+                batch = self.numbers.batch(self.allowance.batch)
+            self._sample(batch, writer)
+
     def install_signal_handlers(self) -> None:
-        """Ctrl-C and SIGTERM cut short a load, finish the batch in hand, flush the partial
+        """Ctrl-C and SIGTERM cut short a load, finish the batches granted, flush the partial
         shard, exit 0 (stopping.py). `vrl volunteer` installs them itself before it imports
         torch; this is for programs that build a Volunteer."""
         self.stop.install()

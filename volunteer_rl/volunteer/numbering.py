@@ -13,7 +13,7 @@ sampled again with the same draws. A volunteer that lost the file goes on after 
 grant its grant object lists: the grants it had not sampled count as missing, once.
 
 What an honest volunteer misses is what was in flight when its version left the window, and
-what a crash or a second signal cut short: a stop finishes the batch in hand (volunteer.loop).
+what a crash or a second signal cut short: a stop finishes the batches granted (volunteer.loop).
 """
 
 from __future__ import annotations
