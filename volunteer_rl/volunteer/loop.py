@@ -439,10 +439,12 @@ class Volunteer:
                 batch = self._next_batch(m)
                 if batch is None:
                     # No numbers granted to sample (or nothing published yet, or the bucket
-                    # is away past the grace period): load the newest version while waiting,
-                    # ask for numbers to sample with it and read the grants; at the manifest's
-                    # quota what we hold goes out now.
-                    if latest is not None and latest.version != self.manifest.version:
+                    # is away past the grace period): load the newest version while waiting
+                    # (not while an ask for an older one may still be granted: it would load
+                    # that one back), ask for numbers to sample with it and read the grants;
+                    # at the manifest's quota what we hold goes out now.
+                    if (latest is not None and latest.version != self.manifest.version
+                            and not self.numbers.awaited()):
                         writer.flush()  # its groups belong to the version we are leaving
                         self.try_switch(latest)
                     self._ask(latest)

@@ -160,11 +160,16 @@ class GroupNumbers:
         self.next = batch.grant.end
         self._save()
 
+    def awaited(self, now: float | None = None) -> bool:
+        """Is an ask made less than ASK_AGAIN_SECONDS ago unanswered?"""
+        now = time.time() if now is None else now
+        return self.asked is not None and now - self.asked[1] < ASK_AGAIN_SECONDS
+
     def ask(self, version: int, numbers: int, now: float | None = None) -> None:
         """Ask for about `numbers` numbers to sample with `version`, unless an ask made less than
         ASK_AGAIN_SECONDS ago is unanswered."""
         now = time.time() if now is None else now
-        if self.asked is not None and now - self.asked[1] < ASK_AGAIN_SECONDS:
+        if self.awaited(now):
             return
         top = max([self.next or 0] + [x.end for x in self.grants])
         first_block = -(-top // g.GRANT_BLOCK)
