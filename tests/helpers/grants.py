@@ -37,3 +37,18 @@ class Numbers:
             out += [(s, batch.nonce(s)) for s in range(batch.first, batch.first + batch.count)]
             self.book.sampled(batch)
         return out
+
+
+def deal(bucket: Path, key_path: Path, run_id: str, volunteer: str, version: int,
+         blocks: int = 64) -> None:
+    """Write `volunteer`'s grant object as the trainer of `key_path` would have: `blocks`
+    blocks from number 0, bound to `version`. For tests of a volunteer with no trainer
+    running."""
+    from volunteer_rl.protocol import grants
+    from volunteer_rl.protocol.signing import parse_private_key, sign
+    from volunteer_rl.storage import open_storage
+
+    key = parse_private_key(Path(key_path).read_bytes(), str(key_path))
+    grant = grants.make_grant(grants.grant_secret(key), run_id, volunteer, 0, blocks, version)
+    body = sign(grants.encode_grants(run_id, volunteer, [grant]), key)
+    open_storage(str(bucket)).write(grants.grants_key(volunteer), grants.grants_bytes(body))
