@@ -76,7 +76,7 @@ def prompts_of(policy) -> list[list[int]]:
 def honest(policy, prompts) -> tuple[list[list[list[int]]], list[list[bytes]]]:
     """Honest completions and their keys, at a temperature low enough that a prompt's
     completions share prefixes."""
-    keys = [group_keys("test-run", 1, "vol-1", g, g, K) for g in range(len(prompts))]
+    keys = [group_keys("test-run", 1, "vol-1", g, g, K, "test-nonce") for g in range(len(prompts))]
     groups = sample(policy, prompts, K, T, MAX_NEW, draw_keys=keys)
     return [[s.token_ids for s in g] for g in groups], keys
 
