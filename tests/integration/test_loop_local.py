@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers.bucket_objects import published_versions
+from helpers.grants import deal
 from helpers.vrlproc import Proc, one_line_error, run_vrl, stop_on_version, wait_for
 from volunteer_rl.protocol import layout
 
@@ -209,6 +210,9 @@ def test_ctrl_c_uploads_the_partial_shard_and_exits_0(run):
     # manifest has (a volunteer uploads what it holds when it reaches one): the same manifest,
     # signed again by the run's key without it.
     without_quota(bucket, run["root"] / "tw" / "signing-key.pem")
+    final = json.loads((bucket / layout.MANIFEST).read_text())
+    deal(bucket, run["root"] / "tw" / "signing-key.pem", final["run_id"], "ctrlc", final["version"],
+         run["root"] / "vw3", blocks=4)  # the trainer has exited: dealt, two batches' worth
     v = Proc(["volunteer", "--bucket", str(bucket), "--id", "ctrlc", "--threads", "1",
               "--shard-groups", "100000", "--shard-seconds", "100000", "--max-groups-per-version", "160",
               "--log-shards", "--heartbeat-seconds", "0.5",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PICKED
-from helpers.grants import Numbers
+from helpers.grants import NoGrant, Numbers
 from helpers.vrlproc import Proc, run_vrl
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.protocol import layout
@@ -42,7 +42,7 @@ def versions(bucket: Path, top: str) -> set[int]:
     return {layout.split_versioned_key(k)[1] for k in open_storage(str(bucket)).list(top)}
 
 
-def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
+def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers, trainer: Proc) -> None:
     """Two groups of two completions, the right expression and `<n> +`, which does not parse
     (reward 1 and 0 whatever the prompt), for the prompts the next numbers draw from `m`'s
     pool (numbers drawing a long expression are skipped). The wrong answer names the group's
@@ -51,7 +51,7 @@ def scripted_shard(storage, m, problems, tokenizer, seq: int, numbers) -> None:
     eos = tokenizer.token_to_id("<eos>")
     groups = []
     while len(groups) < 2:
-        ((n, nonce),) = numbers.take(1, m.version)
+        ((n, nonce),) = numbers.take(1, m.version, give_up=lambda: trainer.p.poll() is not None)
         p = problems[pool_prompt(m.prompt_pool, m.run_id, m.version, "scripted", n, nonce)]
         if len(p.expression) > 24:
             continue
@@ -89,7 +89,11 @@ def feed(storage, trainer: Proc, problems) -> set[int]:
                 tokenizer = Tokenizer.from_file(str(Path(storage.uri) / m.checkpoint / "tokenizer.json"))
                 numbers = Numbers(storage, "scripted", m.run_id)
             mark = len(trainer.text())
-            scripted_shard(storage, m, problems, tokenizer, shards, numbers)
+            try:
+                scripted_shard(storage, m, problems, tokenizer, shards, numbers, trainer)
+            except NoGrant:  # the trainer stopped (at its last version) before it granted
+                fed.add(m.version)  # the ask went into that version's rollouts/ all the same
+                break
             shards, last, since = shards + 1, m.version, time.time()
             fed.add(m.version)
         time.sleep(0.05)
@@ -146,9 +150,9 @@ def collected(run):
     s.write("ledger/v000001.jsonl", b"{}\n")
     s.write("quarantine/v000006/scripted/x.json", b"{}")
     before = sorted(p for p in bucket.rglob("*") if p.is_file())
-    # v6's shards, which `vrl gc` removes: one, more if the trainer asked for a top-up, none
-    # if it stepped past v6 on spare groups
-    shards = len(list((bucket / layout.rollout_version_prefix(6)).rglob(f"*{layout.SHARD_SUFFIX}")))
+    # v6's rollout objects, which `vrl gc` removes: the feeder's asks for numbers and its
+    # shards (one, more if the trainer asked for a top-up, none if it stepped past v6)
+    shards = sum(p.is_file() for p in (bucket / layout.rollout_version_prefix(6)).rglob("*"))
     dry = run_vrl(["gc", "--bucket", str(bucket), "--keep-versions", "2", "--dry-run"], run["root"])
     assert sorted(p for p in bucket.rglob("*") if p.is_file()) == before
     real = run_vrl(["gc", "--bucket", str(bucket), "--keep-versions", "2"], run["root"])

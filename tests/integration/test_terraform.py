@@ -353,7 +353,8 @@ def test_volunteer_policy_renders(module, key_prefix):
         "Sid": "ReadPublishedModelAndData",
         "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:GetObjectVersion"],
-        "Resource": [f"{objects}manifest.json", f"{objects}checkpoints/*", f"{objects}datasets/*"],
+        "Resource": [f"{objects}manifest.json", f"{objects}manifests/*", f"{objects}checkpoints/*",
+                     f"{objects}datasets/*", f"{objects}grants/alice.json"],
     }
     assert statements["WriteOwnRollouts"]["Resource"] == [f"{objects}rollouts/*/alice/*"]
     assert statements["WriteOwnHeartbeat"]["Resource"] == [f"{objects}volunteers/alice.json"]
@@ -361,7 +362,7 @@ def test_volunteer_policy_renders(module, key_prefix):
 
     deny_writes = statements["DenyWritesToTrainerObjects"]
     assert deny_writes["Effect"] == "Deny" and deny_writes["Action"] == ["s3:PutObject"]
-    assert {f"{objects}manifest.json", f"{objects}checkpoints/*"} <= set(deny_writes["Resource"])
+    assert {f"{objects}manifest.json", f"{objects}checkpoints/*", f"{objects}grants/*"} <= set(deny_writes["Resource"])
     deny_deletes = statements["DenyAllDeletes"]
     assert deny_deletes["Effect"] == "Deny"
     assert set(deny_deletes["Action"]) == {"s3:DeleteObject", "s3:DeleteObjectVersion"}

@@ -139,15 +139,19 @@ class GroupNumbers:
         return sum(max(0, x.end - max(x.first, at)) for x in self.grants)
 
     def batch(self, most: int) -> Batch | None:
-        """The next numbers to sample (at most `most`, all of one grant); None if none is
-        granted."""
+        """The next numbers to sample (at most `most`, all of one grant, ending at the end of a
+        block of numbers where `most` reaches one: the trainer counts a missing number with
+        its block, so a crash between batches loses whole blocks); None if none is granted."""
         at = self.next
         if at is None:
             return None
         for x in self.grants:
             if x.end > at:
                 first = max(at, x.first)
-                return Batch(x, first, min(most, x.end - first))
+                count = min(most, x.end - first)
+                if count < x.end - first and (first + count) % g.GRANT_BLOCK < count:
+                    count -= (first + count) % g.GRANT_BLOCK  # end at a block's end
+                return Batch(x, first, count)
         return None
 
     def sampled(self, batch: Batch) -> None:
