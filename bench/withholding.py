@@ -18,8 +18,11 @@ always the last of a version read, which a step takes last):
 1. fifth: the top FIFTH_SHARE (a fifth) of the batch, the usable groups (reward variance) of
    highest mean reward (the issue's liar: sampled 256, uploaded the 56 it liked, 0.41 against
    0.28 over all it sampled).
-2. edge: all but its worst usable groups, never more than EDGE_SHARE (4 %) of the numbers it
-   sampled so far left out: what a careful liar does against a bound of 5 %.
+2. edge: what a careful liar does against a bound of 5 %, counted by blocks of 8 numbers (a
+   block with one number missing counts 8): it touches blocks whose numbers never count over
+   EDGE_SHARE (4 %) of those it sampled so far, the turn's blocks where leaving out costs the
+   most below its mean, and in each block it touches it leaves out every usable group below
+   the mean of those it sampled, which costs it nothing more.
 3. honest: every group (the control, and the honest volunteer the other two train beside).
 
 After each turn the bench runs the trainer's loop (bench.liars.Trial.round) until it took the
@@ -69,7 +72,8 @@ some of the older groups left waiting (it takes the newest versions first) and f
 FIFTH_SHARE = 0.2
 """The share of each turn's groups `fifth` uploads: its best usable ones."""
 EDGE_SHARE = 0.04
-"""The most of its numbers `edge` leaves out, just under the trainer's --missing-bound (5 %)."""
+"""The most of its numbers `edge` has counted missing, just under the trainer's --missing-bound
+(5 %)."""
 GOAL_SE = 2.0
 """The goal: a trained mean within this many standard errors of the sampled mean."""
 BOUND_ON = 0.05
@@ -104,11 +108,24 @@ def keep_fifth(groups: list, v: "Volunteer") -> list[int]:
 
 
 def keep_edge(groups: list, v: "Volunteer") -> list[int]:
-    """All but the worst usable groups, as many as keep its numbers left out within EDGE_SHARE
-    of those it sampled."""
-    budget = math.floor(EDGE_SHARE * len(v.sampled)) - v.left_out
-    worst = sorted((i for i, g in enumerate(groups) if usable(g)), key=lambda i: group_mean(groups[i]))
-    drop = set(worst[:max(0, budget)])
+    """All but the usable groups below its sampled mean in the turn's blocks where they are
+    furthest below it, as many blocks as keep the numbers counted missing (8 per block
+    touched) within EDGE_SHARE of those it sampled."""
+    from volunteer_rl.protocol.grants import GRANT_BLOCK
+
+    budget = math.floor(EDGE_SHARE * len(v.sampled) / GRANT_BLOCK) - v.blocks_touched
+    means = [m for m, ok in v.sampled if ok]
+    if budget <= 0 or not means:
+        return list(range(len(groups)))
+    ref = sum(means) / len(means)
+    below: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        if usable(g) and group_mean(g) < ref:
+            below.setdefault(g.seq // GRANT_BLOCK, []).append(i)
+    cost = {b: sum(ref - group_mean(groups[i]) for i in xs) for b, xs in below.items()}
+    touched = sorted(cost, key=lambda b: -cost[b])[:budget]
+    v.blocks_touched += len(touched)
+    drop = {i for b in touched for i in below[b]}
     return [i for i in range(len(groups)) if i not in drop]
 
 
@@ -119,7 +136,8 @@ def keep_all(groups: list, v: "Volunteer") -> list[int]:
 VOLUNTEERS: dict[str, tuple[Callable[[list, "Volunteer"], list[int]], str]] = {
     "fifth": (keep_fifth, f"uploads its best {round(FIFTH_SHARE * TURN_GROUPS)} usable groups of "
               f"each {TURN_GROUPS} it samples"),
-    "edge": (keep_edge, f"leaves out its worst usable groups, at most {EDGE_SHARE:.0%} of its numbers"),
+    "edge": (keep_edge, f"leaves out its usable groups below its mean in its worst blocks of 8, "
+             f"at most {EDGE_SHARE:.0%} of its numbers counted missing"),
     "honest": (keep_all, "uploads every group"),
 }
 
@@ -135,6 +153,8 @@ class Volunteer:
         self.sent: dict[tuple[str, int], float] = {}
         """(shard key, line) -> mean reward, of every group it uploaded."""
         self.left_out = 0
+        self.blocks_touched = 0
+        """Blocks of numbers `edge` left a group out of: each counts 8 missing."""
 
     def turn(self) -> list[str]:
         """Sample a turn's groups and upload those it keeps; the shard's key, if any."""

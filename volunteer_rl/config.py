@@ -345,8 +345,9 @@ class TrainerConfig(Checked):
     """...provided at least this share of all its shards was rejected."""
     missing_bound: float = setting(0.05, at_least=0, at_most=1)
     """Most share of a volunteer's last 1,024 group numbers that may be missing while its
-    groups are trained: over it its groups wait untrained, so a volunteer cannot upload only
-    the groups it likes. Honest volunteers miss none; a crash loses a shard (1: no price)."""
+    groups are trained (a block of 8 numbers with one missing counts whole): over it its
+    groups wait untrained, so a volunteer cannot upload only the groups it likes. Honest
+    volunteers miss none; a crash loses a shard (1: no price)."""
     dashboard_every: float = setting(60.0, at_least=0)
     """Seconds between writes of dashboard/ (index.html and PNG plots), the first this long
     after the start, plus one at the last publish; never sooner than 50 times the last

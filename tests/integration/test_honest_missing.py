@@ -1,7 +1,7 @@
 """Issue 41, point 7: an honest `vrl volunteer` has no group number counted missing, through
 a stop of its own mid-batch and a restart, and a trainer killed with SIGKILL and resumed
-while the volunteer goes on sampling (a backlog of the version it holds, more shards than a
-poll reads).
+while the volunteer samples and uploads the numbers it was granted before (a trainer that is
+down grants none, so that is all the backlog a resumed trainer finds).
 
 A live `vrl trainer` (resuming the template's run) and one `vrl volunteer`, a folder bucket.
 No quota (--quota-headroom 0), so the volunteer samples without pause: a SIGTERM lands while
@@ -15,17 +15,18 @@ from __future__ import annotations
 import json
 import re
 
-from helpers.bucket_objects import published_versions
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
 
 VID = "honest"
-BACKLOG_SHARDS = 24
-"""Shards of one version the volunteer uploads while the trainer is down: more than a poll
-reads (MAX_SHARDS_PER_VOLUNTEER_POLL), so the resumed trainer has a backlog when its publishes
-would push that version out of the window. A volunteer samples only granted numbers, and a
-trainer that is down grants none: what it uploads meanwhile is the batch in hand and the one
-granted ahead (32 groups each, one a shard)."""
+
+
+def granted_end(bucket) -> int:
+    """One past the last number the trainer granted to the volunteer (its grant object)."""
+    from volunteer_rl.protocol.grants import decode_grants, grants_key
+
+    _, grants = decode_grants((bucket / grants_key(VID)).read_bytes(), grants_key(VID))
+    return max(g.end for g in grants)
 
 
 def fleet_row(bucket) -> dict:
@@ -33,11 +34,6 @@ def fleet_row(bucket) -> dict:
         return json.loads((bucket / layout.FLEET).read_text())["volunteers"].get(VID, {})
     except (OSError, ValueError, KeyError):
         return {}
-
-
-def shards_of(bucket, version: int) -> int:
-    folder = bucket / layout.rollout_volunteer_prefix(version, VID)
-    return len(list(folder.glob("*.jsonl.gz"))) if folder.exists() else 0
 
 
 def reserved(work) -> int:
@@ -70,8 +66,10 @@ def test_an_honest_volunteer_misses_no_number_through_stops_and_trainer_restarts
 
         # 2. The trainer killed; the volunteer goes on with the version it holds.
         trainer.kill()
-        held = published_versions(bucket)[-1]
-        wait_for(lambda: shards_of(bucket, held) >= BACKLOG_SHARDS, 240, "a backlog of shards")
+        # A trainer that is down grants nothing: the volunteer samples and uploads what it
+        # was granted (the batch in hand and the one granted ahead), then waits.
+        end = granted_end(bucket)
+        wait_for(lambda: reserved(work) >= end, 240, f"the numbers granted up to {end} sampled")
         trainer = Proc(targs, tmp_path / "trainer2.log", tmp_path)
         procs.append(trainer)
         wait_for(lambda: "resuming" in trainer.text(), 120, "the trainer resumed")

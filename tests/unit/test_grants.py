@@ -35,22 +35,23 @@ def asks(storage):
     return [k for k in storage.list("rollouts/") if g.parse_ask_key(k)]
 
 
-def test_an_ask_is_answered_once_with_blocks_bound_to_its_version(tmp_path):
+def test_an_ask_is_answered_once_with_blocks_bound_to_the_newest_version(tmp_path):
     storage, received, granter, book = setup("once", tmp_path)
     book.ask(5, 20)
     assert asks(storage) == ["rollouts/v000005/me/ask-0000000000-003"]
     granter.answer(asks(storage), win(6))
     assert book.refresh() and book.pending() == 24
     batch = book.batch(16)
-    assert (batch.first, batch.count, batch.version) == (0, 16, 5)
-    assert batch.nonce(9) == g.seq_nonce(g.grant_secret(KEY), RUN, "me", 5, 9)
+    # asked with v5 in hand, granted under v6: the trainer's newest, not the volunteer's choice
+    assert (batch.first, batch.count, batch.version) == (0, 16, 6)
+    assert batch.nonce(9) == g.seq_nonce(g.grant_secret(KEY), RUN, "me", 6, 9)
     granter.answer(asks(storage), win(6))  # listed again: never granted twice
     book.asked = None
     book.ask(6, 8)  # the next ask goes on after the grant
     assert "rollouts/v000006/me/ask-0000000003-001" in asks(storage)
     granter.answer(asks(storage), win(6))
     book.refresh()
-    assert [(x.first, x.end, x.version) for x in book.grants] == [(0, 24, 5), (24, 32, 6)]
+    assert [(x.first, x.end, x.version) for x in book.grants] == [(0, 24, 6), (24, 32, 6)]
     assert received.granted_end("me") == 32
 
 
@@ -63,10 +64,10 @@ def test_one_grant_a_poll_and_none_for_a_version_outside_the_window(tmp_path):
         storage.create(g.ask_key(v, "me", 0 if v == 5 else 1, 1), b"")
     granter.answer(asks(storage), win(6))
     book.refresh()
-    assert [(x.first_block, x.version) for x in book.grants] == [(0, 5)]  # the rest waits
+    assert [(x.first_block, x.version) for x in book.grants] == [(0, 6)]  # the rest waits
     granter.answer(asks(storage), win(6))
     book.refresh()
-    assert [(x.first_block, x.version) for x in book.grants] == [(0, 5), (1, 6)]
+    assert [(x.first_block, x.version) for x in book.grants] == [(0, 6), (1, 6)]
 
 
 def test_a_restarted_trainer_never_grants_a_block_again(tmp_path):

@@ -1,5 +1,7 @@
 """The trainer's side of grants (protocol.grants): answer each volunteer's asks for group
-numbers with blocks no one was granted before, bound to the version it asked for.
+numbers with blocks no one was granted before, bound to the newest version published when
+it answers (whatever version the ask named: a grant sampled a poll later is then as fresh as
+it can be, and the volunteer has no say in which version its numbers go with).
 
 Each poll hands the ask keys it listed to `Granter.answer`. Per volunteer it grants at most
 once a poll (what one id can cost a poll: one GET of its grant object the first time, one
@@ -79,7 +81,7 @@ class Granter:
             self.answered.add(key)  # granted since it was asked (a second ask of one batch)
             return "refused"
         grant = g.make_grant(self.secret, self.run_id, volunteer, start,
-                             min(blocks, g.MAX_GRANT_BLOCKS), version)
+                             min(blocks, g.MAX_GRANT_BLOCKS), win.version)
         recent = [*self.recent.get(volunteer, []), grant][-g.GRANTS_KEPT:]
         body = sign(g.encode_grants(self.run_id, volunteer, recent), self.key)
         try:
@@ -90,7 +92,7 @@ class Granter:
         self.answered.add(key)
         self.recent[volunteer] = recent
         self.next_block[volunteer] = grant.first_block + grant.blocks
-        self.numbers.grant(volunteer, grant.first, grant.end, version)
+        self.numbers.grant(volunteer, grant.first, grant.end, win.version)
         self.granted += 1
         return "granted"
 

@@ -56,8 +56,10 @@ from volunteer_rl.volunteer.shard_writer import ShardWriter
 
 OUTAGE_MAX_WAIT = 60.0
 """Longest wait between two polls of a bucket that does not answer."""
-ASK_BATCHES = 2
-"""Batches of numbers one ask is for: the next grant comes while one batch is sampled."""
+ASK_BATCHES = 1
+"""Batches of numbers one ask is for. One, asked for as a batch starts: the grant comes while
+that batch is sampled, bound to the trainer's newest version then, so it is sampled at most a
+batch later; a second batch granted with it went stale when the trainer published once a batch."""
 UNPUBLISHED_LINE_SECONDS = 60.0
 """While nothing is published, the "waiting for the trainer's first version" line comes at
 once and then once a minute: a trainer's warm start takes minutes, and a line every status
