@@ -45,7 +45,7 @@ def test_deep_manifest_on_a_fresh_volunteer_and_status_is_one_line(tmp_path):
 def test_deep_manifest_leaves_a_running_volunteer_on_its_version(template, tmp_path):
     bucket = template.copy(tmp_path / "bucket")
     key = public_key_text(parse_private_key(template.key.read_bytes(), str(template.key)))
-    deal(bucket, template.key, template.run_id, "vol", 2, tmp_path / "vw")  # no trainer runs: dealt
+    deal(bucket, template.key, template.run_id, "vol", 2, tmp_path / "vw", blocks=8)  # no trainer runs: dealt
     vol = Proc(["volunteer", "--bucket", str(bucket), "--id", "vol", "--trust-key", key,
                 "--threads", "1", "--poll-seconds", "0.2", "--prompts-per-batch", "4",
                 "--shard-groups", "4", "--heartbeat-seconds", "1", "--device", "cpu", "--log-shards",

@@ -383,7 +383,7 @@ def live(template, tmp_path_factory):
     key = public_key_text(parse_private_key(template.key.read_bytes(), str(template.key)))
     current = json.loads((bucket / layout.MANIFEST).read_text())
     assert current["version"] == 2
-    deal(bucket, template.key, template.run_id, "vol", 2, root / "vw")  # no trainer runs: dealt
+    deal(bucket, template.key, template.run_id, "vol", 2, root / "vw", blocks=4)  # no trainer runs: dealt
     eval_cmd = ["eval", "--bucket", str(bucket), "--trust-key", key, "--work-dir", str(root / "ew"),
                 "--dataset", str(template.eval_csv), "--samples", "1", "--device", "cpu"]
     volunteer = ["volunteer", "--bucket", str(bucket), "--id", "vol", "--trust-key", key,

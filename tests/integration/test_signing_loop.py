@@ -97,7 +97,10 @@ def run(tmp_path_factory):
         useful_shard(bucket, STEPS)
         wrong_out, wrong_err = wrong.communicate(timeout=90)
         assert trainer.wait(300) == 0, trainer.text()[-3000:]
-        # The trainer has exited: the grant a live one would give for its last version
+        # The trainer has exited: the grant a live one would give for its last version, once
+        # the volunteer asked (so it read its grants and knows its place: it takes this one)
+        wait_for(lambda: list((bucket / layout.ROLLOUTS).glob("v*/trusting/ask-*")), 240,
+                 "the trusting volunteer's ask")
         deal(bucket, root / "tw" / "signing-key.pem", read_manifest(open_storage(str(bucket)),
              trust=Trust()).run_id, "trusting", STEPS, None, first_block=64)
         wait_for(lambda: f"now on v{STEPS} " in right.text() and "uploaded" in right.text(), 240,
