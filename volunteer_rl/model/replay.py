@@ -4,9 +4,9 @@ noise selects under the policy?
 A volunteer samples each completion with the committed noise of protocol.draws: the token at
 position p is the argmax over the vocabulary of the perturbed scores z + g, z = logits / T
 (model.sampling.perturbed, the one place that rule lives). The replay recomputes the scores
-at every position with the trainer's own forward (model.scoring.completion_logits: all
-positions at once, not token by token as sampled) and the same noise, and measures by how
-much the submitted token won (model.sampling.margins), in nats:
+at every position with the trainer's own forward (model.replay_forward: all positions at
+once, each distinct prefix of a prompt's completions once, not token by token as sampled) and
+the same noise, and measures by how much the submitted token won (model.sampling.margins), in nats:
 
     the replay's own argmax:  top score - second score  (>= 0)
     the runner-up:            -(that gap)               (< 0: it lost, by the gap)
@@ -29,7 +29,7 @@ import torch
 
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.sampling import gumbel_noise, key_words, logprobs_of, margins, perturbed
-from volunteer_rl.model.scoring import completion_logits
+from volunteer_rl.model.replay_forward import replay_logits
 
 CHUNK_BYTES = 64 << 20
 """Bound on a [rows, T, V] float64 tensor (and on the noise of any slice of positions, a few
@@ -101,38 +101,27 @@ def replay(policy: Policy, prompts: list[list[int]], completions: list[list[list
 def _replay_rows(policy: Policy, prompts: list[list[int]],
                  rows: list[tuple[int, list[int], bytes]], temperature: float,
                  vocab: int) -> list[ReplayRow]:
-    """Replay non-empty completions, in group order: one forward for their distinct token
-    sequences, then the noise and scores of every row's positions in slices of at most
-    CHUNK_BYTES.
-
-    Identical completions of one prompt share their forward: only their noise differs. A
-    confident policy repeats itself (16 groups of the demo's v0 held 76 distinct completions
-    of 128, and fewer as it learns), and the forward is most of a replay's time."""
+    """Replay non-empty completions, in group order: one forward for them all, each distinct
+    prefix of a prompt's completions computed once (model.replay_forward), then the noise and
+    scores of every row's positions in slices of at most CHUNK_BYTES."""
     used: list[list[int]] = []
     groups: list[list[list[int]]] = []
-    index: dict[tuple[int, tuple[int, ...]], int] = {}  # (group, tokens) -> its forward row
-    of_row: list[int] = []
     last = None
     for g, tokens, _ in rows:  # consecutive rows of one prompt share its prompt pass
         if g != last:
             used.append(prompts[g])
             groups.append([])
             last = g
-        seen = (g, tuple(tokens))
-        if seen not in index:
-            index[seen] = len(index)
-            groups[-1].append(tokens)
-        of_row.append(index[seen])
-    logits, ids, _ = completion_logits(policy, used, groups)
+        groups[-1].append(tokens)
+    logits, at_rows = replay_logits(policy, used, groups)
     # Every row's positions, in (row, position) order, as indices into the forward's rows.
-    width = logits.shape[1]
     words = key_words([key for _, _, key in rows], policy.device)
     lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], device=words.device)
     flat_words = words.repeat_interleave(lengths, 0)
     flat_pos = torch.cat([torch.arange(len(tokens), device=words.device) for _, tokens, _ in rows])
-    at = torch.tensor(of_row, device=words.device).repeat_interleave(lengths, 0) * width + flat_pos
-    flat_logits = logits.reshape(-1, logits.shape[-1])[at]
-    flat_tokens = ids.reshape(-1)[at]
+    at = torch.tensor([i for row in at_rows for i in row], device=logits.device)
+    flat_logits = logits[at]
+    flat_tokens = torch.tensor([t for _, tokens, _ in rows for t in tokens], device=logits.device)
     step = max(1, CHUNK_BYTES // (vocab * 8))
     margin, logps, drawn, second = [], [], [], []
     for a in range(0, len(flat_tokens), step):
