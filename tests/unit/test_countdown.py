@@ -170,9 +170,9 @@ HOSTILE = [
 
 @pytest.mark.parametrize("text", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_text_is_judged_quickly(text):
-    start = time.process_time()  # CPU time: other processes do not stretch it
+    start = time.thread_time()  # this thread's CPU time: other processes and threads do not stretch it
     value = TASK.reward(text, R9)
-    assert time.process_time() - start < 0.2
+    assert time.thread_time() - start < 0.2
     assert value == (1.0 if text.strip() == "7 + 2" else 0.0)
 
 

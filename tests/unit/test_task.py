@@ -162,9 +162,9 @@ def test_reward_equivalent_expressions():
     " " * 1_000_000 + "10", "9\n" + "x" * 1_000_000,
 ])
 def test_reward_wrong_or_hostile_is_zero(completion):
-    start = time.process_time()  # CPU time: other processes do not stretch it
+    start = time.thread_time()  # this thread's CPU time: other processes and threads do not stretch it
     assert reward(completion, "(1 + 2) * 3") == 0.0
-    assert time.process_time() - start < 0.1
+    assert time.thread_time() - start < 0.1
 
 
 def test_reward_bad_target_is_zero():
