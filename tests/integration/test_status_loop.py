@@ -70,11 +70,13 @@ def live_run(tmp_path_factory, template) -> dict:
             rows = by_id(doc)
             ok = all(rows.get(v, {}).get("state") == "producing"
                      and rows[v]["completions_per_minute"] > 0
-                     and rows[v]["acceptance_rate"] is not None for v in vols)
+                     and rows[v]["acceptance_rate"] is not None
+                     and rows[v]["groups_trained"] > 0 for v in vols)
             return doc if ok else None
 
+        # accepted is not yet trained: a step takes each one's groups a little later
         run["producing"] = wait_for(both_producing, 240,
-                                    "both volunteers producing, accepted by the trainer", 0.5)
+                                    "both volunteers producing, with groups trained", 0.5)
         run["table"] = run_vrl(["status", "--bucket", str(bucket)], cwd=tmp_path, timeout=60)
         (tmp_path / "status.txt").write_text(run["table"].stdout)  # a real sample for the docs
 
