@@ -12,12 +12,12 @@ under a later version w; the trainer holds volunteers to that (`seq_order`).
 Missing numbers are counted when they are closed: once a version leaves the window, every
 number from 0 up to the highest one received or granted under it can no longer arrive, and
 those that never did are missing, the unsent tail of a grant included. Honest volunteers
-miss few: groups in flight when their version left the window, and
-those lost to a crash. Shards an honest volunteer uploaded in time are read before their
-version leaves (the loop holds a publish back while the version it would push out has listed
-shards unread, loop.DRAIN_STEPS), and a volunteer told to stop samples and uploads the numbers granted to it, so
-neither a backlog after a trainer restart nor a stop is counted (docs/LIMITS.md). These
-totals are shown per volunteer (fleet.json, `vrl status`, the dashboard).
+miss few: groups in flight when their version left the window, and those lost to a crash.
+Shards an honest volunteer uploaded in time are read before their version leaves (the loop
+holds a publish back while the version it would push out has listed shards unread,
+loop.DRAIN_STEPS), and a volunteer told to stop samples and uploads the numbers granted to
+it, so neither a backlog after a trainer restart nor a stop is counted (docs/LIMITS.md).
+These totals are shown per volunteer (fleet.json, `vrl status`, the dashboard).
 
 Withholding has a price (`missing_share`, `hold_back`): a volunteer's groups are not trained
 while more than --missing-bound of its last RECENT_NUMBERS numbers are missing, counted up to
