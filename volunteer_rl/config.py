@@ -307,13 +307,14 @@ class TrainerConfig(Checked):
     is spent waits for a later poll."""
     audit_full_groups: int = setting(10, at_least=1)
     """A volunteer has every shard audited until its shards accepted since its last rejected
-    one hold this many groups; after n such groups each group is drawn at a rate
-    full_groups / n (never below --audit-floor), and a shard is audited if any of its groups
-    is drawn."""
+    one hold this many groups. After n such groups, with --verify sampled, each group is drawn
+    at a rate full_groups / n (never below --audit-floor), and a shard is audited if any of
+    its groups is drawn; with --verify every none is, as each of its groups is replayed before
+    it is trained."""
     audit_floor: float = setting(0.005, above=0, at_most=1)
-    """The lowest rate at which a trusted volunteer's groups are drawn for an audit: a shard
-    of g groups is audited with a chance of at least 1 - (1 - floor)^g (16 groups: 7.7 %,
-    256 groups: 72 %)."""
+    """With --verify sampled, the lowest rate at which a trusted volunteer's groups are drawn
+    for an audit: a shard of g groups is audited with a chance of at least 1 - (1 - floor)^g
+    (16 groups: 7.7 %, 256 groups: 72 %)."""
     verify: str = setting("every", one_of=VERIFY_MODES)
     """Which groups are replayed against their committed draws before they are trained:
     `every` group of every step (one forward pass each with its version's weights, unless an

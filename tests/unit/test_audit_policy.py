@@ -30,6 +30,16 @@ def test_a_new_or_caught_volunteer_is_audited_on_every_group_then_about_one_in_n
     assert audit_rate(10_000, 10, 0.005) == 0.005  # the floor
 
 
+def test_with_every_group_verified_only_volunteers_without_a_record_are_drawn_at_intake():
+    """--verify every replays each trained group before its step, so the intake's draws are
+    for the first `full_groups` clean groups only (new or just caught volunteers)."""
+    assert [audit_rate(n, 10, 0.005, trusted=False) for n in (0, 9)] == [1.0, 1.0]
+    assert [audit_rate(n, 10, 0.005, trusted=False) for n in (10, 20, 10_000)] == [0.0] * 3
+    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3), trusted=False)
+    assert all(a.due(f"new{i}", 9, 256) for i in range(50))
+    assert not any(a.due(f"old{i}", 10, 256) for i in range(2000))
+
+
 def test_a_big_shard_is_as_likely_to_be_audited_as_its_groups_in_small_shards():
     """Trust counted in groups: one shard of 256 groups is audited with the chance that any of
     256 one-group shards is, not with the chance of one of them."""

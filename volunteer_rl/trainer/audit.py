@@ -8,7 +8,8 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   never below `floor`, and a shard is audited if any of its groups is drawn: a shard of g
   groups with probability 1 - (1 - rate)^g. So a big shard is as likely to be audited as the
   same groups sent in small shards, and trust earned with small shards buys no cover for big
-  ones. Any rejected shard sets n back to 0.
+  ones. Any rejected shard sets n back to 0. With --verify every (the default) the draws past
+  `full_groups` are off (`Auditor.trusted`): every group trained is replayed before its step.
 - **Every group of an audited shard is replayed, up to the first that fails.** A shard is
   accepted or rejected whole, so one injected group among many is caught whenever its shard is
   audited. For a volunteer with no clean groups (new, or just caught) the replay goes in
@@ -63,12 +64,13 @@ once every MAX_DECISIONS / EVICT_SHARE new keys, so each look over it is paid fo
 draws."""
 
 
-def audit_rate(clean_groups: int, full_groups: int, floor: float) -> float:
+def audit_rate(clean_groups: int, full_groups: int, floor: float, trusted: bool = True) -> float:
     """The rate at which a volunteer's groups are drawn, given its groups accepted since its
-    last rejected shard: 1 below `full_groups`, then full_groups / n, never below `floor`."""
+    last rejected shard: 1 below `full_groups`, then full_groups / n, never below `floor`;
+    0 from there with `trusted` False (see Auditor)."""
     if clean_groups < full_groups:
         return 1.0
-    return max(floor, full_groups / clean_groups)
+    return max(floor, full_groups / clean_groups) if trusted else 0.0
 
 
 def shard_chance(rate: float, groups: int) -> float:
@@ -176,9 +178,16 @@ class Auditor:
     """Decides, per shard, whether to audit; reserves the budget; runs the replay."""
 
     def __init__(self, replay: Replay, budget: Budget, full_groups: int, floor: float,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, trusted: bool = True):
         self.replay, self.budget = replay, budget
         self.full_groups, self.floor = full_groups, floor
+        self.trusted = trusted
+        """Whether a volunteer past `full_groups` clean groups is still drawn for audits. With
+        --verify every it is not: every group it gets trained is replayed before its step
+        anyway (trainer.verify), in the step's batch, one call per version for the whole batch
+        instead of one per shard. Audits then serve the volunteers with no record
+        (new, or just caught), whose shards are replayed at intake in growing chunks so a
+        flood of junk is rejected there, cheaply, not in front of a step."""
         # Not seeded: a liar must not be able to compute which of its shards are audited.
         self.rng = rng or random.SystemRandom()
         self.draws: dict[str, Draw] = {}
@@ -201,7 +210,7 @@ class Auditor:
         """Is shard `key` due for an audit, as far as is known before it is read? A shard not
         yet parsed counts as one group: the least its chance can be."""
         d = self._draw(key)
-        rate = audit_rate(clean_groups, self.full_groups, self.floor)
+        rate = audit_rate(clean_groups, self.full_groups, self.floor, self.trusted)
         d.due = d.due or d.u < shard_chance(rate, d.groups)
         return d.due
 
