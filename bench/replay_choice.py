@@ -18,7 +18,16 @@ GROUPS_PER_REPLAY groups per call, with the other thread count) and judged at th
 default `--replay-tolerance` (TOL nats):
 - rejected: honest completions with a position below -TOL (goal 0);
 - two tokens pass: positions where the top two perturbed scores lie within TOL (the runner-up
-  would pass too). Baseline: schema 4's rule on the same distributions (inverse CDF with a
+  would pass too). The four ways sample with the same keys (the thread counts give the same
+  tokens, fp32 and bf16 differ only by the weights' rounding), so at full size the count
+  has 2,816 contexts, not 11,264: one near-tie found in all four ways moves it by 0.036 %,
+  more than the goal.
+  The row's figure is therefore the expected share over the committed noise, exact for each
+  context: with p the sampling distribution at a position and c = exp(TOL) - 1, the top two
+  Gumbel-perturbed scores lie within TOL with probability sum_i p_i c (1 - p_i) / (1 + c (1 -
+  p_i)) (the max and the argmax of Gumbel-max are independent, and given them every other
+  score is a Gumbel truncated below the max), which is below TOL whatever p. It is averaged
+  over the fp32 samples' positions; the direct count stays in the notes as a check. Baseline: schema 4's rule on the same distributions (inverse CDF with a
   fresh uniform, tokens whose interval lies within 1e-4 of probability mass of the target),
   the share of positions where more than one token passes. The distribution of the gap is
   printed so the share at any tolerance can be read off.
@@ -107,12 +116,22 @@ def replay_all(policy, prompts, completions, keys, threads):
     return rows
 
 
+def expected_two(logits: torch.Tensor, tol: float) -> torch.Tensor:
+    """[rows] float64: the chance, over Gumbel noise, that the top two scores of
+    logits / T + noise lie within `tol` (see the module's docstring)."""
+    p = torch.softmax(logits.double() / T, -1)
+    c = math.expm1(tol)
+    return (p * c * (1 - p) / (1 + c * (1 - p))).sum(-1)
+
+
 def old_rule(policy, prompts, completions, rng):
     """Schema 4's inverse-CDF rule on the distributions of these completions' positions:
     (positions, positions where more than one token lies within OLD_BAND of a fresh target,
     positions where the drawn token's vocabulary neighbour passes, the 11 most likely tokens
-    of every position in (group, completion, position) order)."""
+    of every position in (group, completion, position) order, the expected number of
+    positions where two tokens pass the replay at TOL: `expected_two` summed)."""
     n = several = neighbour = 0
+    expected = 0.0
     likely: list[list[int]] = []
     for a in range(0, len(prompts), GROUPS_PER_REPLAY):
         with torch.no_grad():
@@ -133,7 +152,8 @@ def old_rule(policy, prompts, completions, rng):
             n += len(cdf)
             several += int((passing.sum(-1) > 1).sum())
             neighbour += int(passing.gather(1, drawn[:, None] + 1).sum())
-    return n, several, neighbour, likely
+            expected += float(expected_two(flat[b:b + 256], TOL).sum())
+    return n, several, neighbour, likely, expected
 
 
 def forge(policy, prompts, completions, keys, rows, likely, n_forged, rng):
@@ -178,7 +198,8 @@ def results(quick: bool) -> list[Row]:
     groups, forged_n = (QUICK_GROUPS, QUICK_FORGED) if quick else (GROUPS, FORGED)
     total = {"positions": 0, "two": 0, "old_positions": 0, "old_several": 0, "old_neighbour": 0,
              "rejected": 0, "completions": 0, "forged": 0, "caught": 0, "worst": math.inf,
-             "gap_counts": [0] * len(GAP_BINS), "logprob_gap": 0.0, "seconds": {}}
+             "gap_counts": [0] * len(GAP_BINS), "logprob_gap": 0.0, "seconds": {},
+             "expected_two": 0.0}
     kinds_total: dict[str, list[int]] = {}
     start_all = time.perf_counter()
     for vocab in VOCABS:
@@ -211,7 +232,8 @@ def results(quick: bool) -> list[Row]:
                                 total["gap_counts"][i] += abs(m) <= b
                     if weights == "fp32" and fp32_rows is None:
                         fp32_rows, fp32_comps = rows, comps
-            n, several, neighbour, likely = old_rule(base, prompts, fp32_comps, rng)
+            n, several, neighbour, likely, expected = old_rule(base, prompts, fp32_comps, rng)
+            total["expected_two"] += expected
             total["old_positions"] += n
             total["old_several"] += several
             total["old_neighbour"] += neighbour
@@ -232,6 +254,7 @@ def results(quick: bool) -> list[Row]:
     forged = sum(f for f, _ in kinds_total.values())
     caught = sum(c for _, c in kinds_total.values())
     share = total["two"] / total["positions"]
+    expected = total["expected_two"] / total["old_positions"]  # the fp32 samples' positions
     # P(gap <= x) grows linearly near 0: the share at TOL read off the widest bin
     estimate = total["gap_counts"][-1] / total["positions"] * TOL / GAP_BINS[-1]
     old_share = total["old_several"] / total["old_positions"]
@@ -241,11 +264,13 @@ def results(quick: bool) -> list[Row]:
     command = COMMAND + (" --quick" if quick else "")
     where = f"vocab 32,000 and 151,936, peaked (mean top-1 p {TOP1_PEAKED}) and flat"
     return [
-        Row(BENCH, "% of positions where two tokens pass", 100 * share, 100 * old_share,
-            old_share / max(share, 1 / total["positions"]), f"<= {100 * GOAL_TWO:g}%",
-            max(share, estimate) <= GOAL_TWO, command,
-            f"{where}; {total['two']} of {total['positions']:,} honest positions within "
-            f"--replay-tolerance {TOL:g} nats of a tie (|gap| {gaps}: about "
+        Row(BENCH, "% of positions where two tokens pass", 100 * expected, 100 * old_share,
+            old_share / expected, f"<= {100 * GOAL_TWO:g}%", expected <= GOAL_TWO, command,
+            f"{where}; expected share over the committed noise at --replay-tolerance {TOL:g} "
+            f"nats, exact per context, over the {total['old_positions']:,} positions of the "
+            f"fp32 samples (at most exp(tol) - 1 = {100 * math.expm1(TOL):.4f}% for any "
+            f"distribution); counted: {total['two']} of {total['positions']:,} positions, the "
+            f"same contexts replayed 4 ways ({100 * share:.4f}%; |gap| {gaps}: about "
             f"{100 * estimate:.4f}% at {TOL:g}, linear from the 1e-2 bin); baseline schema 4 "
             f"(inverse CDF, band 1e-4 of mass) on the same distributions; {seconds:.0f} s"),
         Row(BENCH, "% of forged completions caught", 100 * caught / forged, 100 * old_caught,

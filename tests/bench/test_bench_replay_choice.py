@@ -1,17 +1,35 @@
 """bench/replay_choice.py at --quick size: rows for both vocabularies whose figures add up, no
 honest completion rejected and every forgery caught."""
+import math
 import re
 
 import pytest
+import torch
 
-from bench.replay_choice import results
+from bench.replay_choice import T, TOL, expected_two, results
+
+
+def test_the_expected_near_tie_share_is_what_gumbel_noise_gives():
+    """expected_two against a Monte Carlo of the top-two gap of logits / T + Gumbel noise,
+    at tolerances wide enough to count; and below exp(tol) - 1 whatever the distribution."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0] * 5, [2.0, 1.0, 0.0, -1.0, 0.5], [5.0, 0.0, 0.0, -3.0, -3.0]])
+    n = 400_000
+    for tol in (0.05, 0.3):
+        exact = expected_two(logits, tol)
+        u = torch.rand(len(logits), n, 5, generator=gen, dtype=torch.float64)
+        top = (logits.double()[:, None, :] / T - torch.log(-torch.log(u))).topk(2, dim=-1).values
+        seen = ((top[..., 0] - top[..., 1]) <= tol).double().mean(-1)
+        assert torch.allclose(exact, seen, atol=4 * math.sqrt(0.25 / n)), (tol, exact, seen)
+        assert (exact < math.expm1(tol)).all()
+    assert expected_two(torch.zeros(1, 151_936), TOL).item() < math.expm1(TOL)
 
 
 @pytest.mark.slow  # samples and replays 32k and 151k vocabularies: a check of bench code, ~5 min
 def test_replay_choice_quick_rows_are_sane():
     two, caught, rejected = results(quick=True)
-    assert two.vrl <= 0.05 and two.baseline > 1  # % of positions; schema 4's band left a choice
-    assert "honest positions within --replay-tolerance" in two.note
+    assert two.vrl <= 100 * math.expm1(TOL) and two.baseline > 1  # %; schema 4's band left a choice
+    assert "expected share over the committed noise" in two.note and two.met
     assert caught.vrl == 100 and caught.met
     # every kind of forgery was tried and caught, the runner-up swap (the hardest) included
     for kind in ("runner-up", "likely", "neighbour"):
