@@ -144,19 +144,21 @@ class Burner:
                                 v, "burner", n, [Completion(c, [-1.0] * len(c), "", 0.0) for c in ids]))
         return encode_shard(groups)
 
-    def _numbers(self, book, version: int) -> list[tuple[int, str]]:
-        """HOSTILE_GROUPS numbers granted for `version`, asked for as a volunteer asks
-        (volunteer.numbering); [] if the trainer has not granted them yet."""
+    def _numbers(self, book, manifest: dict) -> tuple[int, list[tuple[int, str]]]:
+        """(version, HOSTILE_GROUPS numbers granted for it), asked for as a volunteer asks
+        (volunteer.numbering): the trainer grants under its newest version when it answers,
+        which may be past `manifest`'s; (-1, []) if it has not granted them yet."""
+        low = manifest["version"] - manifest["max_staleness"]
         batch = book.batch(HOSTILE_GROUPS)
-        while batch is not None and batch.version != version:  # an older version's: left
+        while batch is not None and batch.version < low:  # its version left the window
             book.skip(batch)
             batch = book.batch(HOSTILE_GROUPS)
         if batch is None:
-            book.ask(version, HOSTILE_GROUPS)
+            book.ask(manifest["version"], HOSTILE_GROUPS)
             book.refresh()
-            return []
+            return -1, []
         book.sampled(batch)
-        return [(n, batch.nonce(n)) for n in range(batch.first, batch.first + batch.count)]
+        return batch.version, [(n, batch.nonce(n)) for n in range(batch.first, batch.first + batch.count)]
 
     def _run(self) -> None:
         from volunteer_rl.protocol import layout
@@ -174,10 +176,17 @@ class Burner:
                     book = GroupNumbers(Path(tempfile.mkdtemp()) / "numbers.json", self.storage,
                                         "burner", Trust(allow_unsigned=True), log=lambda m: None)
                     book.start_run(manifest["run_id"])
-                numbers = self._numbers(book, manifest["version"])
+                version, numbers = self._numbers(book, manifest)
+                of_version = None
                 if numbers:
-                    key = layout.shard_key(manifest["version"], "burner", f"b{len(self.keys):06d}")
-                    self.storage.write(key, self._shard(manifest, numbers))
+                    try:  # the manifest of the version the numbers were granted under
+                        of_version = json.loads(
+                            (self.bucket / layout.manifest_history_key(version)).read_text())
+                    except (OSError, ValueError):
+                        pass  # not readable yet: those numbers go unsent
+                if of_version is not None:
+                    key = layout.shard_key(version, "burner", f"b{len(self.keys):06d}")
+                    self.storage.write(key, self._shard(of_version, numbers))
                     self.keys.append(key)
             if self._stop.wait(HOSTILE_EVERY):
                 return
