@@ -27,9 +27,10 @@ default `--replay-tolerance` (TOL nats):
   Gumbel-perturbed scores lie within TOL with probability sum_i p_i c (1 - p_i) / (1 + c (1 -
   p_i)) (the max and the argmax of Gumbel-max are independent, and given them every other
   score is a Gumbel truncated below the max), which is below TOL whatever p. It is averaged
-  over the fp32 samples' positions; the direct count stays in the notes as a check. Baseline: schema 4's rule on the same distributions (inverse CDF with a
-  fresh uniform, tokens whose interval lies within 1e-4 of probability mass of the target),
-  the share of positions where more than one token passes. The distribution of the gap is
+  over the fp32 samples' positions; the direct count stays in the notes as a check.
+  Baseline: schema 4's rule on the same distributions (inverse CDF with a fresh uniform,
+  tokens whose interval lies within 1e-4 of probability mass of the target), the share of
+  positions where more than one token passes. The distribution of the gap is
   printed so the share at any tolerance can be read off.
 Forged completions, from the fp32 honest samples: at a random position among the first
 FORGE_SPAN, the token is replaced by (in turn) the runner-up of the committed draw (the

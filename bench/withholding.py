@@ -152,7 +152,6 @@ class Volunteer:
         """(mean reward, usable) of every group it sampled."""
         self.sent: dict[tuple[str, int], float] = {}
         """(shard key, line) -> mean reward, of every group it uploaded."""
-        self.left_out = 0
         self.blocks_touched = 0
         """Blocks of numbers `edge` left a group out of: each counts 8 missing."""
 
@@ -161,7 +160,6 @@ class Volunteer:
         groups = self.liar.sample(TURN_GROUPS)
         self.sampled += [(group_mean(g), usable(g)) for g in groups]
         kept = self.keep(groups, self)
-        self.left_out += len(groups) - len(kept)
         if kept:
             key = self.liar.send([groups[i] for i in kept])
             self.sent.update(((key, line), group_mean(groups[i])) for line, i in enumerate(kept))

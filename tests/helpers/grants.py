@@ -69,3 +69,16 @@ def deal(bucket: Path, key_path: Path, run_id: str, volunteer: str, version: int
         place = Path(work_dir) / volunteer / "group-numbers.json"
         place.parent.mkdir(parents=True, exist_ok=True)
         place.write_text(json.dumps({"run_id": run_id, "next": first_block * grants.GRANT_BLOCK}))
+
+
+def wait_for_ask(bucket: Path, volunteer: str, version: int | None = None,
+                 timeout: float = 240) -> None:
+    """Wait until `volunteer` has asked for numbers (an ask object under `version`, or under
+    any version): it has read its grant object then and knows its place, so a grant `deal`
+    writes next is one it takes."""
+    from volunteer_rl.protocol import layout
+
+    folder = "v*" if version is None else layout.version_dir(version)
+    asks = Path(bucket) / layout.ROLLOUTS
+    wait_for(lambda: list(asks.glob(f"{folder}/{volunteer}/ask-*")), timeout,
+             f"{volunteer}'s ask for numbers")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PICKED
-from helpers.grants import Numbers, deal
+from helpers.grants import Numbers, deal, wait_for_ask
 from helpers.vrlproc import Proc, one_line_error, run_vrl, wait_for
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.launch import vrl_command, vrl_env
@@ -99,8 +99,7 @@ def run(tmp_path_factory):
         assert trainer.wait(300) == 0, trainer.text()[-3000:]
         # The trainer has exited: the grant a live one would give for its last version, once
         # the volunteer asked (so it read its grants and knows its place: it takes this one)
-        wait_for(lambda: list((bucket / layout.ROLLOUTS).glob("v*/trusting/ask-*")), 240,
-                 "the trusting volunteer's ask")
+        wait_for_ask(bucket, "trusting")
         deal(bucket, root / "tw" / "signing-key.pem", read_manifest(open_storage(str(bucket)),
              trust=Trust()).run_id, "trusting", STEPS, None, first_block=64)
         wait_for(lambda: f"now on v{STEPS} " in right.text() and "uploaded" in right.text(), 240,

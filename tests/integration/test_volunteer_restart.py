@@ -9,7 +9,7 @@ import time
 
 from conftest import TEMPLATE_VERSION
 
-from helpers.grants import deal
+from helpers.grants import deal, wait_for_ask
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.progress import STATUS_SECONDS
 from volunteer_rl.protocol import layout
@@ -31,8 +31,7 @@ def test_a_restarted_volunteer_keeps_its_id_and_logs_a_summary_not_a_line_per_sh
         vid = wait_for(lambda: re.search(r"^volunteer (\S+) on ", first.text(), re.M), 120,
                        "the volunteer's first line").group(1)
         # No trainer runs: once it asked for numbers, its grant is dealt as a trainer would
-        wait_for(lambda: list((bucket / layout.rollout_volunteer_prefix(TEMPLATE_VERSION, vid)).glob("ask-*")),
-                 120, "an ask for numbers")
+        wait_for_ask(bucket, vid, TEMPLATE_VERSION, 120)
         deal(bucket, template.key, template.run_id, vid, TEMPLATE_VERSION, None, blocks=2)
         wait_for(lambda: len(shards(bucket, vid)) >= 3, 180, "three shards")
         assert first.terminate() == 0, first.text()[-3000:]
