@@ -56,8 +56,12 @@ def test_deep_manifest_leaves_a_running_volunteer_on_its_version(template, tmp_p
         mark = len(vol.text())
         wait_for(lambda: REFUSED in vol.text()[mark:], 60, "the refusal")
         refused_at = time.time()
-        # still at work on v2: it uploads again after the refusal, and says so in a heartbeat
+        # still at work on v2: it uploads again after the refusal, and says so in a heartbeat.
+        # It may have sampled all 64 numbers dealt before it saw the refusal (it samples them
+        # in seconds): more numbers, above those, give it work whatever the timing. It reads
+        # its grant object on every turn of its loop, manifest or none.
         at = len(vol.text())
+        deal(bucket, template.key, template.run_id, "vol", 2, None, blocks=4, first_block=8)
         wait_for(lambda: "uploaded rollouts/v000002/" in vol.text()[at:], 60,
                  "an upload after the refusal")
         heartbeat = bucket / layout.heartbeat_key("vol")
