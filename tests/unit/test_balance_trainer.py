@@ -179,3 +179,70 @@ def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wa
     assert "quota of v3 reached (8 groups)" in v.stop.waiting
     assert "quota of v3 reached (16 groups)" in v.stop.waiting
     assert any(line.startswith("waiting: quota of v3 reached (8 groups)") for line in lines)
+
+
+def test_a_volunteer_stopped_at_its_quota_samples_the_grant_of_its_ask_ahead(tmp_path, monkeypatch):
+    """At the quota of v3 the volunteer asks ahead, for v4; the trainer holds the ask until
+    it publishes v4. A stop comes while the volunteer waits: it waits for that grant (at most
+    the quota's wait) and samples it before it exits, since numbers granted after it left
+    would count as missing."""
+    from helpers.status_fixtures import manifest as status_manifest
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.protocol.grants import parse_ask_key
+    from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
+    from volunteer_rl.trainer.granting import Granter
+    from volunteer_rl.trainer.groups import Window
+    from volunteer_rl.trainer.withheld import GroupNumbers
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    quota = Quota(groups=8, wait_seconds=20.0)  # no second quota of v3 in this test
+    m3 = status_manifest(version=3)
+    m3 = type(m3)(**{**m3.__dict__, "quota": quota})
+    m4 = type(m3)(**{**m3.__dict__, "version": 4})
+    cfg = VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", prompts_per_batch=8,
+                          shard_groups=100, shard_seconds=1e9, poll_seconds=0.02,
+                          heartbeat_seconds=0, work_dir=str(tmp_path / "w"))
+    v = Volunteer(cfg, log=lambda line: None)
+    v.manifest, v.stop = m3, Recorder(v)
+    key = Ed25519PrivateKey.generate()
+    v.numbers.trust = Trust(public_key_text(key))
+    received = GroupNumbers()
+    granter = Granter(v.storage, m3.run_id, key, received, log=lambda line: None)
+    def poll():  # v3 stays the newest manifest read: v4 is published after the stop
+        v.latest, v.last_manifest_ok = m3, time.time()
+        return m3
+    monkeypatch.setattr(v, "poll", poll)
+    monkeypatch.setattr(v, "_manifest_of", lambda version: {3: m3, 4: m4}.get(version))
+    monkeypatch.setattr(v, "try_switch", lambda m: setattr(v, "manifest", m) or True)
+    monkeypatch.setattr(v, "switch", lambda m: setattr(v, "manifest", m))
+    sampled = []  # (version, first, count)
+
+    def generate(batch):
+        sampled.append((batch.version, batch.first, batch.count))
+        return [Group(0, batch.version, "me", batch.first + i, [Completion([1], [-0.5], "", 0.0)])
+                for i in range(batch.count)]
+    monkeypatch.setattr(v, "_generate", generate)
+
+    def asks():
+        return [k for k in v.storage.list("rollouts") if parse_ask_key(k)]
+
+    def trainer():
+        deadline = time.time() + 30  # a volunteer that never asks ahead fails, never hangs
+        while not asks() and time.time() < deadline:
+            time.sleep(0.01)
+        granter.answer(asks(), Window(3, 2, {1, 2, 3}))  # the quota's worth of v3
+        while not any(parse_ask_key(k)[0] == 4 for k in asks()) and time.time() < deadline:
+            granter.answer(asks(), Window(3, 2, {1, 2, 3}))  # held: v4 is not published
+            time.sleep(0.01)
+        v.stop.set()  # the stop comes while the volunteer waits at its quota
+        time.sleep(0.5)
+        granter.answer(asks(), Window(4, 2, {2, 3, 4}))  # v4 published: the ask ahead granted
+    answering = threading.Thread(target=trainer, daemon=True)
+    answering.start()
+    v.run()
+    answering.join()
+    assert sampled == [(3, 0, 8), (4, 8, 8)]
+    assert received.granted_end("me") == 16
+    shards = [decode_shard(v.storage.read(k)) for k in v.storage.list("rollouts")
+              if k.endswith(".jsonl.gz")]
+    assert sorted(g.seq for s in shards for g in s) == list(range(16))  # uploaded, none missing

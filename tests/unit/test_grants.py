@@ -70,6 +70,46 @@ def test_one_grant_a_poll_and_none_for_a_version_outside_the_window(tmp_path):
     assert [(x.first_block, x.version) for x in book.grants] == [(0, 6), (1, 6)]
 
 
+def test_an_ask_ahead_is_held_until_its_version_is_published_then_granted_under_it(tmp_path):
+    storage, received, granter, book = setup("ahead", tmp_path)
+    book.ask(6, 16)
+    granter.answer(asks(storage), win(6))
+    book.refresh()
+    # At its quota of v6 the volunteer asks for v7, which is not published yet.
+    book.ask(7, 16)
+    assert book.asked_ahead(6) and not book.awaited(version=6)
+    assert "rollouts/v000007/me/ask-0000000002-002" in asks(storage)
+    for _ in range(3):  # polls while v6 is the newest: held, nothing granted
+        granter.answer(asks(storage), win(6))
+    book.refresh()
+    assert [(x.first_block, x.version) for x in book.grants] == [(0, 6)]
+    assert book.asked_ahead(6)
+    granter.answer(asks(storage), win(7))  # the first poll after v7 is published
+    book.refresh()
+    assert [(x.first_block, x.version) for x in book.grants] == [(0, 6), (2, 7)]
+    assert not book.asked_ahead(6) and received.granted_end("me") == 32
+    # An ask two versions ahead is no ask ahead: refused as any version not published.
+    storage.create(g.ask_key(9, "me", 4, 1), b"")
+    granter.answer(asks(storage), win(7))
+    granter.answer(asks(storage), win(9))
+    book.refresh()
+    assert [(x.first_block, x.version) for x in book.grants] == [(0, 6), (2, 7)]
+
+
+def test_an_ask_ahead_does_not_hold_back_an_ask_for_the_version_in_hand(tmp_path):
+    storage, _, granter, book = setup("ahead-in-hand", tmp_path)
+    book.ask(7, 16, now=100.0)  # ahead of v6, the newest
+    assert book.awaited(100.0) and book.awaited(100.0, version=7)
+    assert not book.awaited(100.0, version=6) and book.asked_ahead(6, 100.0)
+    # The quota's wait ran out with no v7: the volunteer asks for more of v6 at once.
+    book.ask(6, 16, now=101.0)
+    assert "rollouts/v000006/me/ask-0000000000-002" in asks(storage)
+    assert book.awaited(101.0, version=6) and not book.asked_ahead(6, 101.0)
+    book.ask(7, 16, now=102.0)  # and no second ask while that one is unanswered
+    assert len(asks(storage)) == 2
+    assert not book.awaited(101.0 + 20.0)  # ASK_AGAIN_SECONDS
+
+
 def test_a_restarted_trainer_never_grants_a_block_again(tmp_path):
     storage, received, granter, book = setup("restart", tmp_path)
     book.ask(3, 16)

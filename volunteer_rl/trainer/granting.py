@@ -9,7 +9,11 @@ signature and one PUT), the next blocks after the last one it granted, never one
 where that was is read back from the volunteer's grant object (the trainer's own, signed by
 its key) the first time after a start, and never below the numbers already received from it
 (trainer.withheld), so neither a restart nor a lost object grants a block again. An ask is
-refused, silently and once, when its version is not a published one of the window. Nothing
+refused, silently and once, when its version is not a published one of the window; one for
+the version after the newest (a volunteer at its quota asks ahead) is held, unanswered, until
+that version is published, and granted at the first poll after it: no round trip once the
+volunteer sees the new manifest. (Ingest.poll lists only the window's folders, so such an
+ask is first seen then anyway; the hold keeps this class right whoever lists.) Nothing
 here is charged to the volunteer: an ask costs it a round trip, and one it should not have
 made wins it nothing.
 """
@@ -68,8 +72,11 @@ class Granter:
 
     def _answer(self, volunteer: str, key: str, version: int, first_block: int, blocks: int,
                 win: Window) -> str:
-        """Answer one ask: "granted", "refused" (answered, nothing granted) or "later" (the
-        grant object could not be read or written now; asked again next poll)."""
+        """Answer one ask: "granted", "refused" (answered, nothing granted) or "later" (an ask
+        ahead, for the version not published yet; or the grant object could not be read or
+        written now: asked again next poll)."""
+        if version == win.version + 1:
+            return "later"
         if version < win.low or version > win.version or version not in win.published:
             self.answered.add(key)
             return "refused"

@@ -60,6 +60,8 @@ ASK_BATCHES = 1
 """Batches of numbers one ask is for. One, asked for as a batch starts: the grant comes while
 that batch is sampled, bound to the trainer's newest version then, so it is sampled at most a
 batch later; a second batch granted with it went stale when the trainer published once a batch."""
+STOP_WAIT_SECONDS = 30.0
+"""Longest a stopping volunteer waits for the grant of its ask ahead (Volunteer._finish)."""
 UNPUBLISHED_LINE_SECONDS = 60.0
 """While nothing is published, the "waiting for the trainer's first version" line comes at
 once and then once a minute: a trainer's warm start takes minutes, and a line every status
@@ -330,13 +332,19 @@ class Volunteer:
         self.manifests[m.version] = m
 
     def _ask(self, m: Manifest | None) -> None:
-        """Ask for numbers to sample with the newest version `m`, within its limits (room)."""
+        """Ask for numbers to sample with the newest version `m`, within its limits (room); at
+        the manifest's quota, for numbers of the version after it (numbering: an ask ahead)."""
         if m is None or self.manifest is None or not self.usable(m):
             return
         granted = sum(x.end - x.first for x in self.numbers.grants if x.version == m.version)
         room = self.allowance.room(m, granted, time.time())
         if room:
             self.numbers.ask(m.version, min(room, ASK_BATCHES * self.allowance.batch))
+        elif self.allowance.quota_reached:
+            # The trainer holds this ask until it publishes m.version + 1 and answers it then:
+            # asked only once that version is seen, the grant was a trainer poll late each time
+            # (the demo's volunteers waited for grants over a quarter of their time).
+            self.numbers.ask(m.version + 1, ASK_BATCHES * self.allowance.batch)
 
     def try_switch(self, m: Manifest) -> bool:
         """Switch to `m`; on a bad or unreachable checkpoint say so once and report failure.
@@ -446,7 +454,7 @@ class Volunteer:
                     # that one back), ask for numbers to sample with it and read the grants;
                     # at the manifest's quota what we hold goes out now.
                     if (latest is not None and latest.version != self.manifest.version
-                            and not self.numbers.awaited()):
+                            and not self.numbers.awaited(version=latest.version)):
                         writer.flush()  # its groups belong to the version we are leaving
                         self.try_switch(latest)
                     self._ask(latest)
@@ -488,7 +496,11 @@ class Volunteer:
     def _finish(self, writer: ShardWriter) -> None:
         """Before exiting, sample the numbers granted and not sampled yet (the batch granted
         ahead, ASK_BATCHES), so that a stop leaves none to count as missing; not those whose
-        version left the window, nor those of a version that cannot be loaded now."""
+        version left the window, nor those of a version that cannot be loaded now. An ask
+        ahead (at the quota) is waited for, as long as the quota says the trainer takes to
+        publish (at most STOP_WAIT_SECONDS): granted after the volunteer left, it would count
+        as missing."""
+        self._await_ask_ahead()
         while (batch := self._next_batch(self.latest)) is not None:
             if batch.version != self.manifest.version:
                 writer.flush()  # its groups belong to the version we are leaving
@@ -503,6 +515,19 @@ class Volunteer:
                     return
                 batch = self.numbers.batch(self.allowance.batch)
             self._sample(batch, writer)
+
+    def _await_ask_ahead(self) -> None:
+        """Wait for the grant of an unanswered ask ahead (see _finish)."""
+        m = self.latest
+        if m is None or self.manifest is None or not self.numbers.asked_ahead(m.version):
+            return
+        wait = min(STOP_WAIT_SECONDS, m.quota.wait_seconds if m.quota else STOP_WAIT_SECONDS)
+        self.log(f"waiting up to {wait:g}s for the numbers asked for v{m.version + 1}, "
+                 "to sample them before stopping (a second signal stops now)")
+        deadline = time.time() + wait
+        while self.numbers.asked_ahead(m.version) and time.time() < deadline:
+            time.sleep(min(self.cfg.poll_seconds, max(0.0, deadline - time.time())))
+            self.numbers.refresh()
 
     def install_signal_handlers(self) -> None:
         """Ctrl-C and SIGTERM cut short a load, finish the batches granted, flush the partial

@@ -4,7 +4,9 @@ and hand out the next numbers to sample, each with the version it is bound to an
 A volunteer numbers nothing itself. It asks for the blocks after the last one it knows was
 granted, for the newest version it has seen, with an empty object the trainer lists
 (`ask`); the trainer's grant object (`refresh`) says which blocks it got, for which version,
-with the nonce that keys each block's prompt and noise. Numbers are sampled in order, each
+with the nonce that keys each block's prompt and noise. A volunteer at the manifest's quota
+asks ahead, for the version after the newest: the trainer answers that ask as soon as it has
+published that version, so the grant is waiting when the volunteer sees the new manifest. Numbers are sampled in order, each
 with its grant's version: the loop loads that version first (volunteer.loop).
 
 <work_dir>/<id>/group-numbers.json keeps the first number not yet sampled, written after each
@@ -66,8 +68,8 @@ class GroupNumbers:
         """The first number not sampled yet (None: not known for this run yet)."""
         self.grants: list[g.Grant] = []
         self.etag: str | None = None
-        self.asked: tuple[int, float] | None = None
-        """(first block, when) of the last ask not answered yet."""
+        self.asked: tuple[int, float, int] | None = None
+        """(first block, when, version) of the last ask not answered yet."""
         self.started: str | None = None
         """The run whose grants were read since this process started (start_run)."""
         saved = self._load()
@@ -164,16 +166,26 @@ class GroupNumbers:
         self.next = batch.grant.end
         self._save()
 
-    def awaited(self, now: float | None = None) -> bool:
-        """Is an ask made less than ASK_AGAIN_SECONDS ago unanswered?"""
+    def awaited(self, now: float | None = None, version: int | None = None) -> bool:
+        """Is an ask made less than ASK_AGAIN_SECONDS ago unanswered? With `version`: an ask
+        for `version` or an older one (an ask ahead, for a version not published yet, does
+        not hold back an ask for the version in hand)."""
         now = time.time() if now is None else now
-        return self.asked is not None and now - self.asked[1] < ASK_AGAIN_SECONDS
+        if self.asked is None or now - self.asked[1] >= ASK_AGAIN_SECONDS:
+            return False
+        return version is None or self.asked[2] <= version
+
+    def asked_ahead(self, version: int, now: float | None = None) -> bool:
+        """Is an ask for a version after `version` unanswered (made less than
+        ASK_AGAIN_SECONDS ago)?"""
+        return self.awaited(now) and self.asked[2] > version
 
     def ask(self, version: int, numbers: int, now: float | None = None) -> None:
-        """Ask for about `numbers` numbers to sample with `version`, unless an ask made less than
-        ASK_AGAIN_SECONDS ago is unanswered."""
+        """Ask for about `numbers` numbers to sample with `version`, unless an ask for it (or an
+        older one) made less than ASK_AGAIN_SECONDS ago is unanswered. `version` may be the
+        one after the newest published: the trainer holds that ask until it publishes it."""
         now = time.time() if now is None else now
-        if self.awaited(now):
+        if self.awaited(now, version):
             return
         top = max([self.next or 0] + [x.end for x in self.grants])
         first_block = -(-top // g.GRANT_BLOCK)
@@ -185,4 +197,4 @@ class GroupNumbers:
         except StorageError as exc:
             self.log(f"warning: {exc}")
             return
-        self.asked = (first_block, now)
+        self.asked = (first_block, now, version)
