@@ -7,10 +7,11 @@ missing. So numbers are bound to versions by the trainer, and the draw of a numb
 until it is bound:
 
 1. The volunteer asks: an empty object `rollouts/<version>/<id>/ask-<first block>-<blocks>`
-   (ask_key), in the folder of the version it wants to sample with. The trainer lists it with
-   the shards.
+   (ask_key), in the folder of the newest version it has read (at its quota, of the next
+   one, not published yet: an ask ahead). The trainer lists it with the shards of the window.
 2. The trainer grants the next `blocks` blocks of GRANT_BLOCK numbers that it has not granted
-   this id before (never the same block twice), bound to that version, by writing
+   this id before (never the same block twice), bound to the newest version it published
+   (an ask ahead is answered once its version is published), by writing
    `grants/<id>.json` (GrantBook, signed like a manifest): the id's last GRANTS_KEPT grants,
    each with the nonce of every block it grants.
 3. The volunteer samples each number of a granted block with that version's weights, its
