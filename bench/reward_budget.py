@@ -149,13 +149,13 @@ class Burner:
         (volunteer.numbering): the trainer grants under its newest version when it answers,
         which may be past `manifest`'s; (-1, []) if it has not granted them yet."""
         low = manifest["version"] - manifest["max_staleness"]
+        book.refresh()  # the grant of the last tick's ask: a tick later it would have left the window
         batch = book.batch(HOSTILE_GROUPS)
         while batch is not None and batch.version < low:  # its version left the window
             book.skip(batch)
             batch = book.batch(HOSTILE_GROUPS)
         if batch is None:
             book.ask(manifest["version"], HOSTILE_GROUPS)
-            book.refresh()
             return -1, []
         book.sampled(batch)
         return batch.version, [(n, batch.nonce(n)) for n in range(batch.first, batch.first + batch.count)]
