@@ -70,6 +70,16 @@ def run(tmp_path_factory, template):
             "vols": {f"vol-{i}": v.text() for i, v in zip((1, 2), vols)}, "codes": codes}
 
 
+def test_honest_volunteers_have_no_number_missing(run):
+    """Issue 41, point 7, in this mode (one trainer process, volunteers waiting at their quotas): every number
+    granted to an honest volunteer whose version left the window was received."""
+    fleet = json.loads((run["bucket"] / "fleet.json").read_text())["volunteers"]
+    assert set(fleet) == {"vol-1", "vol-2"}, fleet
+    for row in fleet.values():
+        assert row["groups_numbered"] > 0 and row["groups_missing"] == 0, fleet
+        assert row["rejected_shards"] == 0 and not row["held_back"], fleet
+
+
 def test_versions_increase(run):
     versions = published_versions(run["bucket"])
     assert versions == list(range(len(versions))) and len(versions) >= 4

@@ -94,6 +94,16 @@ def test_the_writer_alone_reports_every_step_to_tensorboard(run):
     assert "train/loss" in acc.Tags()["scalars"]
 
 
+def test_honest_volunteers_have_no_number_missing(run):
+    """Issue 41, point 7, in this mode (a trainer of 2 ranks, volunteers waiting at their quotas): every number
+    granted to an honest volunteer whose version left the window was received."""
+    fleet = json.loads((run["bucket"] / "fleet.json").read_text())["volunteers"]
+    assert set(fleet) == {"vol-1", "vol-2"}, fleet
+    for row in fleet.values():
+        assert row["groups_numbered"] > 0 and row["groups_missing"] == 0, fleet
+        assert row["rejected_shards"] == 0 and not row["held_back"], fleet
+
+
 def test_fleet_json_and_vrl_status_say_the_trainer_ran_as_2_ranks_and_stopped(run):
     trainer = json.loads((run["bucket"] / "fleet.json").read_text())["trainer"]
     assert trainer["ranks"] == 2 and trainer["stopped_at"] is not None, trainer
