@@ -82,3 +82,16 @@ def wait_for_ask(bucket: Path, volunteer: str, version: int | None = None,
     asks = Path(bucket) / layout.ROLLOUTS
     wait_for(lambda: list(asks.glob(f"{folder}/{volunteer}/ask-*")), timeout,
              f"{volunteer}'s ask for numbers")
+
+
+def assert_none_missing(bucket: Path, volunteers: set[str]) -> None:
+    """fleet.json lists exactly `volunteers`, each with numbers closed (granted under versions
+    that left the window), none of them missing, no shard rejected and nothing held back:
+    what issue 41 (point 7) asks of honest volunteers in every mode."""
+    from volunteer_rl.protocol import layout
+
+    fleet = json.loads((Path(bucket) / layout.FLEET).read_text())["volunteers"]
+    assert set(fleet) == volunteers, fleet
+    for row in fleet.values():
+        assert row["groups_numbered"] > 0 and row["groups_missing"] == 0, fleet
+        assert row["rejected_shards"] == 0 and not row["held_back"], fleet

@@ -121,6 +121,34 @@ class Recorder(threading.Event):
         return super().wait(timeout)
 
 
+def volunteer_with_granter(tmp_path, m, prompts_per_batch, log):
+    """A Volunteer holding manifest `m` (nothing loaded: tests stub generation), its stop a
+    Recorder, trusting a fresh key; and the trainer's Granter for that key with the record of
+    numbers it grants, to answer the volunteer's asks as a trainer's polls do."""
+    from volunteer_rl.config import VolunteerConfig
+    from volunteer_rl.protocol.signing import Ed25519PrivateKey
+    from volunteer_rl.trainer.granting import Granter
+    from volunteer_rl.trainer.withheld import GroupNumbers
+    from volunteer_rl.volunteer.loop import Volunteer
+
+    cfg = VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me",
+                          prompts_per_batch=prompts_per_batch, shard_groups=100, shard_seconds=1e9,
+                          poll_seconds=0.02, heartbeat_seconds=0, work_dir=str(tmp_path / "w"))
+    v = Volunteer(cfg, log=log)
+    v.manifest, v.stop = m, Recorder(v)
+    key = Ed25519PrivateKey.generate()
+    v.numbers.trust = Trust(public_key_text(key))
+    received = GroupNumbers()
+    return v, Granter(v.storage, m.run_id, key, received, log=lambda line: None), received
+
+
+def asks_in(storage) -> list[str]:
+    """The ask objects in the bucket, every version's."""
+    from volunteer_rl.protocol.grants import parse_ask_key
+
+    return [k for k in storage.list("rollouts") if parse_ask_key(k)]
+
+
 def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wait(tmp_path, monkeypatch):
     """The loop itself (Volunteer.run) with generation stubbed and a trainer's Granter
     answering its asks: it asks for numbers of a version only within the quota, the groups
@@ -128,26 +156,13 @@ def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wa
     heartbeat says `waiting`, and after `wait_seconds` without a new version another quota's
     worth is asked for and sampled, then twice that."""
     from helpers.status_fixtures import manifest as status_manifest
-    from volunteer_rl.config import VolunteerConfig
-    from volunteer_rl.protocol.grants import parse_ask_key
-    from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
-    from volunteer_rl.trainer.granting import Granter
     from volunteer_rl.trainer.groups import Window
-    from volunteer_rl.trainer.withheld import GroupNumbers
-    from volunteer_rl.volunteer.loop import Volunteer
 
     quota = Quota(groups=8, wait_seconds=0.3)  # a whole block of numbers (GRANT_BLOCK)
     m = status_manifest(version=3)
     m = type(m)(**{**m.__dict__, "quota": quota})
-    cfg = VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", prompts_per_batch=4,
-                          shard_groups=100, shard_seconds=1e9, poll_seconds=0.02,
-                          heartbeat_seconds=0, work_dir=str(tmp_path / "w"))
     lines = []
-    v = Volunteer(cfg, log=lines.append)
-    v.manifest, v.stop = m, Recorder(v)
-    key = Ed25519PrivateKey.generate()
-    v.numbers.trust = Trust(public_key_text(key))
-    granter = Granter(v.storage, m.run_id, key, GroupNumbers(), log=lambda line: None)
+    v, granter, _ = volunteer_with_granter(tmp_path, m, 4, lines.append)
     monkeypatch.setattr(v, "poll", lambda: m)  # the same version, never a new one
     calls = []  # (time, groups sampled, groups in the bucket then)
 
@@ -163,8 +178,7 @@ def test_a_volunteer_stops_at_the_quota_flushes_and_samples_another_after_the_wa
 
     def trainer():  # answers the asks as a trainer's polls do
         while not v.stop.is_set():
-            granter.answer([k for k in v.storage.list("rollouts") if parse_ask_key(k)],
-                           Window(3, 2, {1, 2, 3}))
+            granter.answer(asks_in(v.storage), Window(3, 2, {1, 2, 3}))
             time.sleep(0.01)
     answering = threading.Thread(target=trainer, daemon=True)
     answering.start()
@@ -187,27 +201,15 @@ def test_a_volunteer_stopped_at_its_quota_samples_the_grant_of_its_ask_ahead(tmp
     the quota's wait) and samples it before it exits, since numbers granted after it left
     would count as missing."""
     from helpers.status_fixtures import manifest as status_manifest
-    from volunteer_rl.config import VolunteerConfig
     from volunteer_rl.protocol.grants import parse_ask_key
-    from volunteer_rl.protocol.signing import Ed25519PrivateKey, Trust, public_key_text
-    from volunteer_rl.trainer.granting import Granter
     from volunteer_rl.trainer.groups import Window
-    from volunteer_rl.trainer.withheld import GroupNumbers
-    from volunteer_rl.volunteer.loop import Volunteer
 
     quota = Quota(groups=8, wait_seconds=20.0)  # no second quota of v3 in this test
     m3 = status_manifest(version=3)
     m3 = type(m3)(**{**m3.__dict__, "quota": quota})
     m4 = type(m3)(**{**m3.__dict__, "version": 4})
-    cfg = VolunteerConfig(bucket=str(tmp_path / "b"), volunteer_id="me", prompts_per_batch=8,
-                          shard_groups=100, shard_seconds=1e9, poll_seconds=0.02,
-                          heartbeat_seconds=0, work_dir=str(tmp_path / "w"))
-    v = Volunteer(cfg, log=lambda line: None)
-    v.manifest, v.stop = m3, Recorder(v)
-    key = Ed25519PrivateKey.generate()
-    v.numbers.trust = Trust(public_key_text(key))
-    received = GroupNumbers()
-    granter = Granter(v.storage, m3.run_id, key, received, log=lambda line: None)
+    v, granter, received = volunteer_with_granter(tmp_path, m3, 8, lambda line: None)
+
     def poll():  # v3 stays the newest manifest read: v4 is published after the stop
         v.latest, v.last_manifest_ok = m3, time.time()
         return m3
@@ -224,7 +226,7 @@ def test_a_volunteer_stopped_at_its_quota_samples_the_grant_of_its_ask_ahead(tmp
     monkeypatch.setattr(v, "_generate", generate)
 
     def asks():
-        return [k for k in v.storage.list("rollouts") if parse_ask_key(k)]
+        return asks_in(v.storage)
 
     def trainer():
         deadline = time.time() + 30  # a volunteer that never asks ahead fails, never hangs

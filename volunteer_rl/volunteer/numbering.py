@@ -5,9 +5,10 @@ A volunteer numbers nothing itself. It asks for the blocks after the last one it
 granted, for the newest version it has seen, with an empty object the trainer lists
 (`ask`); the trainer's grant object (`refresh`) says which blocks it got, for which version,
 with the nonce that keys each block's prompt and noise. A volunteer at the manifest's quota
-asks ahead, for the version after the newest: the trainer answers that ask as soon as it has
-published that version, so the grant is waiting when the volunteer sees the new manifest. Numbers are sampled in order, each
-with its grant's version: the loop loads that version first (volunteer.loop).
+asks ahead, for the version after the newest: the trainer answers that ask at its first poll
+after publishing that version, with no round trip once the volunteer sees the new manifest.
+Numbers are sampled in order, each with its grant's version: the loop loads that version
+first (volunteer.loop).
 
 <work_dir>/<id>/group-numbers.json keeps the first number not yet sampled, written after each
 batch, so a restarted volunteer goes on where it stopped: a batch cut short by a crash is
