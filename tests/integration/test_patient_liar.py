@@ -97,3 +97,41 @@ def test_a_patient_liar_gets_no_lying_group_trained_and_is_denied_at_its_first_f
     assert len(sent) == 1, sent  # denied at its first forgery: the rest never sent
     denylist = json.loads(bucket.read(layout.DENYLIST))["volunteers"]
     assert "patient" in denylist and "forged" in denylist["patient"]["reason"], denylist
+
+
+def test_a_lie_of_the_version_in_hand_fails_in_the_steps_own_forward_and_is_never_trained(
+        template, tmp_path):
+    """The trainer holds v(V) and has taken no step since: a group of V is replayed by the
+    step's own forward (trainer.step.StepReplay), not before the step. A liar's first shard,
+    one honest group, is audited as a newcomer's; its second, one lying group, is past
+    `--audit-full-groups 1` and taken unaudited. The batch of the two fails inside the step:
+    no update, the lie's shard rejected, the liar denied. A bystander's batch is the step."""
+    groups = template.groups("quick", V)
+    lie = next(f for f in (forged(template, g) for g in groups[1:]) if f is not None)
+    bucket = FolderBucket(template.copy(tmp_path / "bucket"))
+    proc = Proc(["trainer", *bucket.args, "--groups-per-step", "2", *PICKED, "--max-steps", "1",
+                 "--audit-full-groups", "1", "--eval-every", "0",
+                 "--eval-dataset", str(template.eval_csv), "--threads", "1",
+                 "--poll-seconds", "0.05", "--log-shards", "--work-dir", str(tmp_path / "work"),
+                 "--signing-key", str(template.key)], tmp_path / "trainer.log", tmp_path,
+                env={"OMP_NUM_THREADS": "1"})
+    try:
+        first = bucket.put(key("quick", "a"), gz_lines(as_dicts(groups[:1], "quick")))
+        wait_for(lambda: f"took {first}" in proc.text(), 300, "the honest shard taken")
+        sent = bucket.put(key("quick", "b"), gz_lines(as_dicts([lie], "quick")))
+        wait_for(lambda: "denied volunteer quick" in proc.text() or STEP.search(proc.text()),
+                 300, "the lie's outcome")
+        bucket.put(key("bystander", "s"),
+                   gz_lines(as_dicts(template.groups("bystander", V)[:2], "bystander")))
+        assert proc.wait(300) == 0, proc.text()[-3000:]
+    finally:
+        proc.kill()
+    log = proc.text()
+    assert f"took {sent}" in log, log[-3000:]  # taken unaudited: the step found it
+    done = trained(bucket)
+    assert (sent, 0) not in done and (first, 0) not in done, (done, log[-3000:])
+    assert {k for k, _ in done} == {key("bystander", "s")}, done
+    quarantined = json.loads(bucket.read(layout.quarantine_key(sent)))
+    assert quarantined["reason"] == "replay_mismatch", quarantined
+    denylist = json.loads(bucket.read(layout.DENYLIST))["volunteers"]
+    assert "forged" in denylist["quick"]["reason"], denylist

@@ -7,9 +7,10 @@ import torch
 
 from volunteer_rl.model import replay_forward
 from volunteer_rl.model.policy import encode_prompts, load_policy
-from volunteer_rl.model.replay import replay
+from volunteer_rl.model.replay import replay, replay_scored, replays_in_training
 from volunteer_rl.model.replay_forward import CALL_POSITIONS, by_length, replay_logits, tree_ok
 from volunteer_rl.model.sampling import sample
+from volunteer_rl.model.scoring import completion_logits
 from volunteer_rl.model.tiny import build_tokenizer
 from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.task.calculator_generate import generate_problems
@@ -172,18 +173,27 @@ def test_verdicts_are_the_same_as_a_row_per_completion_and_a_forged_token_is_cau
     swapped, and its siblings still pass."""
     policy = policies[arch]
     prompts = prompts_of(policy)
+    comps, keys, forged, shared = with_a_forgery(policy, prompts)
+    tree = replay(policy, prompts, comps, keys, T)
+    monkeypatch.setattr(replay_forward, "tree_ok", lambda policy: False)
+    padded = replay(policy, prompts, comps, keys, T)
+    assert_same_verdicts(tree, padded, forged, shared)
+
+
+def with_a_forgery(policy, prompts):
+    """Honest completions and keys, one of them forged: in a completion that shares a prefix
+    with another of its group, a token after that prefix swapped for another. Also the
+    forged completion's index (in group order) and the swapped position."""
     comps, keys = honest(policy, prompts)
-    # a completion that shares a prefix with another of its group: a token after that prefix
-    # swapped for another
     g, j, shared = next((g, j, n) for g, cs in enumerate(comps) for j, c in enumerate(cs)
                         for o in cs[j + 1:] for n in [common(c, o)] if 0 < n < len(c))
     victim = list(comps[g][j])
     victim[shared] = next(t for t in range(3, len(policy.tokenizer)) if t != victim[shared])
     comps[g][j] = victim
-    tree = replay(policy, prompts, comps, keys, T)
-    monkeypatch.setattr(replay_forward, "tree_ok", lambda policy: False)
-    padded = replay(policy, prompts, comps, keys, T)
-    forged = g * K + j
+    return comps, keys, g * K + j, shared
+
+
+def assert_same_verdicts(tree, padded, forged: int, shared: int) -> None:
     assert tree[forged].first_failure(TOL) == shared == padded[forged].first_failure(TOL)
     for i, row in enumerate(tree):
         assert i == forged or row.first_failure(TOL) == -1
@@ -193,6 +203,46 @@ def test_verdicts_are_the_same_as_a_row_per_completion_and_a_forged_token_is_cau
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         finite = [(x, y) for x, y in zip(a.margins, b.margins) if x > -1e300 or y > -1e300]
         assert all(abs(x - y) < 1e-4 for x, y in finite)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gpt2"])
+def test_a_training_steps_forward_gives_the_replays_verdicts(policies, arch):
+    """The trainer's step forward (completion_logits in training mode, with gradients) replays
+    the version in hand's groups (trainer.step.StepReplay): on every architecture whose
+    training mode changes nothing, its verdicts are the replay's, the forgery included."""
+    policy = policies[arch]
+    assert replays_in_training(policy.model)
+    prompts = prompts_of(policy)
+    comps, keys, forged, shared = with_a_forgery(policy, prompts)
+    policy.model.train()
+    try:
+        logits, _, _ = completion_logits(policy, prompts, comps)
+    finally:
+        policy.model.eval()
+    assert logits.requires_grad
+    flat = [c for cs in comps for c in cs]
+    in_step = replay_scored(logits, list(range(len(flat))), flat,
+                            [k for ks in keys for k in ks], T)
+    assert_same_verdicts(in_step, replay(policy, prompts, comps, keys, T), forged, shared)
+
+
+def test_a_model_with_dropout_is_never_replayed_from_a_training_forward(policies, tokenizer,
+                                                                          tmp_path):
+    """GPT-2's default config drops 10 % of its activations in training mode, so its step
+    forward is not what volunteers ran; the same model with every rate at 0 is."""
+    assert not replays_in_training(policies["gpt2"].model)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    rates = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    still = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4,
+                       n_positions=128, **rates)
+    assert replays_in_training(GPT2LMHeadModel(still))
+    still.attn_pdrop = 0.1  # a rate only the config holds still counts
+    model = GPT2LMHeadModel(still)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    assert not replays_in_training(model)
 
 
 def test_prompts_run_apart_only_where_that_saves_more_than_a_call():

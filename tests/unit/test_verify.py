@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import as_dicts, gz_lines, key
@@ -170,3 +171,55 @@ def test_a_forgers_groups_that_passed_an_audit_are_never_trained_either(template
     assert earned not in t.ingest.withdrawn  # audited, so not withdrawn as unaudited shards are
     left = t.ingest.poll(t.window(), IngestStats(), passed + buffer)
     assert {g.volunteer_id for g in left} == {"honest"}, [g.key for g in left]
+
+
+def step_replaying(t: Trainer, batch, stats: IngestStats):
+    """The loop's step with no step since the publish: the version in hand's groups are left
+    by `verified` to the step's own forward. (the step's result, its StepReplay, the groups
+    to wait in front of the buffer)."""
+    check = t.role.step_replay(unpublished=0)
+    assert check is not None and check.version == V
+    assert t.role.verified(batch, stats, check.version) == (batch, [])
+    assert stats.audit.verified == 0  # nothing replayed before the step
+    result = t.learner.step(batch, t.prompt_ids, t.version, check)
+    return result, check, t.role.replayed_in_step(batch, check, stats)
+
+
+def test_a_forgery_of_the_version_in_hand_is_caught_by_the_steps_own_forward_before_any_update(
+        template, trainer):
+    t = trainer
+    trust(t, "honest", "liar")
+    lies = template.groups("liar")
+    lie = first_forgery(template, lies)
+    put(t, "honest", "h1", template.groups("honest")[:3])
+    liar_key = put(t, "liar", "l1", [lie])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    at = next(i for i, g in enumerate(batch) if g.key == liar_key)
+    before = {k: v.clone() for k, v in t.learner.policy.model.state_dict().items()}
+    result, check, passed = step_replaying(t, batch, stats)
+    assert not result.applied and list(check.problems) == [at], check.problems
+    assert check.problems[at][0] == "replay_mismatch"
+    after = t.learner.policy.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update, no moments
+    assert not t.learner.opt.state
+    assert stats.rejected == {"replay_mismatch": 1}, stats.rejected
+    assert stats.audit.verify_failed == 1 and stats.audit.verified == len(batch), stats.audit
+    quarantined = json.loads(t.storage.read(layout.quarantine_key(liar_key)))
+    assert quarantined["reason"] == "replay_mismatch"
+    assert t.fleet.is_denied("liar") and "forged" in t.fleet.denied["liar"]["reason"]
+    assert [g.key for g in passed] == [key("honest", "h1")] * 3 and all(g.verified for g in passed)
+
+
+def test_honest_groups_of_the_version_in_hand_are_replayed_by_the_step_itself(template, trainer):
+    t = trainer
+    trust(t, "steady")
+    put(t, "steady", "s1", template.groups("steady")[:4])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    result, check, passed = step_replaying(t, batch, stats)
+    assert result.applied and passed == [] and not check.problems
+    assert check.replayed == 4 and stats.audit.verified == 4 and stats.audit.verify_seconds > 0
+    assert all(g.verified for g in batch)
+    # after a step the weights are no version's: every group is replayed before the next one
+    assert t.role.step_replay(unpublished=1) is None

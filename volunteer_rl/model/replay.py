@@ -93,14 +93,14 @@ def replay(policy: Policy, prompts: list[list[int]], completions: list[list[list
             chunk, width = chunk + [i], w
         todo = todo[len(chunk):]
         for i, row in zip(chunk, _replay_rows(policy, prompts, [rows[i] for i in chunk],
-                                              temperature, vocab)):
+                                              temperature)):
             result[i] = row
     return result
 
 
 def _replay_rows(policy: Policy, prompts: list[list[int]],
-                 rows: list[tuple[int, list[int], bytes]], temperature: float,
-                 vocab: int) -> list[ReplayRow]:
+                 rows: list[tuple[int, list[int], bytes]], temperature: float
+                 ) -> list[ReplayRow]:
     """Replay non-empty completions, in group order: one forward for them all, each distinct
     prefix of a prompt's completions computed once (model.replay_forward), then the noise and
     scores of every row's positions in slices of at most CHUNK_BYTES."""
@@ -114,18 +114,41 @@ def _replay_rows(policy: Policy, prompts: list[list[int]],
             last = g
         groups[-1].append(tokens)
     logits, at_rows = replay_logits(policy, used, groups)
+    return score_rows(logits, at_rows, [(tokens, key) for _, tokens, key in rows], temperature)
+
+
+@torch.no_grad()
+def replay_scored(logits: torch.Tensor, rows: list[int], completions: list[list[int]],
+                  draw_keys: list[bytes], temperature: float) -> list[ReplayRow]:
+    """Replay completions whose logits a forward already computed, as model.scoring
+    .completion_logits gives them (the trainer's step forward): `logits` [R, T, V], and for
+    each completion its row of them (`rows`), which predicts its tokens from column 0, and its
+    committed key. The noise and scores are those of `replay`; no gradient flows."""
+    width = logits.shape[1]
+    at = [[r * width + p for p in range(len(c))] for r, c in zip(rows, completions)]
+    return score_rows(logits.detach().reshape(-1, logits.shape[-1]), at,
+                      list(zip(completions, draw_keys)), temperature)
+
+
+def score_rows(logits: torch.Tensor, at_rows: list[list[int]],
+               rows: list[tuple[list[int], bytes]], temperature: float) -> list[ReplayRow]:
+    """The ReplayRow of each (tokens, draw key) of `rows`, its token at position p predicted
+    by logits[at_rows[i][p]] ([N, V]): the committed noise and the perturbed scores of every
+    position, gathered and scored in slices of at most CHUNK_BYTES."""
+    vocab = logits.shape[-1]
+    if not any(tokens for tokens, _ in rows):
+        return [ReplayRow([], [], [], []) for _ in rows]
     # Every row's positions, in (row, position) order, as indices into the forward's rows.
-    words = key_words([key for _, _, key in rows], policy.device)
-    lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], device=words.device)
+    words = key_words([key for _, key in rows], logits.device)
+    lengths = torch.tensor([len(tokens) for tokens, _ in rows], device=words.device)
     flat_words = words.repeat_interleave(lengths, 0)
-    flat_pos = torch.cat([torch.arange(len(tokens), device=words.device) for _, tokens, _ in rows])
+    flat_pos = torch.cat([torch.arange(len(tokens), device=words.device) for tokens, _ in rows])
     at = torch.tensor([i for row in at_rows for i in row], device=logits.device)
-    flat_logits = logits[at]
-    flat_tokens = torch.tensor([t for _, tokens, _ in rows for t in tokens], device=logits.device)
+    flat_tokens = torch.tensor([t for tokens, _ in rows for t in tokens], device=logits.device)
     step = max(1, CHUNK_BYTES // (vocab * 8))
     margin, logps, drawn, second = [], [], [], []
     for a in range(0, len(flat_tokens), step):
-        z = flat_logits[a:a + step]
+        z = logits[at[a:a + step]]
         t = flat_tokens[a:a + step]
         scores = perturbed(z, temperature, gumbel_noise(flat_words[a:a + step],
                                                          flat_pos[a:a + step], vocab))
@@ -138,9 +161,29 @@ def _replay_rows(policy: Policy, prompts: list[list[int]],
     logp_list = torch.cat(logps).tolist()
     drawn_list, second_list = torch.cat(drawn).tolist(), torch.cat(second).tolist()
     out, start = [], 0
-    for _, tokens, _ in rows:
+    for tokens, _ in rows:
         end = start + len(tokens)
         out.append(ReplayRow(margin_list[start:end], logp_list[start:end],
                              drawn_list[start:end], second_list[start:end]))
         start = end
     return out
+
+
+def replays_in_training(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward in training mode computes what its inference forward does, so
+    a training step's logits can be replayed (`replay_scored`): no dropout module with a rate
+    above 0 and no dropout rate above 0 in its config (attention dropout is often a functional
+    call that only the config's rate turns on)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return False
+
+    def rates(d: dict):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from rates(v)
+            elif (isinstance(k, str) and ("dropout" in k or "pdrop" in k)
+                  and isinstance(v, (int, float))):
+                yield v
+
+    config = getattr(model, "config", None)
+    return config is None or not any(r > 0 for r in rates(config.to_dict()))

@@ -66,5 +66,12 @@ def token_logprobs(policy: Policy, prompts: list[list[int]], completions: list[l
     if any(len(c) != k for c in completions):
         raise ValueError("every prompt needs the same number of completions")
     logits, c_ids, c_mask = completion_logits(policy, prompts, completions)
+    return logprobs_at(logits, c_ids, c_mask, temperature)
+
+
+def logprobs_at(logits: torch.Tensor, c_ids: torch.Tensor, c_mask: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_logits`' output as token_logprobs returns it: logp [rows, T] of each
+    completion token under logits / temperature, and the mask [rows, T] in logp's dtype."""
     logp = logprobs_of(logits, max(temperature, 1e-6)).gather(-1, c_ids[..., None])[..., 0]
     return logp, c_mask.to(logp.dtype)

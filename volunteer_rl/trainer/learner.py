@@ -34,7 +34,7 @@ from volunteer_rl.trainer.state import (
     save_sharded_optimizer,
     save_state,
 )
-from volunteer_rl.trainer.step import StepResult, train_step
+from volunteer_rl.trainer.step import StepReplay, StepResult, train_step
 
 
 class Learner:
@@ -73,10 +73,11 @@ class Learner:
         self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
 
     def step(self, batch: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-             version: int) -> StepResult:
-        """One optimizer step on `batch` (trainer.step.train_step), collective under ranks."""
+             version: int, check: StepReplay | None = None) -> StepResult:
+        """One optimizer step on `batch` (trainer.step.train_step), collective under ranks;
+        `check`: the groups its forward replays first (one process)."""
         return train_step(self.policy, self.opt, batch, prompt_ids, version, self.cfg,
-                          ranks=self.ranks)
+                          ranks=self.ranks, check=check)
 
     def save(self, version: int, run_id: str, volunteers: dict, numbers: dict,
              master: torch.nn.Module | None) -> None:

@@ -226,8 +226,10 @@ class Trainer:
             buffer, batch, stale, fresh = role.intake_round(buffer, stats, self.window())
             stale_dropped += stale
             t_ingest += time.time() - t0
+            check = role.step_replay(unpublished)  # the version in hand's, replayed in the step
             if batch is not None:  # every group replayed before it is trained (trainer.verify)
-                batch, passed = role.verified(batch, stats)
+                leave = None if check is None else check.version
+                batch, passed = role.verified(batch, stats, leave)
                 if batch is None:
                     buffer = passed + buffer
                     continue
@@ -238,7 +240,12 @@ class Trainer:
                 waited += cfg.poll_seconds  # (followers wait in the next message's collective)
                 continue
             t0 = time.time()
-            result = learner.step(batch, self.prompt_ids, self.version)
+            result = learner.step(batch, self.prompt_ids, self.version, check)
+            if check is not None:
+                passed = role.replayed_in_step(batch, check, stats)
+                if check.problems:
+                    buffer = passed + buffer
+                    continue
             if not result.applied:
                 buffer = self.refuse_step(role.own(batch) + buffer, batch, result, stats)
                 continue

@@ -15,6 +15,7 @@ from typing import Callable
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.policy import encode_prompts
+from volunteer_rl.model.replay import replays_in_training
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.grants import grant_secret
 from volunteer_rl.protocol.manifest import Manifest
@@ -33,6 +34,7 @@ from volunteer_rl.trainer.ranks import Ranks, leave, rank_share
 from volunteer_rl.trainer.records import record_groups
 from volunteer_rl.trainer.reward_budget import RewardBudget, RewardShares
 from volunteer_rl.trainer.shares import Share, agree_on_batch
+from volunteer_rl.trainer.step import StepReplay
 from volunteer_rl.trainer.verify import Verdict, verify
 from volunteer_rl.trainer.withheld import GroupNumbers, hold_back
 
@@ -136,24 +138,58 @@ class Single:
             return None, 0, stale, len(fresh)
         return fresh[:size], size, stale, len(fresh)
 
-    def verified(self, batch: list[ScoredGroup],
-                 stats: IngestStats) -> tuple[list[ScoredGroup] | None, list[ScoredGroup]]:
+    def verified(self, batch: list[ScoredGroup], stats: IngestStats, leave: int | None = None
+                 ) -> tuple[list[ScoredGroup] | None, list[ScoredGroup]]:
         """(`batch`, []) if every group of it passed its replay (trainer.verify; with
         --verify every and audits on), else (None, the groups of this rank's volunteers that
         passed): no step this round, those wait in front of the buffer, the failures' shards
         are rejected (Ingest.failed_replay) and the groups that could not be replayed
-        withdrawn. Under ranks every rank calls it on the same batch (Ranked.settle)."""
+        withdrawn. `leave`: the version whose groups the step's own forward replays
+        (step_replay). Under ranks every rank calls it on the same batch (Ranked.settle)."""
         cfg, p = self.cfg, self.publisher
         if cfg.verify != "every" or cfg.audit_tolerance <= 0:
             return batch, []
         mine = verify(p.held, batch, self.verify_share(len(batch)), self.prompt_ids, p.run_id,
-                      self.ingest.log_trace)
+                      self.ingest.log_trace, leave)
         stats.audit.verified += mine.replayed
         stats.audit.verify_failed += len(mine.problems)
         stats.audit.verify_seconds += mine.seconds
         verdict = self.settle(mine)
         if verdict.clean:
             return batch, []
+        return None, self.drop_failed(batch, verdict, stats)
+
+    def step_replay(self, unpublished: int) -> StepReplay | None:
+        """What the step's own forward replays (trainer.step.StepReplay): the groups of the
+        version in hand, when its weights are exactly that version's as volunteers load them
+        (fp32 weights, no step since its publish: `unpublished` is 0) and training mode
+        leaves the forward as it is; None otherwise, and always under ranks (Ranked)."""
+        cfg, p = self.cfg, self.publisher
+        if (cfg.verify != "every" or cfg.audit_tolerance <= 0 or cfg.weights_dtype != "fp32"
+                or unpublished or not self.replays_in_training):
+            return None
+        return StepReplay(p.version, p.run_id)
+
+    @functools.cached_property
+    def replays_in_training(self) -> bool:
+        return replays_in_training(self.publisher.learner.policy.model)
+
+    def replayed_in_step(self, batch: list[ScoredGroup], check: StepReplay,
+                         stats: IngestStats) -> list[ScoredGroup]:
+        """After the step's own forward replayed `check`'s groups: its figures counted, and
+        if one failed (the step was not applied) the groups of `batch` to wait in front of
+        the buffer, as `verified` leaves them; [] when none failed."""
+        stats.audit.verified += check.replayed
+        stats.audit.verify_failed += len(check.problems)
+        stats.audit.verify_seconds += check.seconds
+        if not check.problems:
+            return []
+        return self.drop_failed(batch, Verdict(problems=check.problems), stats)
+
+    def drop_failed(self, batch: list[ScoredGroup], verdict: Verdict,
+                    stats: IngestStats) -> list[ScoredGroup]:
+        """The failures' shards rejected and the unverifiable groups withdrawn; the groups of
+        this rank's volunteers that passed, marked verified."""
         for i, (reason, detail) in sorted(verdict.problems.items()):
             if self.owns_shard(batch[i].key):
                 self.ingest.failed_replay(batch[i], reason, detail, stats)
@@ -164,7 +200,7 @@ class Single:
         passed = [g for i, g in enumerate(batch) if i not in bad]
         for g in passed:  # replayed by some rank, or before
             g.verified = True
-        return None, self.own(passed)
+        return self.own(passed)
 
     def verify_share(self, n: int) -> range:
         """The indices of a batch of `n` groups this rank replays: all of them here."""
@@ -228,6 +264,11 @@ class Ranked(Single):
     def hear_polls(self, reports: list[dict], stats: IngestStats) -> int:
         """The writer: the other ranks' polls taken in; the groups gone stale there."""
         return 0
+
+    def step_replay(self, unpublished: int) -> StepReplay | None:
+        """None: a rank's forward holds only its share of the rows, and the ranks' backward is
+        collective, so every group is replayed before the step (verified)."""
+        return None
 
     def verify_share(self, n: int) -> range:
         """This rank's contiguous 1/world_size of the batch, as for the loss (rank_share)."""

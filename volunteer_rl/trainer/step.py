@@ -10,6 +10,7 @@ and FSDP2 reduces the gradients (the trainer under torchrun: learner.Learner.ste
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,8 +19,8 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.replay import replay
-from volunteer_rl.model.scoring import token_logprobs
+from volunteer_rl.model.replay import ReplayRow, replay, replay_scored
+from volunteer_rl.model.scoring import completion_logits, logprobs_at
 from volunteer_rl.protocol.draws import group_keys
 from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.losses import (
@@ -52,6 +53,51 @@ class StepResult:
     """False when the loss or the gradient norm was not finite: the optimizer was not stepped."""
 
 
+@dataclass
+class StepReplay:
+    """The step's own forward replaying the groups of `version` not verified yet, each
+    micro-batch's before its backward (trainer.verify's cheaper path: the forward the loss
+    needs anyway gives the logits the replay needs). Only valid while the weights in hand are
+    `version`'s exactly as volunteers load them: fp32 weights, one process, no step since
+    `version` was published, and a forward that training mode leaves as it is
+    (model.replay.replays_in_training); roles.Single.step_replay decides.
+
+    The first micro-batch with a failure ends the step unapplied: its backward never runs, and
+    `problems` names the failures by index into the batch. Groups of the micro-batches before
+    it that passed are marked verified."""
+
+    version: int
+    run_id: str
+    problems: dict[int, tuple[str, str]] = field(default_factory=dict)
+    replayed: int = 0
+    seconds: float = 0.0
+
+    def scan(self, groups: list[ScoredGroup], offset: int, logits: torch.Tensor,
+             cfg: TrainerConfig) -> None:
+        """Replay the groups of `groups` (the batch's from index `offset`) that are this
+        one's to replay, from their micro-batch's `logits` [rows, T, V] (completion_logits)."""
+        started = time.monotonic()
+        row, todo = 0, []
+        for i, g in enumerate(groups):
+            if not g.verified and g.policy_version == self.version:
+                todo.append((i, range(row, row + len(g.token_ids))))
+            row += len(g.token_ids)
+        if not todo:
+            return
+        mine = [groups[i] for i, _ in todo]
+        keys = [k for g in mine for k in _draw_keys(self.run_id, g)]
+        rows = replay_scored(logits, [r for _, rs in todo for r in rs],
+                             [c for g in mine for c in g.token_ids], keys, cfg.temperature)
+        found = group_problems(mine, iter(rows), cfg.replay_tolerance, cfg.audit_tolerance)
+        for (i, _), g, problem in zip(todo, mine, found):
+            if problem is None:
+                g.verified = True
+            else:
+                self.problems[offset + i] = problem
+        self.replayed += len(todo)
+        self.seconds += time.monotonic() - started
+
+
 def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tensor:
     out = torch.zeros((len(rows), width), device=device)
     for i, lp in enumerate(rows):
@@ -60,15 +106,18 @@ def _behavior_tensor(rows: list[list[float]], width: int, device) -> torch.Tenso
 
 
 def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
-              version: int, cfg: TrainerConfig,
-              ranks: Ranks = SINGLE) -> tuple[float, int, Counter]:
+              version: int, cfg: TrainerConfig, ranks: Ranks = SINGLE,
+              check: StepReplay | None = None) -> tuple[float, int, Counter]:
     """Accumulate the step's gradient over micro-batches; (loss, tokens, GRPO statistics).
 
     With several ranks (trainer.ranks) every rank holds all of `groups` and computes only its
     share of the rows: the token count the loss is a mean over is the whole step's, so the
     ranks' parts sum to the single process's loss, and each part is scaled so that FSDP2's
     mean of the ranks' gradients is their sum. The loss and statistics returned are this
-    rank's part (train_step sums them over the ranks)."""
+    rank's part (train_step sums them over the ranks).
+
+    `check` (one process only): each micro-batch's forward replays its groups first, and the
+    first micro-batch with a failure ends the pass before its backward."""
     total_tokens = sum(len(c) for g in groups for c in g.token_ids)
     groups = groups[rank_share(len(groups), ranks)]
     scale = gradient_scale(ranks)  # 1.0 in a single process
@@ -79,8 +128,13 @@ def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, l
     loss_sum, stats = 0.0, Counter()
     for s in range(0, len(groups), per_micro):
         chunk = groups[s:s + per_micro]
-        logp, mask = token_logprobs(policy, [prompt_ids[g.prompt_id] for g in chunk],
-                                    [g.token_ids for g in chunk], cfg.temperature)
+        logits, c_ids, c_mask = completion_logits(
+            policy, [prompt_ids[g.prompt_id] for g in chunk], [g.token_ids for g in chunk])
+        if check is not None:
+            check.scan(chunk, s, logits, cfg)
+            if check.problems:
+                break
+        logp, mask = logprobs_at(logits, c_ids, c_mask, cfg.temperature)
         a = adv[s:s + per_micro].flatten()
         # Token-level mean over the whole step: scale each micro-batch by its share of tokens.
         share = mask.sum().item() / total_tokens
@@ -100,7 +154,7 @@ def _backward(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[int, l
 
 def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGroup],
                prompt_ids: dict[int, list[int]], version: int, cfg: TrainerConfig,
-               ranks: Ranks = SINGLE) -> StepResult:
+               ranks: Ranks = SINGLE, check: StepReplay | None = None) -> StepResult:
     """One update on `groups` (all with reward variance), accumulating over micro-batches.
 
     The update is not applied when the loss or the gradient norm is not finite: intake floors
@@ -116,10 +170,20 @@ def train_step(policy: Policy, opt: torch.optim.Optimizer, groups: list[ScoredGr
     on its shards): every rank calls this with the same `groups` and computes its share; the
     loss, the statistics and the gradient norm are the whole step's on every rank, so all
     ranks apply the update or all refuse it.
+
+    `check` (StepReplay, one process only): the forward replays the groups it names before
+    their backward; with a failure the step is not applied and `check.problems` says why.
     """
+    if check is not None and ranks.joined:
+        raise ValueError("a step replays in its own forward only in one process")  # a bug
     policy.model.train()
     opt.zero_grad(set_to_none=True)
-    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg, ranks)
+    loss_sum, total_tokens, stats = _backward(policy, groups, prompt_ids, version, cfg, ranks,
+                                              check)
+    if check is not None and check.problems:
+        opt.zero_grad(set_to_none=True)
+        policy.model.eval()
+        return StepResult(math.nan, math.nan, total_tokens, {}, applied=False)
     if ranks.joined:
         names = sorted(stats)
         loss_sum, *summed = sum_over_ranks([loss_sum, *(stats[k] for k in names)], ranks)
@@ -177,15 +241,26 @@ def replay_problems(policy: Policy, groups: list[ScoredGroup], prompt_ids: dict[
     `replay_tolerance` (nats): it was not sampled. `logprob_mismatch`: a claimed behavior
     logprob is further than `logprob_tolerance` (nats) from the recomputed one: other weights
     or another temperature."""
-    keys = [group_keys(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
-                       len(g.token_ids), g.nonce) for g in groups]
-    rows = iter(replay(policy, [prompt_ids[g.prompt_id] for g in groups],
-                       [g.token_ids for g in groups], keys, temperature))
+    keys = [_draw_keys(run_id, g) for g in groups]
+    rows = replay(policy, [prompt_ids[g.prompt_id] for g in groups],
+                  [g.token_ids for g in groups], keys, temperature)
+    return group_problems(groups, iter(rows), replay_tolerance, logprob_tolerance)
+
+
+def _draw_keys(run_id: str, g: ScoredGroup) -> list[bytes]:
+    return group_keys(run_id, g.policy_version, g.volunteer_id, g.seq, g.prompt_id,
+                      len(g.token_ids), g.nonce)
+
+
+def group_problems(groups: list[ScoredGroup], rows, replay_tolerance: float,
+                   logprob_tolerance: float) -> list[tuple[str, str] | None]:
+    """Each group's first failure (see replay_problems) from `rows`, an iterator over the
+    ReplayRow of every completion of `groups` in order."""
     problems: list[tuple[str, str] | None] = []
     for g in groups:
         problem = None
         for j, claimed in enumerate(g.behavior_logprobs):
-            row = next(rows)  # every row is read: the next group's start where this one's end
+            row: ReplayRow = next(rows)  # every row is read, failed group or not
             if problem is not None:
                 continue
             at = f"group {g.line} (seq {g.seq}) completion {j}"

@@ -7,6 +7,10 @@ The cost is one forward pass without gradients per trained group, once: it grows
 the trainer trains, not with what the fleet sends, and a group an intake audit replayed
 already (ScoredGroup.verified) costs nothing more. Groups are replayed one call per version
 of the batch (model.replay batches the rows and shares the forward of identical completions).
+A group sampled with the very weights the step is about to train (fp32 weights, one process,
+no step since their publish) costs no forward at all: the step's own forward replays it
+before its backward (trainer.step.StepReplay, roles.Single.step_replay), and a failure there
+ends the step unapplied, as a failure here stops it before it starts.
 
 This module only finds the failures. What they cost is the intake's (Ingest.failed_replay: the
 shard rejected and its untrained groups withdrawn; a forgery denies its volunteer), and what
@@ -45,14 +49,15 @@ class Verdict:
 
 def verify(held: HeldWeights, batch: list[ScoredGroup], indices: range,
            prompt_ids: dict[int, list[int]], run_id: str,
-           trace: Callable[[str, BaseException], None]) -> Verdict:
+           trace: Callable[[str, BaseException], None], leave: int | None = None) -> Verdict:
     """Replay the groups of `batch` at `indices` that are not verified yet, one call per
-    version; mark those that pass. `trace` logs a fault of the trainer's own with its
+    version; mark those that pass. `leave`: a version whose groups are left to the step's own
+    forward (trainer.step.StepReplay). `trace` logs a fault of the trainer's own with its
     traceback (Ingest.log_trace)."""
     started = time.monotonic()
     todo: dict[int, list[int]] = {}
     for i in indices:
-        if not batch[i].verified:
+        if not batch[i].verified and batch[i].policy_version != leave:
             todo.setdefault(batch[i].policy_version, []).append(i)
     verdict = Verdict(replayed=sum(len(ix) for ix in todo.values()))
     for version, ix in sorted(todo.items()):
