@@ -82,7 +82,7 @@ def results(quick: bool) -> list[Row]:
     total = lambda name, k: sum(r[k] for r in runs[name])  # noqa: E731
     command = "python -m bench.audit_cost" + (" --quick" if quick else "")
     every = (f"{rounds} x {rl:.0f} s of RL per setting, demo setting; with every group verified "
-             f"{mean('every', 'verify_share'):.1%} of the trainer's time replaying before steps "
+             f"{mean('every', 'verify_share'):.1%} of the trainer's time replaying before or in steps "
              f"({total('every', 'verified'):.0f} of {total('every', 'trained'):.0f} trained groups "
              f"replayed there, the rest by intake audits) and {mean('every', 'audit_share'):.1%} "
              f"at intake")
