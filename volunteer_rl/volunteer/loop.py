@@ -464,13 +464,10 @@ class Volunteer:
                     if self._next_batch(m) is None:
                         self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
-                if batch.version != self.manifest.version:
-                    writer.flush()  # its groups belong to the version we are leaving
-                    target = self._manifest_of(batch.version)
-                    if target is None or not self.try_switch(target):
-                        self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
-                        continue
-                    batch = self.numbers.batch(self.allowance.batch)  # the batch size may change
+                batch = self._on_its_version(batch, writer, self.try_switch)
+                if batch is None:
+                    self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
+                    continue
                 if self.numbers.pending() - batch.count < self.allowance.batch:
                     self._ask(latest)  # the next grant arrives while this batch is sampled
                 self._sample(batch, writer)
@@ -502,19 +499,34 @@ class Volunteer:
         as missing."""
         self._await_ask_ahead()
         while (batch := self._next_batch(self.latest)) is not None:
-            if batch.version != self.manifest.version:
-                writer.flush()  # its groups belong to the version we are leaving
-                target = self._manifest_of(batch.version)
-                try:
-                    if target is None:
-                        return
-                    self.switch(target)  # not abortable: the stop already came
-                except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
-                    self.log(f"warning: cannot load v{batch.version} to sample the numbers "
-                             f"granted for it: {exc}; leaving them")
-                    return
-                batch = self.numbers.batch(self.allowance.batch)
+            batch = self._on_its_version(batch, writer, self._switch_stopping)
+            if batch is None:
+                return
             self._sample(batch, writer)
+
+    def _on_its_version(self, batch: Batch, writer: ShardWriter,
+                        load: Callable[[Manifest], bool]) -> Batch | None:
+        """`batch`, or if it is of another version than the one loaded, that version loaded
+        with `load` (the shard in hand flushed first) and the batch taken again (its size may
+        change); None when that version's manifest is gone or `load` failed."""
+        if batch.version == self.manifest.version:
+            return batch
+        writer.flush()  # its groups belong to the version we are leaving
+        target = self._manifest_of(batch.version)
+        if target is None or not load(target):
+            return None
+        return self.numbers.batch(self.allowance.batch)
+
+    def _switch_stopping(self, m: Manifest) -> bool:
+        """Switch to `m` after the stop came (not abortable), to sample the numbers granted
+        for it; a failure is said once and leaves them."""
+        try:
+            self.switch(m)
+        except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+            self.log(f"warning: cannot load v{m.version} to sample the numbers granted for it: "
+                     f"{exc}; leaving them")
+            return False
+        return True
 
     def _await_ask_ahead(self) -> None:
         """Wait for the grant of an unanswered ask ahead (see _finish)."""
