@@ -144,10 +144,10 @@ class Burner:
                                 v, "burner", n, [Completion(c, [-1.0] * len(c), "", 0.0) for c in ids]))
         return encode_shard(groups)
 
-    def _numbers(self, book, manifest: dict) -> tuple[int, list[tuple[int, str]]]:
+    def _numbers(self, book, manifest: dict) -> tuple[int, list[tuple[int, str]]] | None:
         """(version, HOSTILE_GROUPS numbers granted for it), asked for as a volunteer asks
         (volunteer.numbering): the trainer grants under its newest version when it answers,
-        which may be past `manifest`'s; (-1, []) if it has not granted them yet."""
+        which may be past `manifest`'s; None if it has not granted them yet."""
         low = manifest["version"] - manifest["max_staleness"]
         book.refresh()  # the grant of the last tick's ask: a tick later it would have left the window
         batch = book.batch(HOSTILE_GROUPS)
@@ -156,7 +156,7 @@ class Burner:
             batch = book.batch(HOSTILE_GROUPS)
         if batch is None:
             book.ask(manifest["version"], HOSTILE_GROUPS)
-            return -1, []
+            return None
         book.sampled(batch)
         return batch.version, [(n, batch.nonce(n)) for n in range(batch.first, batch.first + batch.count)]
 
@@ -176,9 +176,10 @@ class Burner:
                     book = GroupNumbers(Path(tempfile.mkdtemp()) / "numbers.json", self.storage,
                                         "burner", Trust(allow_unsigned=True), log=lambda m: None)
                     book.start_run(manifest["run_id"])
-                version, numbers = self._numbers(book, manifest)
+                granted = self._numbers(book, manifest)
                 of_version = None
-                if numbers:
+                if granted is not None:
+                    version, numbers = granted
                     try:  # the manifest of the version the numbers were granted under
                         of_version = json.loads(
                             (self.bucket / layout.manifest_history_key(version)).read_text())
