@@ -55,6 +55,21 @@ def forged(template, group):
     """The template's calculator `group` with one completion's first token swapped for another
     ordinary token (one its draw did not select: a lie a replay must catch), that completion's
     reward recomputed; None if the group lost its reward variance (it would not be trained)."""
+    lie = swapped(template, group)
+    return lie if len({c.reward for c in lie.completions}) > 1 else None
+
+
+def covering(template, group):
+    """A made-up group of equal rewards for `group`'s number: `group` (all its rewards equal)
+    with one completion's first token swapped as `forged` does, which no draw gives; never
+    trained, it only makes the number count as received. None if the swap changed a reward."""
+    lie = swapped(template, group)
+    return lie if len({c.reward for c in lie.completions}) == 1 else None
+
+
+def swapped(template, group):
+    """`group` with one completion's first token swapped for another ordinary token, that
+    completion's reward recomputed."""
     policy = template.policy
     vocab = len(policy.tokenizer)
     completions = list(group.completions)
@@ -67,6 +82,4 @@ def forged(template, group):
     reward = completion_reward(CalculatorTask(), template.problems[group.prompt_id], tokens,
                                policy.decode_all, policy.eos_id, policy.special_ids)
     completions[j] = type(completions[j])(tokens, completions[j].logprobs, "", reward)
-    if len({c.reward for c in completions}) < 2:
-        return None
     return type(group)(group.prompt_id, group.policy_version, group.volunteer_id, group.seq, completions)

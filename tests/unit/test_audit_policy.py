@@ -40,6 +40,21 @@ def test_with_every_group_verified_only_volunteers_without_a_record_are_drawn_at
     assert not any(a.due(f"old{i}", 10, 256) for i in range(2000))
 
 
+def test_with_every_group_verified_groups_no_step_replays_are_still_drawn_at_the_rate():
+    """Zero-variance and repeated groups are never trained, so --verify every never replays
+    them: a trusted volunteer's are drawn at the rate sampled audits use (spot_due), per
+    group, from the shard's one draw; with sampled audits `due` draws the whole shard."""
+    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3), trusted=False)
+    assert all(a.spot_due(f"fresh{i}", 10, 1) for i in range(50))  # 10 / 10 clean groups
+    floor = sum(a.spot_due(f"old{i}", 100_000, 1) for i in range(20_000)) / 20_000
+    assert abs(floor - 0.005) < 0.002, floor
+    many = sum(a.spot_due(f"big{i}", 100_000, 256) for i in range(2000)) / 2000
+    assert abs(many - 0.72) < 0.04, many
+    assert not any(a.spot_due(f"none{i}", 10, 0) for i in range(50))
+    sampled = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3))
+    assert not any(sampled.spot_due(f"s{i}", 10, 4) for i in range(50))
+
+
 def test_a_big_shard_is_as_likely_to_be_audited_as_its_groups_in_small_shards():
     """Trust counted in groups: one shard of 256 groups is audited with the chance that any of
     256 one-group shards is, not with the chance of one of them."""

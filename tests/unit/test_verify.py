@@ -14,7 +14,7 @@ import torch
 from conftest import TEMPLATE_VERSION
 
 from helpers.bucket_objects import as_dicts, gz_lines, key
-from helpers.honest_groups import forged
+from helpers.honest_groups import covering, forged
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.protocol import layout
 from volunteer_rl.trainer.fleet import Counts
@@ -223,3 +223,35 @@ def test_honest_groups_of_the_version_in_hand_are_replayed_by_the_step_itself(te
     assert all(g.verified for g in batch)
     # after a step the weights are no version's: every group is replayed before the next one
     assert t.role.step_replay(unpublished=1) is None
+
+
+def test_a_made_up_group_of_equal_rewards_is_drawn_at_its_volunteers_rate_and_denies_it(
+        template, trainer):
+    """A group whose rewards are all equal is never trained, so no step replays it, yet it
+    makes its number count as received: made up, it would cover a number its volunteer kept
+    back. With every trained group verified, a volunteer past `--audit-full-groups` clean
+    groups has no shard drawn whole, but such groups are still drawn at the rate sampled
+    audits use (Auditor.spot_due): 10 / 10 here, so surely."""
+    t = trainer
+    for v in ("coverer", "steady"):
+        t.fleet.counts[v] = Counts(accepted=1, clean=10, accepted_groups=10)
+    cover = next(c for c in map(lambda g: covering(template, g), template.every_group("coverer"))
+                 if c is not None)
+    usable = [g for g in template.groups("coverer") if g.seq > cover.seq][:3]
+    k = put(t, "coverer", "c1", [cover, *usable])
+    stats = IngestStats()
+    assert t.ingest.poll(t.window(), stats) == []
+    assert stats.rejected == {"replay_mismatch": 1}, stats.rejected
+    assert json.loads(t.storage.read(layout.quarantine_key(k)))["reason"] == "replay_mismatch"
+    assert t.fleet.is_denied("coverer") and "forged" in t.fleet.denied["coverer"]["reason"]
+    # An honest shard with equal-reward groups: only those are replayed at intake, and taken;
+    # its usable groups wait for the replay before their step.
+    every = template.every_group("steady")
+    varied = [i for i, g in enumerate(every) if len({c.reward for c in g.completions}) > 1]
+    honest = every[:varied[1] + 1]  # numbers 0, 1, ... up to its second group with variance
+    assert len(honest) > 2, "the first numbers hold both kinds"
+    put(t, "steady", "s1", honest)
+    stats = IngestStats()
+    taken = t.ingest.poll(t.window(), stats)
+    assert not stats.rejected and stats.audit.audited == 1, (stats.rejected, stats.audit)
+    assert taken and not any(g.verified for g in taken)

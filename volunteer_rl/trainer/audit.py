@@ -10,6 +10,9 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   same groups sent in small shards, and trust earned with small shards buys no cover for big
   ones. Any rejected shard sets n back to 0. With --verify every (the default) the draws past
   `full_groups` are off (`Auditor.trusted`): every group trained is replayed before its step.
+  What no step replays, a shard's zero-variance and repeated groups, is still drawn at that
+  rate (`Auditor.spot_due`): each counts its number as received, so one made up would cover
+  a number its volunteer kept back.
 - **Every group of an audited shard is replayed, up to the first that fails.** A shard is
   accepted or rejected whole, so one injected group among many is caught whenever its shard is
   audited. For a volunteer with no clean groups (new, or just caught) the replay goes in
@@ -213,6 +216,18 @@ class Auditor:
         rate = audit_rate(clean_groups, self.full_groups, self.floor, self.trusted)
         d.due = d.due or d.u < shard_chance(rate, d.groups)
         return d.due
+
+    def spot_due(self, key: str, clean_groups: int, groups: int) -> bool:
+        """With --verify every (`trusted` off): is shard `key` drawn for a replay of its
+        `groups` groups that no step will replay (zero-variance and repeated ones)? They are
+        never trained, so the verification never sees them, yet each counts its number as
+        received: a made-up group of equal rewards covers a number its volunteer disliked.
+        Drawn at the rate sampled audits would use, from the shard's one draw. False with
+        sampled audits (`due` draws the whole shard at that rate) and for no such group."""
+        if self.trusted or groups <= 0:
+            return False
+        rate = audit_rate(clean_groups, self.full_groups, self.floor)
+        return self._draw(key).u < shard_chance(rate, groups)
 
     def due(self, key: str, clean_groups: int, groups: int) -> bool:
         """Is shard `key`, parsed and holding `groups` groups, due for an audit?"""

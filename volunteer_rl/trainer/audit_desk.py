@@ -4,7 +4,7 @@ shards taken without one.
 trainer.audit draws which shards are due (at their volunteer's rate) and holds the time
 budget; the desk applies it to a poll. A shard known to be due is fetched only if the budget
 has room (waits); a parsed shard is replayed whole if due, else only its contested groups
-(audit). The usable groups of a shard taken without a replay are kept (`unaudited`) until
+and, if drawn for it (Auditor.spot_due), the groups no step will replay (audit). The usable groups of a shard taken without a replay are kept (`unaudited`) until
 they are trained, and replayed after all if their volunteer is caught (caught) or their
 content shows up under another id (audit_claimants, recheck_holding). A re-audit that fails
 rejects its shard and withdraws its untrained groups.
@@ -63,15 +63,19 @@ class AuditDesk:
     def audit(self, key: str, volunteer: str, groups: list[ScoredGroup],
               contested: frozenset[str], stats: IngestStats) -> list[ScoredGroup] | None:
         """Replay the shard's groups if it is due, else its `contested` groups
-        (Claims.contest): the groups replayed and passed (ShardError if one fails; [] if none
-        was due), or None if due but not auditable now (no room in the budget, weights not
-        held). A fault of the replay's own propagates."""
+        (Claims.contest) and, if the shard is drawn for them (Auditor.spot_due), its groups
+        that no step will replay (never_stepped): the groups replayed and passed (ShardError
+        if one fails; [] if none was due), or None if due but not auditable now (no room in
+        the budget, weights not held). A fault of the replay's own propagates."""
         if self.auditor is None or not groups:
             return []
-        if self.auditor.due(key, self.fleet.clean(volunteer), len(groups)):
+        clean = self.fleet.clean(volunteer)
+        if self.auditor.due(key, clean, len(groups)):
             replay = groups
         else:
-            replay = [g for g in groups if g.digest in contested]
+            unstepped = {id(g) for g in groups if self.never_stepped(g)}
+            spot = self.auditor.spot_due(key, clean, len(unstepped))
+            replay = [g for g in groups if g.digest in contested or (spot and id(g) in unstepped)]
             if not replay:
                 stats.audit.skipped += 1
                 return []
@@ -88,6 +92,11 @@ class AuditDesk:
         for g in replay:
             g.verified = True
         return replay
+
+    def never_stepped(self, g: ScoredGroup) -> bool:
+        """Whether `g` will never reach a step, so that --verify every never replays it: all
+        its rewards equal (zero variance), or content taken before (a repeat)."""
+        return max(g.rewards) == min(g.rewards) or self.ledger.owner(g.digest) is not None
 
     def taken(self, key: str, volunteer: str, usable: list[ScoredGroup],
               replayed: list[ScoredGroup]) -> None:
