@@ -255,3 +255,24 @@ def test_a_made_up_group_of_equal_rewards_is_drawn_at_its_volunteers_rate_and_de
     taken = t.ingest.poll(t.window(), stats)
     assert not stats.rejected and stats.audit.audited == 1, (stats.rejected, stats.audit)
     assert taken and not any(g.verified for g in taken)
+
+
+def test_after_a_failure_in_the_step_the_groups_it_never_reached_are_replayed_next_time(
+        template, tmp_path):
+    """One group a micro-batch (--micro-batch K rows): the step's forward stops at the
+    micro-batch that fails, so the groups after it were never replayed and must not count as
+    verified; those before it were, and do."""
+    t = trainer_on(template, tmp_path, micro_batch=8)
+    trust(t, "honest", "liar")
+    lie = first_forgery(template, template.groups("liar"))
+    put(t, "honest", "h1", template.groups("honest")[:3])
+    liar_key = put(t, "liar", "l1", [lie])
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    at = next(i for i, g in enumerate(batch) if g.key == liar_key)
+    if at == len(batch) - 1:  # the lie in the middle: groups on both sides of it
+        batch.insert(1, batch.pop())
+        at = 1
+    result, check, passed = step_replaying(t, batch, stats)
+    assert not result.applied and list(check.problems) == [at] and check.replayed == at + 1
+    assert [g.verified for g in passed] == [True] * at + [False] * (len(batch) - at - 1)

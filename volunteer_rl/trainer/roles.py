@@ -184,12 +184,15 @@ class Single:
         stats.audit.verify_seconds += check.seconds
         if not check.problems:
             return []
-        return self.drop_failed(batch, Verdict(problems=check.problems), stats)
+        # Not marked: the micro-batches after the failing one were never replayed (the scan
+        # marked those it replayed).
+        return self.drop_failed(batch, Verdict(problems=check.problems), stats, mark=False)
 
-    def drop_failed(self, batch: list[ScoredGroup], verdict: Verdict,
-                    stats: IngestStats) -> list[ScoredGroup]:
+    def drop_failed(self, batch: list[ScoredGroup], verdict: Verdict, stats: IngestStats,
+                    mark: bool = True) -> list[ScoredGroup]:
         """The failures' shards rejected and the unverifiable groups withdrawn; the groups of
-        this rank's volunteers that passed, marked verified."""
+        this rank's volunteers that did not fail, marked verified if `mark` (every one of them
+        was replayed)."""
         for i, (reason, detail) in sorted(verdict.problems.items()):
             if self.owns_shard(batch[i].key):
                 self.ingest.failed_replay(batch[i], reason, detail, stats)
@@ -198,7 +201,7 @@ class Single:
                 self.ingest.unverifiable(batch[i].key)
         bad = set(verdict.problems) | verdict.unverifiable
         passed = [g for i, g in enumerate(batch) if i not in bad]
-        for g in passed:  # replayed by some rank, or before
+        for g in passed if mark else ():  # replayed by some rank, or before
             g.verified = True
         return self.own(passed)
 
