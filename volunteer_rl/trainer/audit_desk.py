@@ -4,9 +4,10 @@ shards taken without one.
 trainer.audit draws which shards are due (at their volunteer's rate) and holds the time
 budget; the desk applies it to a poll. A shard known to be due is fetched only if the budget
 has room (waits); a parsed shard is replayed whole if due, else only its contested groups
-and, if drawn for it (Auditor.spot_due), the groups no step will replay (audit). The usable groups of a shard taken without a replay are kept (`unaudited`) until
-they are trained, and replayed after all if their volunteer is caught (caught) or their
-content shows up under another id (audit_claimants, recheck_holding). A re-audit that fails
+and, if drawn for it (Auditor.spot_due), the groups no step will replay (audit). The usable
+groups of a shard taken without a replay are kept (`unaudited`) until they are trained, and
+replayed after all if their volunteer is caught (caught) or their content shows up under
+another id (audit_claimants, recheck_holding). A re-audit that fails
 rejects its shard and withdraws its untrained groups.
 """
 

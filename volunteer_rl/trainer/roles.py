@@ -151,9 +151,7 @@ class Single:
             return batch, []
         mine = verify(p.held, batch, self.verify_share(len(batch)), self.prompt_ids, p.run_id,
                       self.ingest.log_trace, leave)
-        stats.audit.verified += mine.replayed
-        stats.audit.verify_failed += len(mine.problems)
-        stats.audit.verify_seconds += mine.seconds
+        count_verified(stats, mine)
         verdict = self.settle(mine)
         if verdict.clean:
             return batch, []
@@ -179,14 +177,13 @@ class Single:
         """After the step's own forward replayed `check`'s groups: its figures counted, and
         if one failed (the step was not applied) the groups of `batch` to wait in front of
         the buffer, as `verified` leaves them; [] when none failed."""
-        stats.audit.verified += check.replayed
-        stats.audit.verify_failed += len(check.problems)
-        stats.audit.verify_seconds += check.seconds
-        if not check.problems:
+        verdict = Verdict(problems=check.problems, replayed=check.replayed, seconds=check.seconds)
+        count_verified(stats, verdict)
+        if verdict.clean:
             return []
         # Not marked: the micro-batches after the failing one were never replayed (the scan
         # marked those it replayed).
-        return self.drop_failed(batch, Verdict(problems=check.problems), stats, mark=False)
+        return self.drop_failed(batch, verdict, stats, mark=False)
 
     def drop_failed(self, batch: list[ScoredGroup], verdict: Verdict, stats: IngestStats,
                     mark: bool = True) -> list[ScoredGroup]:
@@ -238,6 +235,13 @@ class Single:
 
     def after_publish(self) -> None:
         """After a publish and what follows it: nothing here."""
+
+
+def count_verified(stats: IngestStats, verdict: Verdict) -> None:
+    """A verification's figures into the step's metrics (`verify/...`)."""
+    stats.audit.verified += verdict.replayed
+    stats.audit.verify_failed += len(verdict.problems)
+    stats.audit.verify_seconds += verdict.seconds
 
 
 class Ranked(Single):

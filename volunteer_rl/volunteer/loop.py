@@ -62,6 +62,9 @@ that batch is sampled, bound to the trainer's newest version then, so it is samp
 batch later; a second batch granted with it went stale when the trainer published once a batch."""
 STOP_WAIT_SECONDS = 30.0
 """Longest a stopping volunteer waits for the grant of its ask ahead (Volunteer._finish)."""
+LOAD_ERRORS = (CheckpointError, StorageError, DatasetError, OSError, ValueError)
+"""What loading a version can fail with that is the bucket's or the link's, not a bug: said in
+one line, and the version tried again later (or, once stopping, left)."""
 UNPUBLISHED_LINE_SECONDS = 60.0
 """While nothing is published, the "waiting for the trainer's first version" line comes at
 once and then once a minute: a trainer's warm start takes minutes, and a line every status
@@ -358,7 +361,7 @@ class Volunteer:
             try:
                 with self.stop.abortable():  # writes only local caches, fetched again next time
                     self.switch(m)
-            except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+            except LOAD_ERRORS as exc:
                 if isinstance(exc, CheckpointRefused) and self.policy is None:
                     raise
                 now = self._moved_on(m) if is_missing(exc) else None
@@ -522,7 +525,7 @@ class Volunteer:
         for it; a failure is said once and leaves them."""
         try:
             self.switch(m)
-        except (CheckpointError, StorageError, DatasetError, OSError, ValueError) as exc:
+        except LOAD_ERRORS as exc:
             self.log(f"warning: cannot load v{m.version} to sample the numbers granted for it: "
                      f"{exc}; leaving them")
             return False
