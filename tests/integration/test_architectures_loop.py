@@ -70,6 +70,10 @@ TRAINER_FLAGS = [
     # No keyframe on cadence within the run: every version from v1 on can be a patch.
     "--keyframe-every", "20",
     "--max-steps", str(VERSIONS),  # --publish-every is 1: a version per step; then exit 0
+    # A version per step, never held: the volunteer's grant of 8 numbers (a block) takes 4
+    # steps of 2 groups, and a publish waits while the version it would push out of the
+    # window has numbers granted and not received; a window of 5 versions holds the grant.
+    "--max-staleness", "4",
     "--groups-per-step", str(GROUPS_PER_STEP),  # a step as soon as one shard of groups is in
     # Small groups keep the volunteer fast; the answers ("26 + 398") take under 12 tokens.
     "-k", "4", "--max-new-tokens", "12",

@@ -87,3 +87,39 @@ def test_an_honest_volunteer_misses_no_number_through_stops_and_trainer_restarts
     assert row["groups_missing"] == 0, (row, goal)
     assert row["rejected_shards"] == 0, row
     assert "finishing the batches granted, uploading them and stopping" in first, first[-2000:]
+
+
+
+def test_a_volunteer_slower_than_the_versions_misses_no_number(template, tmp_path):
+    """The trainer publishes a version per step of 2 groups, fed by a quick volunteer that
+    samples 4 groups at a time; the slow one samples 16 at a time, granted together under the
+    newest version. About 4 publishes pass while it samples them, and a window of 3 versions
+    would have pushed their version out before they were uploaded: without the publish held
+    for the grant, they count as missing."""
+    bucket = template.copy(tmp_path / "bucket")
+    targs = ["trainer", "--bucket", str(bucket), "--groups-per-step", "2", "--quota-headroom", "0",
+             "--audit-tolerance", "0", "--eval-every", "0", "--eval-dataset", str(template.eval_csv),
+             "--dashboard-every", "0", "--threads", "1", "--poll-seconds", "0.05",
+             "--work-dir", str(tmp_path / "tw"), "--signing-key", str(template.key)]
+
+    def volunteer(vid: str, batch: int) -> list[str]:
+        return ["volunteer", "--bucket", str(bucket), "--id", vid, "--trust-key", f"{template.key}.pub",
+                "--threads", "1", "--prompts-per-batch", str(batch), "--shard-groups", str(batch),
+                "--shard-seconds", "1", "--poll-seconds", "0.05", "--heartbeat-seconds", "1",
+                "--work-dir", str(tmp_path / "vw")]
+
+    procs = [Proc(targs, tmp_path / "trainer.log", tmp_path),
+             Proc(volunteer("quick", 4), tmp_path / "quick.log", tmp_path),
+             Proc(volunteer(VID, 16), tmp_path / "slow.log", tmp_path)]
+    try:
+        # 128 of the slow volunteer's numbers closed: 8 grants.
+        wait_for(lambda: fleet_row(bucket).get("groups_numbered", 0) >= 128, 300, "128 numbers closed")
+        for p in procs:
+            assert p.terminate() == 0, p.text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    fleet = json.loads((bucket / layout.FLEET).read_text())["volunteers"]
+    for vid in ("quick", VID):
+        assert fleet[vid]["groups_missing"] == 0, fleet
+        assert fleet[vid]["rejected_shards"] == 0, fleet

@@ -109,3 +109,48 @@ def test_the_unsent_tail_of_a_grant_is_missing_once_its_version_leaves_the_windo
     assert n.close_below(3) == {"v": (8, 8)}  # v2's grant: nothing of it ever came
     again = GroupNumbers.from_json(n.to_json())  # kept with the trainer's state
     assert again.missing_share("v") == (24, 24) and again.granted_end("v") == 24
+
+
+def test_numbers_granted_under_a_leaving_version_and_not_received_are_in_flight():
+    """What the publish that would push a version out waits for (roles.Single.in_flight)."""
+    n = numbers_of([(1, list(range(0, 8)))])
+    n.grant("v", 8, 16, 1)  # granted under v1, not received yet
+    keep = lambda v: False  # noqa: E731 (skip none)
+    assert n.outstanding(2, keep) == 1  # the next publish pushes v1 out
+    assert n.outstanding(1, keep) == 0  # it pushes out only v0: nothing of v1 counts
+    assert n.outstanding(2, lambda v: v == "v") == 0
+    assert n.add("v", "rollouts/v000001/v/s9.jsonl.gz", 1, list(range(8, 12))) is None
+    assert n.outstanding(2, keep) == 1  # half of the grant still out
+    assert n.add("v", "rollouts/v000001/v/s10.jsonl.gz", 1, list(range(12, 16))) is None
+    assert n.outstanding(2, keep) == 0
+    # A volunteer that went past a grant (it lost its number file) is not waited for.
+    n.grant("w", 0, 8, 1)
+    assert n.add("w", "rollouts/v000002/w/s0.jsonl.gz", 2, [8]) is None
+    assert n.outstanding(2, keep) == 0
+
+
+def test_a_publish_waits_for_no_grant_of_a_held_denied_or_waiting_volunteer():
+    """roles.Single.in_flight: a volunteer that leaves its grants unsampled holds one
+    publish back, then is held for its missing share and holds none; a denied one, or one
+    whose shards wait for its reward share, holds none."""
+    from types import SimpleNamespace
+
+    from volunteer_rl.trainer.groups import Window
+    from volunteer_rl.trainer.roles import Single
+
+    n = GroupNumbers()
+    n.grant("v", 0, 8, 1)
+    out = {"v": True}
+    role = object.__new__(Single)
+    role.cfg = SimpleNamespace(missing_bound=BOUND)
+    role.publisher = SimpleNamespace(numbers=n)
+    role.ingest = SimpleNamespace(waits_for=lambda v: out[v])
+    assert role.in_flight(Window(2, 2, {0, 1, 2})) == 0  # v1 stays in the window
+    assert role.in_flight(Window(3, 2, {1, 2, 3})) == 1
+    out["v"] = False  # denied, or waiting for its reward share
+    assert role.in_flight(Window(3, 2, {1, 2, 3})) == 0
+    out["v"] = True
+    n.close_below(2)  # the publish went; the grant was never sampled
+    n.grant("v", 8, 16, 3)
+    assert n.held("v", BOUND)
+    assert role.in_flight(Window(5, 2, {3, 4, 5})) == 0

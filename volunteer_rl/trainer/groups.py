@@ -114,6 +114,11 @@ class Window:
     def low(self) -> int:
         return self.versions().start
 
+    @property
+    def leaving(self) -> int:
+        """The next publish pushes the versions below this out of the window."""
+        return layout.window(self.version + 1, self.max_staleness).start
+
 
 def split_fresh(groups: list[ScoredGroup], version: int,
                 max_staleness: int) -> tuple[list[ScoredGroup], list[ScoredGroup]]:

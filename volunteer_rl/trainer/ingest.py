@@ -198,9 +198,7 @@ class Ingest:
             self.audits.settle()
         for g in out:
             g.arrival = self.listing.polls
-        # the versions the next publish pushes out of the window: below version + 1 - staleness
-        leaving = win.version + 1 - win.max_staleness
-        self.unread_low = sum(1 for k in listed if _key_version(k) < leaving and self._unread(k))
+        self.unread_low = sum(1 for k in listed if _key_version(k) < win.leaving and self._unread(k))
         return [g for g in [*waiting, *out]
                 if g.key not in self.withdrawn and not self.fleet.is_denied(g.volunteer_id)]
 
@@ -209,12 +207,15 @@ class Ingest:
         return key not in self.taken and not self.ledger.finished(key)
 
     def _unread(self, key: str) -> bool:
-        """True if a later poll would still read `key` soon: wanted, and not the shard of a
-        denied volunteer or of one waiting for its reward share (holding a publish back for
-        it would make its slowness the trainer's)."""
+        """True if a later poll would still read `key` soon: wanted, and its volunteer one a
+        publish may wait for (`waits_for`)."""
         author = layout.rollout_author(key)
-        return self._wanted(key) and not (author and (self.fleet.is_denied(author[1])
-                                                      or self.budget.owes(author[1])))
+        return self._wanted(key) and not (author and not self.waits_for(author[1]))
+
+    def waits_for(self, volunteer: str) -> bool:
+        """May a publish wait for `volunteer`'s shards? Not for a denied one, nor for one
+        waiting for its reward share (that would make its slowness the trainer's)."""
+        return not (self.fleet.is_denied(volunteer) or self.budget.owes(volunteer))
 
     def _waits(self, key: str, volunteer: str, stats: IngestStats) -> bool:
         """True if `key` is not fetched this poll: its volunteer's reward share is spent

@@ -59,13 +59,16 @@ RETENTION_STOP_WAIT = 5.0
 """Seconds a stopping trainer waits for its retention pass to reach its next request."""
 
 DRAIN_STEPS = 16
-"""Steps a due publish may wait while the intake has listed shards of the version it pushes
-out of the window and has not read yet (they would leave the window with it:
-their numbers would count as missing though their volunteer sent them in time). The steps go
-on meanwhile; a shard is read at most MAX_SHARDS_PER_VOLUNTEER_POLL per volunteer per poll,
+"""Steps a due publish may wait while the version it pushes out of the window still has
+groups on their way (Single.backlog): shards the intake listed and has not read yet, and
+numbers granted under it that their volunteer has not reached yet. Either would leave the
+window with it and count as missing though their volunteer sampled them in time. The steps go
+on meanwhile. A shard is read at most MAX_SHARDS_PER_VOLUNTEER_POLL per volunteer per poll,
 so 16 steps read a backlog of 256 shards of one volunteer, what a trainer down for a while
-finds (volunteers at their quota sample more of the version they hold, doubling at each
-wait). The bound keeps a volunteer that uploads without end from holding publishes back."""
+finds; a grant in flight is at most a batch of its volunteer's, sampled while the fleet's
+other groups make steps (a volunteer at a quarter of a fleet of steps of 32 groups samples a
+batch of 32 in about 4 steps). The bound keeps a volunteer that uploads without end, or late,
+from holding publishes back for longer."""
 
 SPILLED = "weights-last.safetensors"
 """In --work-dir: a `lean` writer's last published weights file, the base of the next patch."""

@@ -55,9 +55,10 @@ class Single:
         self.ingest: Ingest | None = None  # make_intake's
         self.prompt_ids: dict[int, list[int]] = {}  # every problem's prompt, as tokens
         self.backlog = 0
-        """Shards of the version the next publish pushes out, listed and left unread by the
-        last intake round (Ingest.unread_low), of every rank: the loop holds a publish back
-        for them."""
+        """What the next publish would push out of the window before it arrives, as the last
+        intake round saw it, of every rank: shards listed and left unread (Ingest.unread_low),
+        and volunteers with numbers granted under those versions still in flight
+        (`in_flight`). The loop holds the publish back for them (loop.DRAIN_STEPS)."""
 
     def start(self, lead: Callable[[], None]) -> None:
         """Start as the trainer: `lead` publishes v0 or resumes."""
@@ -121,13 +122,24 @@ class Single:
         enough fresh groups (see Round). Under ranks every rank polls its share and they
         agree on the batch (Ranked.agree)."""
         buffer = self.ingest.poll(win, stats, buffer)
-        self.backlog = self.ingest.unread_low
+        self.backlog = self.ingest.unread_low + self.in_flight(win)
         fresh, stale = split_fresh(buffer, win.version, self.cfg.max_staleness)
         record_groups(self.publisher.ledger, stale, "stale")
         fresh, held = hold_back(fresh, self.publisher.numbers, self.cfg.missing_bound)
         stats.held_missing += len(held)
         batch, taken, stale_n, fresh_n = self.agree(fresh, len(stale), stats)
         return held + fresh[taken:], batch, stale_n, fresh_n
+
+    def in_flight(self, win: Window) -> int:
+        """Volunteers granted numbers under a version the next publish pushes out, none of
+        them received yet (withheld.GroupNumbers.outstanding): sampled in order, as honest
+        ones do, they are in flight, and a publish made now would count them missing. Not
+        those a publish would not wait for anyway (Ingest.waits_for) nor those whose groups
+        are held back for their missing share (a volunteer that leaves its grants unsampled
+        is held after one)."""
+        numbers, bound = self.publisher.numbers, self.cfg.missing_bound
+        return numbers.outstanding(win.leaving, lambda v: not self.ingest.waits_for(v)
+                                   or numbers.held(v, bound))
 
     def agree(self, fresh: list[ScoredGroup], stale: int,
               stats: IngestStats) -> tuple[list[ScoredGroup] | None, int, int, int]:

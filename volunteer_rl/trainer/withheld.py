@@ -12,11 +12,12 @@ under a later version w; the trainer holds volunteers to that (`seq_order`).
 Missing numbers are counted when they are closed: once a version leaves the window, every
 number from 0 up to the highest one received or granted under it can no longer arrive, and
 those that never did are missing, the unsent tail of a grant included. Honest volunteers
-miss few: groups in flight when their version left the window, and those lost to a crash.
-Shards an honest volunteer uploaded in time are read before their version leaves (the loop
-holds a publish back while the version it would push out has listed shards unread,
-loop.DRAIN_STEPS), and a volunteer told to stop samples and uploads the numbers granted to
-it, so neither a backlog after a trainer restart nor a stop is counted (docs/LIMITS.md).
+miss few: those lost to a crash, and what the loop's hold cannot wait for. The loop holds a
+publish back while the version it would push out has listed shards unread or numbers granted
+and not reached yet (`outstanding`), for at most loop.DRAIN_STEPS steps, so groups an honest
+volunteer samples in time are read before their version leaves; and a volunteer told to stop
+samples and uploads the numbers granted to it, so neither a backlog after a trainer restart,
+nor a grant that outlasts a fast trainer's versions, nor a stop is counted (docs/LIMITS.md).
 These totals are shown per volunteer (fleet.json, `vrl status`, the dashboard).
 
 Withholding has a price (`missing_share`, `hold_back`): a volunteer's groups are not trained
@@ -33,7 +34,7 @@ crash) stays well under the bound.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from volunteer_rl.protocol.grants import GRANT_BLOCK
 
@@ -166,6 +167,18 @@ class GroupNumbers:
         (missing_share): its groups are not trained (hold_back), and fleet.json says so."""
         missing, counted = self.missing_share(volunteer)
         return counted > 0 and missing > bound * counted
+
+    def outstanding(self, below: int, skip: Callable[[str], bool]) -> int:
+        """Volunteers, other than those `skip` names, granted numbers under a version below
+        `below` that nothing received from them has reached yet: in flight, if they sample
+        in order as honest ones do (a volunteer that sent a later number has gone past them).
+        The loop holds the publish that would push those versions out (loop.DRAIN_STEPS)."""
+        count = 0
+        for volunteer, n in self.by.items():
+            ends = [end for u, end in n.granted.items() if u < below]
+            if ends and max(ends) > self.next_number(volunteer) and not skip(volunteer):
+                count += 1
+        return count
 
     def next_number(self, volunteer: str) -> int:
         """One past the highest number received from `volunteer` (0 if none): where a
