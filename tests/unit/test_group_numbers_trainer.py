@@ -87,3 +87,17 @@ def test_a_restarted_trainer_remembers_numbers_and_pools_and_counts_a_dropped_ta
     doc = json.loads(t.storage.read(layout.FLEET))
     assert doc["volunteers"]["vol"]["groups_missing"] == 6
     assert doc["volunteers"]["vol"]["next_group_number"] == 12
+
+
+def test_a_trainer_resumed_with_other_sampling_settings_is_refused_in_one_line(tmp_path):
+    """Groups of the window's versions were sampled with the run's -k: a trainer resumed with
+    another one refused every honest shard as bad_group_size and denied its volunteers. Now
+    it refuses to start, naming the run's settings."""
+    from volunteer_rl.trainer.preflight import TrainerError
+
+    started_trainer(tmp_path, **SETTINGS)
+    with pytest.raises(TrainerError) as err:
+        started_trainer(tmp_path, **{**SETTINGS, "k": 4})
+    msg = str(err.value)
+    assert "-k 2 " in msg and "--max-new-tokens 4" in msg and "\n" not in msg, msg
+    started_trainer(tmp_path, **SETTINGS)  # the run's own settings resume it

@@ -20,7 +20,7 @@ from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest
+from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, Sampling
 from volunteer_rl.stopping import StopSignal
 from volunteer_rl.storage.base import AlreadyExists, Storage, StorageError
 from volunteer_rl.task.base import Row, Task
@@ -88,6 +88,12 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     if manifest.task.name != task.name:
         raise TrainerError(f"manifest.json: the run trains task {manifest.task.name!r}; "
                            f"resume it with --task {manifest.task.name}")
+    asked = Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens)
+    if manifest.sampling != asked:  # groups of the window's versions were sampled with it
+        s = manifest.sampling
+        raise TrainerError(f"manifest.json: the run samples with -k {s.k} --temperature "
+                           f"{s.temperature:g} --max-new-tokens {s.max_new_tokens}; resume it "
+                           f"with those (the groups sampled under them would be refused)")
     if manifest.dataset.sha256 != file_sha256(train_path):
         raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
                            f"{train_path}; resume with the same --dataset")
