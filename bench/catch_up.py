@@ -14,7 +14,7 @@ are copied into moto's S3 server in its own process, reached through bench/link.
 with `--shared`: one link of 50 MB/s each way, shared by every connection (a volunteer's home
 line; a per-connection cap would let the parallel ranged GETs of a keyframe multiply it).
 A volunteer holding v(21-n), for n = 1, 5, 20 (its buffer rebuilt bit for bit from the folder
-bucket), fetches v21 with `volunteer.swap_weights`: `fetch_weights` chooses to patch the held
+bucket), fetches v21 with `model.chain.swap_weights`: `fetch_weights` chooses to patch the held
 bytes forward, downloads the n patches, applies them in place, checks every piece hash, and
 the weights are copied into the live model. The baseline is the same call by a volunteer
 that holds nothing (or holds a version from before the listed patches): it takes v21's
@@ -95,7 +95,7 @@ def results(quick: bool = False) -> list[Row]:
     from bench.s3_checkpoint import start
     from volunteer_rl.model.chain import Held, build_weights
     from volunteer_rl.storage import open_storage
-    from volunteer_rl.volunteer.loop import swap_weights
+    from volunteer_rl.model.chain import swap_weights
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ[name] = "testing"  # moto accepts any key; never send real ones to it

@@ -35,7 +35,7 @@ process, as bench/s3_checkpoint.py starts it):
   the object read into memory while its 64 MiB pieces are hashed on every core as they land,
   and every piece compared with the manifest. A volunteer reuses its read buffer from one
   version to the next, so the buffer is page-faulted once before the timed rounds.
-- **fetch and load, vrl** (folder, no goal): `volunteer.swap_weights`, the same and then
+- **fetch and load, vrl** (folder, no goal): `model.chain.swap_weights`, the same and then
   every tensor copied into the live fp32 model (bf16 upcast on the way), against the same
   raw copy: all a volunteer's `_switch` does when only the weights changed.
 - **fetch, raw**: the same object copied to a local file: `shutil.copyfile` (folder), one plain
@@ -237,7 +237,7 @@ def folder_round(policy, dtype: str, tmp: Path, rounds: int, quick: bool):
     published weights file (the raw S3 transfers send the same bytes) and the volunteer's
     read buffer (the S3 fetch reuses it, as a volunteer would)."""
     from volunteer_rl.model.chain import fetch_weights
-    from volunteer_rl.volunteer.loop import swap_weights
+    from volunteer_rl.model.chain import swap_weights
 
     bucket = tmp / f"bucket-{dtype}"
     pub = Publisher(str(bucket), None, policy, dtype, tmp / f"work-{dtype}")

@@ -24,7 +24,7 @@ from volunteer_rl.task.reward import completion_reward
 from volunteer_rl.trainer.groups import IngestStats
 from volunteer_rl.trainer.loop import Trainer
 from volunteer_rl.trainer.step import audit_groups
-from volunteer_rl.volunteer.loop import swap_weights
+from volunteer_rl.model.chain import swap_weights
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ version published whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from volunteer_rl.model.hashing import CheckpointError, PieceHasher, byte_buffer, piece_hashes
 from volunteer_rl.model.vetting import WEIGHTS_FILE, check_checkpoint, read_verified
@@ -29,6 +29,9 @@ from volunteer_rl.protocol.manifest import (
     pieces_root,
 )
 from volunteer_rl.storage.base import ShortObject, Storage, StorageError, TooLarge
+
+if TYPE_CHECKING:
+    from volunteer_rl.model.policy import Policy
 
 
 def keyframe_weights(version: int, buf, piece_bytes: int = PIECE_BYTES
@@ -179,3 +182,31 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
     _check_pieces(manifest, piece_hashes(buf, w.piece_bytes),
                   f"rebuilt from keyframe v{w.keyframe.version}")
     return Fetched(buf, how, got, len(links))
+
+
+def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
+                 log: Callable[[str], None] | None = None,
+                 reuse: memoryview | None = None) -> Fetched:
+    """Fetch the manifest's weights (verified, in memory: chain.fetch_weights, which
+    patches the held version forward when that is cheaper) and copy them into the live model.
+
+    Returns what was fetched; its buffer holds version m's weights file until the next fetch,
+    so hand it back as `held` (the volunteer keeps one such buffer, the size of the weights
+    file, for as long as it runs). fetch_weights checks the checkpoint first
+    (CheckpointRefused: weights of another size than config.json describes)."""
+    from volunteer_rl.model.weights import load_weights  # torch: only where weights are loaded
+
+    fetched = fetch_weights(storage, m, held, log, reuse)
+    load_weights(policy, fetched.buf)
+    return fetched
+
+
+def fetched_text(f: Fetched, m: Manifest) -> str:
+    """How a version's weights came, for the log line."""
+    if f.how == "held":
+        return "weights unchanged"
+    mb = f"{f.bytes / 1e6:.1f} MB"
+    if f.how == "patches":
+        return f"{f.links} patch{'es' * (f.links != 1)}, {mb}"
+    after = f" + {f.links - 1} patch{'es' * (f.links != 2)}" if f.links > 1 else ""
+    return f"keyframe v{m.weights.keyframe.version}{after}, {mb}"

@@ -21,6 +21,13 @@ from volunteer_rl.storage.base import Storage
 RATE_WINDOW_SECONDS = 60.0
 
 
+def upload_summary(shards: int, groups: int, seconds: float, version: int, total: int) -> str:
+    """The volunteer's status line: what it uploaded since the last one."""
+    rate = groups / seconds if seconds > 0 else 0.0
+    return (f"uploaded {shards} shard{'s' * (shards != 1)}, {groups} groups in {seconds:.0f}s "
+            f"({rate:.1f} groups/s) on v{version}; {total} groups since start")
+
+
 def host_facts(device: str) -> dict:
     """What the volunteer runs on: OS, Python, torch, device, CPU count."""
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from volunteer_rl.config import VolunteerConfig
-from volunteer_rl.model.chain import Fetched, Held, fetch_weights
+from volunteer_rl.model.chain import Held, fetch_weights, fetched_text
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
                                         set_sampling_threads)
@@ -47,7 +47,8 @@ from volunteer_rl.storage.base import Storage, StorageError, Transient, is_missi
 from volunteer_rl.task.base import Row, Task, completion_reward
 from volunteer_rl.task.dataset import DatasetError, load_rows
 from volunteer_rl.task.registry import for_manifest
-from volunteer_rl.volunteer.heartbeat import Heartbeat, Tally, heartbeat_payload, host_facts
+from volunteer_rl.volunteer.heartbeat import (Heartbeat, Tally, heartbeat_payload, host_facts,
+                                              upload_summary)
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import Batch, GroupNumbers
 from volunteer_rl.volunteer.quota import Allowance
@@ -69,39 +70,6 @@ UNPUBLISHED_LINE_SECONDS = 60.0
 """While nothing is published, the "waiting for the trainer's first version" line comes at
 once and then once a minute: a trainer's warm start takes minutes, and a line every status
 interval from each volunteer beside it buried the trainer's progress (vrl demo)."""
-
-
-def swap_weights(storage: Storage, m: Manifest, policy: Policy, held: Held | None = None,
-                 log: Callable[[str], None] | None = None,
-                 reuse: memoryview | None = None) -> Fetched:
-    """Fetch the manifest's weights (verified, in memory: chain.fetch_weights, which
-    patches the held version forward when that is cheaper) and copy them into the live model.
-
-    Returns what was fetched; its buffer holds version m's weights file until the next fetch,
-    so hand it back as `held` (the volunteer keeps one such buffer, the size of the weights
-    file, for as long as it runs). fetch_weights checks the checkpoint first
-    (CheckpointRefused: weights of another size than config.json describes)."""
-    fetched = fetch_weights(storage, m, held, log, reuse)
-    load_weights(policy, fetched.buf)
-    return fetched
-
-
-def fetched_text(f: Fetched, m: Manifest) -> str:
-    """How a version's weights came, for the log line."""
-    if f.how == "held":
-        return "weights unchanged"
-    mb = f"{f.bytes / 1e6:.1f} MB"
-    if f.how == "patches":
-        return f"{f.links} patch{'es' * (f.links != 1)}, {mb}"
-    after = f" + {f.links - 1} patch{'es' * (f.links != 2)}" if f.links > 1 else ""
-    return f"keyframe v{m.weights.keyframe.version}{after}, {mb}"
-
-
-def upload_summary(shards: int, groups: int, seconds: float, version: int, total: int) -> str:
-    """The volunteer's status line: what it uploaded since the last one."""
-    rate = groups / seconds if seconds > 0 else 0.0
-    return (f"uploaded {shards} shard{'s' * (shards != 1)}, {groups} groups in {seconds:.0f}s "
-            f"({rate:.1f} groups/s) on v{version}; {total} groups since start")
 
 
 class Volunteer:
