@@ -32,6 +32,12 @@ default `--replay-tolerance` (TOL nats):
   tokens whose interval lies within 1e-4 of probability mass of the target), the share of
   positions where more than one token passes. The distribution of the gap is
   printed so the share at any tolerance can be read off.
+The fp32 samples of both ways are replayed a second time as the trainer's step does for the
+groups of the version it holds (trainer.step.StepReplay): the model in training mode, a
+forward with gradients (`completion_logits`, GROUPS_PER_REPLAY groups a micro-batch), its
+logits scored by `model.replay.replay_scored`. Counted: honest completions it rejects (goal 0),
+and the largest difference of its margins and logprobs from the replay's at the same positions:
+the float noise of the training forward, against the tolerance.
 Forged completions, from the fp32 honest samples: at a random position among the first
 FORGE_SPAN, the token is replaced by (in turn) the runner-up of the committed draw (the
 forger's best choice: it holds the weights and the key), a random one of the 10 most likely
@@ -52,7 +58,7 @@ import torch
 from bench.common import Row, cli
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.model.policy import Policy, bf16_rounded
-from volunteer_rl.model.replay import replay
+from volunteer_rl.model.replay import replay, replay_scored
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.scoring import completion_logits
 from volunteer_rl.model.tiny import build_tokenizer
@@ -114,6 +120,26 @@ def replay_all(policy, prompts, completions, keys, threads):
     for a in range(0, len(prompts), GROUPS_PER_REPLAY):
         end = a + GROUPS_PER_REPLAY
         rows += replay(policy, prompts[a:end], completions[a:end], keys[a:end], T)
+    return rows
+
+
+def step_replay_all(policy, prompts, completions, keys, threads):
+    """Replay from a training step's forward (see the module's docstring), in the rows' order
+    of `replay_all`."""
+    torch.set_num_threads(threads)
+    rows = []
+    policy.model.train()
+    try:
+        for a in range(0, len(prompts), GROUPS_PER_REPLAY):
+            end = a + GROUPS_PER_REPLAY
+            logits, _, _ = completion_logits(policy, prompts[a:end], completions[a:end])
+            assert logits.requires_grad  # the step's forward, not an inference one
+            flat = [c for cs in completions[a:end] for c in cs]
+            rows += replay_scored(logits, list(range(len(flat))), flat,
+                                  [k for ks in keys[a:end] for k in ks], T)
+            del logits
+    finally:
+        policy.model.eval()
     return rows
 
 
@@ -200,7 +226,8 @@ def results(quick: bool) -> list[Row]:
     total = {"positions": 0, "two": 0, "old_positions": 0, "old_several": 0, "old_neighbour": 0,
              "rejected": 0, "completions": 0, "forged": 0, "caught": 0, "worst": math.inf,
              "gap_counts": [0] * len(GAP_BINS), "logprob_gap": 0.0, "seconds": {},
-             "expected_two": 0.0}
+             "expected_two": 0.0, "step_completions": 0, "step_rejected": 0,
+             "step_worst": math.inf, "step_margin_gap": 0.0, "step_logprob_gap": 0.0}
     kinds_total: dict[str, list[int]] = {}
     start_all = time.perf_counter()
     for vocab in VOCABS:
@@ -231,6 +258,17 @@ def results(quick: bool) -> list[Row]:
                             total["two"] += abs(m) <= TOL
                             for i, b in enumerate(GAP_BINS):
                                 total["gap_counts"][i] += abs(m) <= b
+                    if weights == "fp32":
+                        in_step = step_replay_all(pol, prompts, comps, keys, 3 - threads)
+                        for r, e in zip(in_step, rows):
+                            total["step_completions"] += 1
+                            total["step_rejected"] += r.first_failure(TOL) >= 0
+                            total["step_worst"] = min(total["step_worst"], r.margin)
+                            total["step_margin_gap"] = max([total["step_margin_gap"]] + [
+                                abs(x - y) for x, y in zip(r.margins, e.margins)
+                                if math.isfinite(x) and math.isfinite(y)])
+                            total["step_logprob_gap"] = max([total["step_logprob_gap"]] + [
+                                abs(x - y) for x, y in zip(r.logprobs, e.logprobs)])
                     if weights == "fp32" and fp32_rows is None:
                         fp32_rows, fp32_comps = rows, comps
             n, several, neighbour, likely, expected = old_rule(base, prompts, fp32_comps, rng)
@@ -249,6 +287,8 @@ def results(quick: bool) -> list[Row]:
                   f"two pass so far {total['two']} of {total['positions']:,} positions, rejected "
                   f"{total['rejected']} of {total['completions']:,}, forged caught "
                   + ", ".join(f"{k} {c}/{f}" for k, (f, c) in per_kind.items())
+                  + f"; step forward rejected {total['step_rejected']} of "
+                  f"{total['step_completions']:,}, margins off by {total['step_margin_gap']:.2g}"
                   + f"; schema 4 several {several}/{n}, neighbour passes {neighbour}; "
                   f"{seconds:.0f} s", flush=True)
     torch.set_num_threads(2)
@@ -284,6 +324,14 @@ def results(quick: bool) -> list[Row]:
             f"{where}; of {total['completions']:,}, fp32 and bf16 weights, sampled 2 threads "
             f"all groups per call or 1 thread 1 group per call, replayed with the other; worst "
             f"margin {total['worst']:.3g} nats, worst abs logprob diff {total['logprob_gap']:.2g}"),
+        Row(BENCH, "honest completions rejected by a training step's forward",
+            total["step_rejected"], 0, 1.0, "0", total["step_rejected"] == 0, command,
+            f"{where}; of {total['step_completions']:,}, the fp32 samples of both ways replayed "
+            f"from a forward in training mode with gradients (trainer.step.StepReplay's path), "
+            f"the other thread count; worst margin {total['step_worst']:.3g} nats; against the "
+            f"replay at the same positions, margins differ by at most "
+            f"{total['step_margin_gap']:.2g} nats and logprobs by "
+            f"{total['step_logprob_gap']:.2g} (tolerance {TOL:g}); baseline 0, the replay's"),
     ]
 
 

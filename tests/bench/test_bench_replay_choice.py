@@ -27,7 +27,7 @@ def test_the_expected_near_tie_share_is_what_gumbel_noise_gives():
 
 @pytest.mark.slow  # samples and replays 32k and 151k vocabularies: a check of bench code, ~5 min
 def test_replay_choice_quick_rows_are_sane():
-    two, caught, rejected = results(quick=True)
+    two, caught, rejected, in_step = results(quick=True)
     assert two.vrl <= 100 * math.expm1(TOL) and two.baseline > 1  # %; schema 4's band left a choice
     assert "expected share over the committed noise" in two.note and two.met
     assert caught.vrl == 100 and caught.met
@@ -36,3 +36,7 @@ def test_replay_choice_quick_rows_are_sane():
         got, forged = re.search(rf"{kind} (\d+(?:,\d{{3}})*)/(\d+(?:,\d{{3}})*)", caught.note).groups()
         assert forged == got and int(forged.replace(",", "")) > 0, caught.note
     assert rejected.vrl == 0 and rejected.met
+    # the training step's forward (trainer.step.StepReplay) replays the fp32 samples alike
+    assert in_step.vrl == 0 and in_step.met, in_step.note
+    gap = float(re.search(r"margins differ by at most (\S+) nats", in_step.note).group(1))
+    assert 0 <= gap < TOL, in_step.note
