@@ -50,6 +50,12 @@ from volunteer_rl.trainer.preflight import (
 )
 
 
+
+def sampling_of(cfg: TrainerConfig) -> Sampling:
+    """The manifest's sampling settings, from the trainer's: what each version's groups are
+    sampled with (a resumed run must keep them, trainer.startup)."""
+    return Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens)
+
 def signing_key(cfg: TrainerConfig, storage: Storage, log: Callable[[str], None],
                 path: Path | None = None) -> tuple[Ed25519PrivateKey, Trust]:
     """The key that signs this trainer's manifests (at `path`, else preflight's), and the
@@ -267,7 +273,7 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     weights = chain.weights(version, whole, pieces, patch_link, keyframe)
     manifest = Manifest(
         run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
-        dataset=dataset, sampling=Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens),
+        dataset=dataset, sampling=sampling_of(cfg),
         max_staleness=cfg.max_staleness, task=task, prompt_format=policy.prompt_format,
         weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
         prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),

@@ -20,14 +20,14 @@ from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.ledger import Ledger, rebuild
-from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest, Sampling
+from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest
 from volunteer_rl.stopping import StopSignal
 from volunteer_rl.storage.base import AlreadyExists, Storage, StorageError
 from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.dataset import file_sha256
 from volunteer_rl.trainer.groups import Window
 from volunteer_rl.trainer.preflight import TrainerError
-from volunteer_rl.trainer.publish import upload_dataset
+from volunteer_rl.trainer.publish import sampling_of, upload_dataset
 from volunteer_rl.trainer.publisher import Publisher
 from volunteer_rl.trainer.warmstart import summary, torch_threads, trainer_split, warm_start
 from volunteer_rl.trainer.withheld import GroupNumbers
@@ -88,8 +88,7 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     if manifest.task.name != task.name:
         raise TrainerError(f"manifest.json: the run trains task {manifest.task.name!r}; "
                            f"resume it with --task {manifest.task.name}")
-    asked = Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens)
-    if manifest.sampling != asked:  # groups of the window's versions were sampled with it
+    if manifest.sampling != sampling_of(cfg):  # groups of the window's versions were sampled with it
         s = manifest.sampling
         raise TrainerError(f"manifest.json: the run samples with -k {s.k} --temperature "
                            f"{s.temperature:g} --max-new-tokens {s.max_new_tokens}; resume it "
