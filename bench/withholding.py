@@ -170,8 +170,10 @@ class Volunteer:
 class Run(Trial):
     """A trial whose fleet.json is written after every publish and read back each time."""
 
-    def __init__(self, root: Path, model: Path, missing_bound: float):
-        super().__init__(root, model, "every", missing_bound=missing_bound)
+    def __init__(self, root: Path, model: Path, **settings):
+        """`settings`: TrainerConfig fields (--missing-bound here; --audit-cover-floor in
+        bench.covers)."""
+        super().__init__(root, model, "every", **settings)
         self.t.records.fleet_summary.interval = 0
         self.views: list[dict] = []
         """fleet.json's `volunteers` after each publish."""
@@ -224,7 +226,7 @@ def run(s: Sizes, model: Path, missing_bound: float) -> dict[str, dict]:
     """One trainer run with the three volunteers; their stats by name."""
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vrl-withholding-") as tmp:
-        r = Run(Path(tmp), model, missing_bound)
+        r = Run(Path(tmp), model, missing_bound=missing_bound)
         volunteers = [Volunteer(r, name) for name in VOLUNTEERS]
         try:
             for turn in range(s.turns):

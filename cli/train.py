@@ -69,6 +69,7 @@ def trainer(
     audit_share: float = T("audit_share"),
     audit_full_groups: int = T("audit_full_groups"),
     audit_floor: float = T("audit_floor"),
+    audit_cover_floor: float = T("audit_cover_floor"),
     verify: str = T("verify"),
     curriculum: bool = T("curriculum"),
     prompt_pool: int = T("prompt_pool"),

@@ -40,19 +40,29 @@ def test_with_every_group_verified_only_volunteers_without_a_record_are_drawn_at
     assert not any(a.due(f"old{i}", 10, 256) for i in range(2000))
 
 
-def test_with_every_group_verified_groups_no_step_replays_are_still_drawn_at_the_rate():
+COVER_FLOOR = 0.5
+
+
+def test_with_every_group_verified_groups_no_step_replays_are_each_drawn_at_the_cover_floor():
     """Zero-variance and repeated groups are never trained, so --verify every never replays
-    them: a trusted volunteer's are drawn at the rate sampled audits use (spot_due), per
-    group, from the shard's one draw; with sampled audits `due` draws the whole shard."""
-    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3), trusted=False)
-    assert all(a.spot_due(f"fresh{i}", 10, 1) for i in range(50))  # 10 / 10 clean groups
-    floor = sum(a.spot_due(f"old{i}", 100_000, 1) for i in range(20_000)) / 20_000
-    assert abs(floor - 0.005) < 0.002, floor
-    many = sum(a.spot_due(f"big{i}", 100_000, 256) for i in range(2000)) / 2000
-    assert abs(many - 0.72) < 0.04, many
-    assert not any(a.spot_due(f"none{i}", 10, 0) for i in range(50))
-    sampled = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3))
-    assert not any(sampled.spot_due(f"s{i}", 10, 4) for i in range(50))
+    them: each is drawn on its own (Auditor.spot) at its volunteer's rate, never below
+    COVER_FLOOR, so a shard of many such groups replays about that share of them, not all;
+    a shard seen again gets the same draws; with sampled audits `due` draws the whole shard."""
+    a = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3), trusted=False,
+                cover_floor=COVER_FLOOR)
+    assert all(a.spot(f"fresh{i}", 10, [0, 1, 2]) == {0, 1, 2} for i in range(50))  # 10 / 10
+    one = sum(len(a.spot(f"old{i}", 100_000, [0])) for i in range(4000)) / 4000
+    assert abs(one - COVER_FLOOR) < 0.04, one
+    drawn = [a.spot(f"big{i}", 100_000, list(range(256))) for i in range(50)]
+    share = sum(map(len, drawn)) / (50 * 256)
+    assert abs(share - COVER_FLOOR) < 0.03, share
+    assert all(0 < len(d) < 256 for d in drawn)  # drawn per group, not per shard
+    assert all(a.spot(f"big{i}", 100_000, list(range(256))) == d for i, d in enumerate(drawn))
+    assert all(a.spot(f"none{i}", 10, []) == set() for i in range(50))
+    assert sum(map(len, (Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3),
+                                 trusted=False).spot(f"r{i}", 1000, [0, 1]) for i in range(4000)))) < 160
+    sampled = Auditor(lambda v, g: None, Budget(1.0), 10, 0.005, random.Random(3), cover_floor=1.0)
+    assert all(sampled.spot(f"s{i}", 10, [0, 1, 2, 3]) == set() for i in range(50))
 
 
 def test_a_big_shard_is_as_likely_to_be_audited_as_its_groups_in_small_shards():

@@ -46,6 +46,8 @@ RULES = [
     (T, "audit_full_groups", 0, "--audit-full-groups: must be at least 1, not 0", 1),
     (T, "audit_floor", 0.0, "--audit-floor: must be more than 0, not 0.0", 1e-6),
     (T, "audit_floor", 2.0, "--audit-floor: must be at most 1, not 2.0", 1.0),
+    (T, "audit_cover_floor", -0.5, "--audit-cover-floor: must be at least 0, not -0.5", 0.0),
+    (T, "audit_cover_floor", 1.5, "--audit-cover-floor: must be at most 1, not 1.5", 1.0),
     (T, "prompt_pool", 0, "--prompt-pool: must be at least 1, not 0", 1),
     (T, "prompt_pool", 4097, "--prompt-pool: must be at most 4096, not 4097", MAX_POOL),
     (T, "quota_headroom", -0.5, "--quota-headroom: must be at least 0, not -0.5", 0.0),

@@ -32,7 +32,9 @@ def trainer_on(template, root, **settings) -> Trainer:
                            "eval_dataset": str(template.eval_csv), "work_dir": str(root / "work"),
                            "signing_key": str(template.key), "audit_floor": 1e-9,
                            "groups_per_step": 4, "missing_bound": 1.0,  # conftest.PICKED
-                           **settings})
+                           # a trusted volunteer's shards pass the intake unreplayed, so that
+                           # each test sees what the step's replay does
+                           "audit_cover_floor": 0.0, **settings})
     t = Trainer(cfg, log=lambda m: None)
     t.start()
     assert t.version == V
@@ -231,7 +233,7 @@ def test_a_made_up_group_of_equal_rewards_is_drawn_at_its_volunteers_rate_and_de
     makes its number count as received: made up, it would cover a number its volunteer kept
     back. With every trained group verified, a volunteer past `--audit-full-groups` clean
     groups has no shard drawn whole, but such groups are still drawn at the rate sampled
-    audits use (Auditor.spot_due): 10 / 10 here, so surely."""
+    audits use, never below COVER_FLOOR (Auditor.spot): 10 / 10 here, so surely."""
     t = trainer
     for v in ("coverer", "steady"):
         t.fleet.counts[v] = Counts(accepted=1, clean=10, accepted_groups=10)
@@ -257,6 +259,25 @@ def test_a_made_up_group_of_equal_rewards_is_drawn_at_its_volunteers_rate_and_de
     taken = t.ingest.poll(t.window(), stats)
     assert not stats.rejected and stats.audit.audited == 1, (stats.rejected, stats.audit)
     assert taken and not any(g.verified for g in taken)
+
+
+def test_a_trusted_volunteers_made_up_group_of_equal_rewards_is_drawn_at_the_cover_floor(
+        template, tmp_path):
+    """Past the audit rate's floor (a trusted volunteer: 10 / 10^6 clean groups, and
+    --audit-floor 1e-9), groups no step replays are still drawn at --audit-cover-floor: at 1
+    every one is replayed at intake, so a cover denies its volunteer in its first shard, and
+    the honest groups beside it in the shard are never trained."""
+    t = trainer_on(template, tmp_path, audit_cover_floor=1.0)
+    trust(t, "coverer")
+    cover = next(c for c in map(lambda g: covering(template, g), template.every_group("coverer"))
+                 if c is not None)
+    usable = [g for g in template.groups("coverer") if g.seq > cover.seq][:3]
+    k = put(t, "coverer", "c1", [*usable, cover])
+    stats = IngestStats()
+    assert t.ingest.poll(t.window(), stats) == []
+    assert stats.rejected == {"replay_mismatch": 1} and stats.audit.audited == 1, stats
+    assert json.loads(t.storage.read(layout.quarantine_key(k)))["reason"] == "replay_mismatch"
+    assert t.fleet.is_denied("coverer") and "forged" in t.fleet.denied["coverer"]["reason"]
 
 
 def test_after_a_failure_in_the_step_the_groups_it_never_reached_are_replayed_next_time(

@@ -10,9 +10,10 @@ selects?) is model.replay; trainer.step.audit_groups applies it to scored groups
   same groups sent in small shards, and trust earned with small shards buys no cover for big
   ones. Any rejected shard sets n back to 0. With --verify every (the default) the draws past
   `full_groups` are off (`Auditor.trusted`): every group trained is replayed before its step.
-  What no step replays, a shard's zero-variance and repeated groups, is still drawn at that
-  rate (`Auditor.spot_due`): each counts its number as received, so one made up would cover
-  a number its volunteer kept back.
+  What no step replays, a shard's zero-variance and repeated groups, is still drawn, each
+  group on its own, at that rate but never below `cover_floor` (`Auditor.spot`,
+  --audit-cover-floor): each counts its number as received, so one made up would cover a
+  number its volunteer kept back.
 - **Every group of an audited shard is replayed, up to the first that fails.** A shard is
   accepted or rejected whole, so one injected group among many is caught whenever its shard is
   audited. For a volunteer with no clean groups (new, or just caught) the replay goes in
@@ -175,15 +176,20 @@ class Draw:
     """Its group count, once parsed (0: not yet)."""
     reserved: float = 0.0
     """Audit seconds taken from the budget when it was admitted, not yet settled."""
+    seed: float | None = None
+    """The seed of its groups' own draws (Auditor.spot), drawn the first time they are made."""
 
 
 class Auditor:
     """Decides, per shard, whether to audit; reserves the budget; runs the replay."""
 
     def __init__(self, replay: Replay, budget: Budget, full_groups: int, floor: float,
-                 rng: random.Random | None = None, trusted: bool = True):
+                 rng: random.Random | None = None, trusted: bool = True, cover_floor: float = 0.0):
         self.replay, self.budget = replay, budget
         self.full_groups, self.floor = full_groups, floor
+        self.cover_floor = cover_floor
+        """With `trusted` off, the least rate at which groups no step replays are drawn
+        (--audit-cover-floor; `spot`)."""
         self.trusted = trusted
         """Whether a volunteer past `full_groups` clean groups is still drawn for audits. With
         --verify every it is not: every group it gets trained is replayed before its step
@@ -217,17 +223,21 @@ class Auditor:
         d.due = d.due or d.u < shard_chance(rate, d.groups)
         return d.due
 
-    def spot_due(self, key: str, clean_groups: int, groups: int) -> bool:
-        """With --verify every (`trusted` off): is shard `key` drawn for a replay of its
-        `groups` groups that no step will replay (zero-variance and repeated ones)? They are
-        never trained, so the verification never sees them, yet each counts its number as
+    def spot(self, key: str, clean_groups: int, lines: list[int]) -> set[int]:
+        """With --verify every (`trusted` off): which of shard `key`'s groups at `lines`, groups
+        no step will replay (zero-variance and repeated ones), are drawn for a replay. They
+        are never trained, so the verification never sees them, yet each counts its number as
         received: a made-up group of equal rewards covers a number its volunteer disliked.
-        Drawn at the rate sampled audits would use, from the shard's one draw. False with
-        sampled audits (`due` draws the whole shard at that rate) and for no such group."""
-        if self.trusted or groups <= 0:
-            return False
-        rate = audit_rate(clean_groups, self.full_groups, self.floor)
-        return self._draw(key).u < shard_chance(rate, groups)
+        Each group is drawn on its own, at its volunteer's rate but never below `cover_floor`,
+        from a seed drawn once per shard, so a deferred shard gets the same draws again.
+        Empty with sampled audits (`due` draws the whole shard at their rate)."""
+        if self.trusted or not lines:
+            return set()
+        rate = max(self.cover_floor, audit_rate(clean_groups, self.full_groups, self.floor))
+        d = self._draw(key)
+        if d.seed is None:
+            d.seed = self.rng.random()
+        return {line for line in lines if random.Random(f"{d.seed}:{line}").random() < rate}
 
     def due(self, key: str, clean_groups: int, groups: int) -> bool:
         """Is shard `key`, parsed and holding `groups` groups, due for an audit?"""

@@ -4,7 +4,7 @@ shards taken without one.
 trainer.audit draws which shards are due (at their volunteer's rate) and holds the time
 budget; the desk applies it to a poll. A shard known to be due is fetched only if the budget
 has room (waits); a parsed shard is replayed whole if due, else only its contested groups
-and, if drawn for it (Auditor.spot_due), the groups no step will replay (audit). The usable
+and those of the groups no step will replay that are drawn (Auditor.spot) (audit). The usable
 groups of a shard taken without a replay are kept (`unaudited`) until they are trained, and
 replayed after all if their volunteer is caught (caught) or their content shows up under
 another id (audit_claimants, recheck_holding). A re-audit that fails
@@ -64,8 +64,8 @@ class AuditDesk:
     def audit(self, key: str, volunteer: str, groups: list[ScoredGroup],
               contested: frozenset[str], stats: IngestStats) -> list[ScoredGroup] | None:
         """Replay the shard's groups if it is due, else its `contested` groups
-        (Claims.contest) and, if the shard is drawn for them (Auditor.spot_due), its groups
-        that no step will replay (never_stepped): the groups replayed and passed (ShardError
+        (Claims.contest) and those of its groups that no step will replay (never_stepped)
+        that are drawn for it (Auditor.spot): the groups replayed and passed (ShardError
         if one fails; [] if none was due), or None if due but not auditable now (no room in
         the budget, weights not held). A fault of the replay's own propagates."""
         if self.auditor is None or not groups:
@@ -74,9 +74,8 @@ class AuditDesk:
         if self.auditor.due(key, clean, len(groups)):
             replay = groups
         else:
-            unstepped = {id(g) for g in groups if self.never_stepped(g)}
-            spot = self.auditor.spot_due(key, clean, len(unstepped))
-            replay = [g for g in groups if g.digest in contested or (spot and id(g) in unstepped)]
+            spot = self.auditor.spot(key, clean, [g.line for g in groups if self.never_stepped(g)])
+            replay = [g for g in groups if g.digest in contested or g.line in spot]
             if not replay:
                 stats.audit.skipped += 1
                 return []

@@ -107,7 +107,8 @@ class Single:
         if cfg.audit_tolerance > 0:
             replay = functools.partial(p.held.replay, prompt_ids=self.prompt_ids, run_id=p.run_id)
             auditor = Auditor(replay, Budget(cfg.audit_share), cfg.audit_full_groups,
-                              cfg.audit_floor, trusted=cfg.verify == "sampled")
+                              cfg.audit_floor, trusted=cfg.verify == "sampled",
+                              cover_floor=cfg.audit_cover_floor)
             p.held.recover(p.published, p.storage, trust, self.log)
         budget = RewardBudget(cfg.shard_reward_seconds, cfg.poll_reward_seconds,
                               p.records.stop.is_set, RewardShares(cfg.reward_share))
