@@ -26,8 +26,8 @@ trained, and the mean reward of the coverer's trained groups against that of the
 it sampled (bench.withholding.stats: trained groups are usable ones, so that is the reference).
 
 Goal: as row (c), the coverer's trained mean within GOAL_SE standard errors of its sampled
-mean, or nothing trained. Figure: covers taken unreplayed, vrl against the rule before; ratio
-(baseline + 1) / (vrl + 1).
+mean, or nothing trained, in every run. Figure: covers taken unreplayed over `trials` runs a
+side, vrl against the rule before; ratio (baseline + 1) / (vrl + 1).
 """
 
 from __future__ import annotations
@@ -49,14 +49,16 @@ BASELINE_FLOOR = 0.0
 
 @dataclass(frozen=True)
 class Sizes:
+    trials: int
+    """Runs per coverer and side: one run's figure is a handful of random draws."""
     farm_turns: int
     """Honest turns before the first cover: 16 turns are 256 groups, an audit rate of 4 %."""
     turns: int
     """All turns of the run."""
 
 
-FULL = Sizes(farm_turns=16, turns=64)
-QUICK = Sizes(farm_turns=4, turns=10)
+FULL = Sizes(trials=5, farm_turns=16, turns=64)
+QUICK = Sizes(trials=1, farm_turns=4, turns=10)
 
 
 def cover_of(group):
@@ -142,14 +144,17 @@ def run(s: Sizes, model: Path, floor: float | None, greedy: bool) -> dict:
     return out
 
 
-def describe(x: dict) -> str:
-    tm = "nothing trained" if x["trained_mean"] is None else f"trained mean {x['trained_mean']:.3f}"
-    denied = (f"denied after turn {x['denied_turn']}" if x["denied_turn"] is not None
-              else "denied" if x["denied"] else "never denied")
-    return (f"--audit-cover-floor {x['floor']:g}: {x['covers']} covers sent, {x['caught']} caught, "
-            f"{x['through']} taken unreplayed, {denied}; trained {x['trained']} of its groups, {tm} "
-            f"against {x['sampled_mean']:.3f} ± {x['sampled_se']:.3f} over its usable sampled groups "
-            f"({x['diff_se']:+.2f} s.e.); the honest volunteer beside it had {x['honest_trained']} trained")
+def describe(xs: list[dict]) -> str:
+    """The trials of one side, totals first."""
+    total = {k: sum(x[k] for x in xs) for k in ("covers", "caught", "through", "trained", "honest_trained")}
+    turns = ", ".join(str(x["denied_turn"]) if x["denied_turn"] is not None
+                      else "the last" if x["denied"] else "never" for x in xs)
+    diffs = ", ".join(f"{x['diff_se']:+.2f}" for x in xs)
+    return (f"--audit-cover-floor {xs[0]['floor']:g}, {len(xs)} runs: {total['covers']} covers sent, "
+            f"{total['caught']} caught, {total['through']} taken unreplayed (by run: "
+            f"{', '.join(str(x['through']) for x in xs)}), denied after turn {turns}; trained "
+            f"{total['trained']} of its groups, trained mean minus sampled {diffs} s.e. by run; the "
+            f"honest volunteer beside it had {total['honest_trained']} trained")
 
 
 def results(quick: bool) -> list[Row]:
@@ -157,16 +162,18 @@ def results(quick: bool) -> list[Row]:
     model = shared_v0()
     rows = []
     for name, greedy in STRATEGIES.items():
-        now, before = run(s, model, None, greedy), run(s, model, BASELINE_FLOOR, greedy)
+        now = [run(s, model, None, greedy) for _ in range(s.trials)]
+        before = [run(s, model, BASELINE_FLOOR, greedy) for _ in range(s.trials)]
+        through_now, through_before = sum(x["through"] for x in now), sum(x["through"] for x in before)
         how = ("every usable group below its mean" if greedy
                else "its worst usable group below its mean, one cover a shard")
         rows.append(Row(
             benchmark=f"covering volunteer: made-up equal-reward groups for the numbers it disliked, {name}",
-            measure="covers taken unreplayed",
-            vrl=now["through"], baseline=before["through"],
-            ratio=(before["through"] + 1) / (now["through"] + 1),
+            measure=f"covers taken unreplayed, {s.trials} runs",
+            vrl=through_now, baseline=through_before,
+            ratio=(through_before + 1) / (through_now + 1),
             goal=f"trained mean within {GOAL_SE:g} s.e. of sampled, or nothing trained",
-            met=now["met"], command=COMMAND + (" --quick" if quick else ""),
+            met=all(x["met"] for x in now), command=COMMAND + (" --quick" if quick else ""),
             note=(f"one coverer beside an honest volunteer in one live trainer at the defaults, from "
                   f"the demo's v0, {s.turns} turns of {TURN_GROUPS} groups, honest for {s.farm_turns} "
                   f"turns, then covering {how}; {describe(now)}. Baseline, {describe(before)}")))
