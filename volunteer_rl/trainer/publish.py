@@ -50,11 +50,11 @@ from volunteer_rl.trainer.preflight import (
 )
 
 
-
 def sampling_of(cfg: TrainerConfig) -> Sampling:
     """The manifest's sampling settings, from the trainer's: what each version's groups are
     sampled with (a resumed run must keep them, trainer.startup)."""
     return Sampling(cfg.k, cfg.temperature, cfg.max_new_tokens)
+
 
 def signing_key(cfg: TrainerConfig, storage: Storage, log: Callable[[str], None],
                 path: Path | None = None) -> tuple[Ed25519PrivateKey, Trust]:
