@@ -1,0 +1,244 @@
+"""LoRA adapters: what a LoRA policy trains, what each of its versions publishes, and how a
+reader checks one and turns it into weights.
+
+A LoRA policy is a frozen base model plus, on each adapted linear layer, two small matrices:
+A (rank x in) and B (out x rank). The layer computes base(x) + scale * B(A(x)), scale =
+alpha / rank, so its effective weight is W + scale * B @ A (transposed for GPT-2's Conv1D,
+whose weight is stored in x out). The trainer trains A and B only (`add_adapters` wraps its
+model with PEFT); a version is the base plus that version's A and B.
+
+The adapter file is PEFT's own saved form, so `peft.PeftModel.from_pretrained` loads it onto
+the base as is: a safetensors file holding, for each adapted layer `m` of the base model,
+`base_model.model.{m}.lora_A.weight` and `base_model.model.{m}.lora_B.weight`, in the
+weights dtype. Nothing else. `read_adapter` is what a reader runs on such bytes from a bucket
+that may be hostile: every tensor name must name a linear layer of the base (never the output
+embedding, which may share its weight with the input one), both halves present, the shapes
+those of that layer at the rank the manifest states, the dtype the manifest's, every value
+finite, and the file no larger than the adapter those shapes make (`adapter_bytes_bound`).
+Anything else is refused in one line naming the object.
+
+Merged or not: `merge_into` writes W + scale * B @ A into the model's weights (computed in
+fp32 from the fp32 base, so a bf16 base is upcast exactly first); the trainer's PEFT model
+computes the same sum per layer unmerged. The two differ by float rounding only (about 1e-7
+relative on the logits, tests/unit/test_lora.py), far inside the replay tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from volunteer_rl.model.vetting import CheckpointRefused
+
+ADAPTER_PREFIX = "base_model.model."
+"""What PEFT puts before a base module's name in an adapter file."""
+_TENSOR_NAME = re.compile(r"base_model\.model\.([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*)"
+                          r"\.lora_([AB])\.weight")
+ALL_LINEAR = "all-linear"
+"""The default targets: every linear layer of the model but its output embedding (PEFT's
+own shorthand, which is what the trainer passes)."""
+MAX_LORA_RANK = 1024
+"""The highest --lora-rank: far above any rank RL needs (rank 1 matches full fine-tuning in
+"LoRA Without Regret"), and a bound on the shapes a reader accepts."""
+_HEADER_SLACK = 64 << 10
+"""Bytes an adapter file may hold beyond its tensors' data: its JSON header (about 150 bytes
+a tensor; 64 KiB covers some 400 tensors' names, more than any model here adapts, and is
+added per hundred layers below)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapter a LoRA policy trains: its rank, alpha and target modules."""
+
+    rank: int
+    alpha: float
+    targets: str = ALL_LINEAR
+    """`all-linear`, or a comma-separated list of module names (PEFT's target_modules: a name
+    matches a module whose dotted path ends with it, e.g. q_proj,v_proj)."""
+
+    @property
+    def scale(self) -> float:
+        """What B @ A is multiplied by in the layer's output: alpha / rank."""
+        return self.alpha / self.rank
+
+    def target_modules(self) -> str | list[str]:
+        if self.targets == ALL_LINEAR:
+            return ALL_LINEAR
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+
+def add_adapters(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+    """`model` wrapped with PEFT LoRA adapters of `spec` on its target layers: the base frozen,
+    A drawn at random, B zero (so the wrapped model computes what `model` did). Only A and B
+    require gradients. The returned PeftModel holds `model` (its weights are not copied)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.target_modules(),
+                        lora_dropout=0.0, bias="none", init_lora_weights=True)
+    with warnings.catch_warnings():  # GPT-2's Conv1D: PEFT notes it sets fan_in_fan_out
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, config)
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter of a PEFT-wrapped model under the names its file uses, detached: every
+    `base_model.model.{m}.lora_A.weight` and `...lora_B.weight` (`add_adapters`)."""
+    from peft import get_peft_model_state_dict
+
+    return {name: t.detach() for name, t in get_peft_model_state_dict(model).items()}
+
+
+def adapter_file(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
+    """The bytes of an adapter file: `tensors` in `dtype`, safetensors, names sorted."""
+    from safetensors.torch import save
+
+    return save({name: tensors[name].to(dtype).contiguous() for name in sorted(tensors)},
+                metadata={"format": "pt"})
+
+
+def adapter_config(spec: LoraSpec, base_name: str = "") -> dict:
+    """PEFT's adapter_config.json for an adapter of `spec` (`vrl export --adapter`)."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.target_modules(),
+                        lora_dropout=0.0, bias="none", base_model_name_or_path=base_name or None)
+    raw = config.to_dict()
+    return json.loads(json.dumps(raw, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def adaptable_layers(base: torch.nn.Module) -> dict[str, tuple[int, int, bool]]:
+    """Every layer of `base` an adapter may adapt, by module name: (out, in, transposed), the
+    shapes of B's rows and A's columns and whether the stored weight is in x out (GPT-2's
+    Conv1D). The output embedding is not one: tied, its weight is also the input embedding's."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    layers = {}
+    for name, module in base.named_modules():
+        if module is output:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            layers[name] = (module.out_features, module.in_features, False)
+        elif isinstance(module, Conv1D):
+            fan_in, fan_out = module.weight.shape
+            layers[name] = (fan_out, fan_in, True)
+    return layers
+
+
+def adapter_bytes_bound(layers: dict[str, tuple[int, int, bool]], rank: int, itemsize: int) -> int:
+    """The largest adapter file of `rank` a reader accepts for a base with `layers`: every layer
+    adapted, at `itemsize` bytes a value, plus a header's worth (_HEADER_SLACK a hundred layers)."""
+    values = sum(rank * (out + inp) for out, inp, _ in layers.values())
+    return values * itemsize + _HEADER_SLACK * (1 + len(layers) // 100)
+
+
+class AdapterRefused(CheckpointRefused):
+    """An adapter file refused for what it holds (`read_adapter`)."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A checked adapter: each adapted layer's (A, B) in fp32, and the scale B @ A takes."""
+
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scale: float
+
+
+def read_adapter(data: bytes | memoryview, name: str, layers: dict[str, tuple[int, int, bool]],
+                 spec: LoraSpec, dtype: torch.dtype) -> Adapter:
+    """The adapter in the bytes `data` of object `name`, checked against the base's adaptable
+    `layers` (adaptable_layers), the rank and alpha of `spec` and the weights `dtype`.
+    AdapterRefused (one line naming `name`) for anything but an adapter of that shape."""
+    def refused(why: str) -> AdapterRefused:
+        return AdapterRefused(f"{name}: refused adapter: {why}")
+
+    if not 1 <= spec.rank <= MAX_LORA_RANK or not (math.isfinite(spec.alpha) and spec.alpha > 0):
+        raise refused(f"rank {spec.rank!r:.20} / alpha {spec.alpha!r:.20} out of bounds")
+    bound = adapter_bytes_bound(layers, spec.rank, torch.empty(0, dtype=dtype).element_size())
+    if len(data) > bound:
+        raise refused(f"{len(data)} bytes, more than the {bound} an adapter of rank {spec.rank} "
+                      "of this model takes")
+    from safetensors.torch import load
+
+    try:
+        tensors = load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error types for malformed input
+        raise refused(f"not a safetensors file ({type(exc).__name__})") from None
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor_name, t in tensors.items():
+        m = _TENSOR_NAME.fullmatch(tensor_name)
+        if m is None or m.group(1) not in layers:
+            raise refused(f"tensor {tensor_name!r:.120} is not the A or B of an adaptable layer")
+        layer, half = m.group(1), m.group(2)
+        out, inp, _ = layers[layer]
+        want = (spec.rank, inp) if half == "A" else (out, spec.rank)
+        if t.dtype != dtype:
+            raise refused(f"tensor {tensor_name!r:.120} is {t.dtype}, not {dtype}")
+        if tuple(t.shape) != want:
+            raise refused(f"tensor {tensor_name!r:.120} has shape {tuple(t.shape)}, not {want}")
+        halves.setdefault(layer, {})[half] = t
+    for layer, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise refused(f"layer {layer!r:.120} has lora_{next(iter(pair))} without its pair")
+    if not halves:
+        raise refused("it holds no tensor")
+    out = {}
+    for layer, pair in halves.items():
+        a, b = pair["A"].float(), pair["B"].float()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise refused(f"layer {layer!r:.120} holds a NaN or an infinity")
+        out[layer] = (a, b)
+    return Adapter(out, spec.scale)
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, transposed: bool) -> torch.Tensor:
+    """[rank, in] A and [out, rank] B -> the weight delta scale * B @ A, fp32, in the layout
+    the layer stores its weight in ([out, in], or [in, out] when `transposed`)."""
+    delta = (b.float() @ a.float()) * scale
+    return delta.T if transposed else delta
+
+
+def merge_into(model: torch.nn.Module, adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
+    """Set the weight of every layer in `base` (the fp32 base weights by module name,
+    base_weights) to base + delta (lora_delta, fp32) where `adapter` adapts it, and back to
+    the base where it does not: the weights of the adapter's version, whatever version the
+    model held before (merging onto the last version's weights instead would drift)."""
+    missing = set(adapter.layers) - set(base)
+    if missing:
+        raise ValueError(f"no base weight kept for {sorted(missing)[:3]}")  # a bug, not input
+    modules = dict(model.named_modules())
+    layers = adaptable_layers(model)
+    with torch.no_grad():
+        for name, w0 in base.items():
+            weight = modules[name].weight
+            if name in adapter.layers:
+                a, b = adapter.layers[name]
+                w0 = w0 + lora_delta(a, b, adapter.scale, layers[name][2])
+            weight.copy_(w0.to(weight.dtype))
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the weights of every adaptable layer of `model` (adaptable_layers), by
+    module name: the base a reader merges each version's adapter onto (merge_into)."""
+    modules = dict(model.named_modules())
+    return {name: modules[name].weight.detach().float().clone() for name in adaptable_layers(model)}
+
+
+def set_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load adapter `tensors` (file names, adapter_tensors) into a PEFT-wrapped `model`'s A
+    and B, in their dtype: the unmerged form of that version (a replay of an older version,
+    a resume). Every A and B of the model must be given."""
+    from peft import set_peft_model_state_dict
+
+    own = adapter_tensors(model)
+    if set(own) != set(tensors):
+        raise ValueError(f"adapter tensors do not match the model's: {sorted(set(own) ^ set(tensors))[:3]}")
+    with torch.no_grad():
+        result = set_peft_model_state_dict(model, tensors)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"unexpected adapter tensors {result.unexpected_keys[:3]}")  # a bug
