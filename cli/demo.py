@@ -25,7 +25,8 @@ def demo(
     task: str = option(TrainerConfig, "task"),
     warm_start_steps: int = option(TrainerConfig, "warm_start_steps"),
     algo: str = option(TrainerConfig, "algo"),
-    lr: float = option(TrainerConfig, "lr"),
+    lr: Optional[float] = option(TrainerConfig, "lr"),
+    lora_rank: int = option(TrainerConfig, "lora_rank"),
 ):
     """Run it all on one machine: a trainer and volunteers.
 
@@ -39,6 +40,8 @@ def demo(
       vrl demo
       vrl demo --task countdown
       vrl demo --task countdown --warm-start-steps 200 --rl-seconds 60
+    With LoRA adapters of rank 8 as the published versions:
+      vrl demo --lora-rank 8
     """
     with usage_errors():
         settings = DemoSettings(**ctx.params)

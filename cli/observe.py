@@ -1,7 +1,9 @@
-"""`vrl status`, `vrl dashboard` and `vrl eval`: looking at a run from its bucket."""
+"""`vrl status`, `vrl dashboard`, `vrl eval` and `vrl export`: looking at a run from its
+bucket."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -62,6 +64,49 @@ def eval_(
     log(f"v{m.version}: greedy {res['eval/accuracy_greedy']:.1%}, sampled "
         f"(T={m.sampling.temperature}) {res['eval/accuracy_sampled']:.1%} "
         f"on {len(problems)} prompts")
+
+
+@app.command()
+def export(
+    dest: Path = typer.Argument(..., help="Folder to write the version into (new or empty)."),
+    config: Optional[str] = config_option(TrainerConfig),
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    version: Optional[int] = typer.Option(
+        None, min=0, help="Published version (default: the current one)."),
+    adapter: bool = typer.Option(
+        False, "--adapter", help="A LoRA version as PEFT's adapter folder, its base in "
+                                 "DEST/base, instead of whole weights with the adapter merged."),
+    work_dir: Optional[str] = typer.Option(
+        None, help="Local cache of checkpoints, pinned keys and the newest manifest seen "
+                   "(default: eval/<bucket>-<hash> in the per-user state folder, as vrl eval's)."),
+    trust_key: Optional[str] = TRUST_KEY,
+    allow_unsigned: bool = ALLOW_UNSIGNED,
+):
+    """Write a published version as a Hugging Face folder.
+
+    Whole (the default): its weights as volunteers run them, in fp32, for
+    transformers.AutoModelForCausalLM.from_pretrained(DEST). With --adapter, a LoRA version
+    as PEFT's adapter folder (adapter_model.safetensors and adapter_config.json) and its base
+    model in DEST/base, for peft.PeftModel.from_pretrained(base_model, DEST). Every file is
+    checked as a volunteer checks it.
+
+    \b
+    Examples:
+      vrl export --bucket ./bucket ./v12
+      vrl export --bucket s3://bucket/run1 --version 40 --adapter ./v40-adapter
+    """
+    from volunteer_rl.config import default_work_dir
+    from volunteer_rl.protocol.signing import reader_trust
+    from volunteer_rl.storage import open_storage
+    from volunteer_rl.trainer.export import export_version
+
+    storage = open_storage(bucket, endpoint_url, create=False)
+    work_dir = work_dir or str(default_work_dir("eval", bucket))
+    trust = reader_trust(storage.uri, endpoint_url, work_dir, trust_key, allow_unsigned, log)
+    m = export_version(storage, version, dest, Path(work_dir), trust=trust, adapter=adapter)
+    what = "its adapter for PEFT, the base in base/" if adapter else "whole, in fp32"
+    log(f"exported v{m.version} of {m.run_id} to {dest} ({what})")
 
 
 @app.command()

@@ -35,6 +35,7 @@ _ENVVARS = {"endpoint_url": "VRL_ENDPOINT_URL", "trust_key": "VRL_TRUST_KEY"}
 PANELS = {
     "Storage": ("bucket", "endpoint_url", "work_dir"),
     "Model": ("model", "weights_dtype", "warm_start_steps", "warm_start_max_passes", "seed"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_targets"),
     "Machine": ("device", "threads", "warm_start_threads", "nice", "rank_timeout"),
     "Data": ("task", "dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",

@@ -90,6 +90,21 @@ trainer's time (docs/PERFORMANCE.md, the reward rows alone), and of a volunteer 
 model far less (fewer groups a second); a volunteer sending worst-case rewards then costs
 about this share, and issue 41's bench row (d) allows 10 %."""
 
+LR = 3e-4
+"""--lr's default with full fine-tuning (1e-3 collapsed the tiny model in calibration)."""
+LORA_LR_FACTOR = 10.0
+"""--lr's default with --lora-rank, in multiples of LR: "LoRA Without Regret" (Schulman et al.,
+Thinking Machines, 2025) found the best LoRA learning rate about ten times full fine-tuning's,
+for every rank, with alpha fixed (so B @ A is scaled by alpha / rank)."""
+MAX_LORA_RANK = 1024
+"""The highest --lora-rank, and the highest rank a manifest's adapter may state: far above any
+rank RL needs (rank 1 matched full fine-tuning in that paper), and a bound on what a reader
+allocates for one adapter."""
+MAX_LORA_ALPHA = 1e6
+LORA_TARGETS = re.compile(r"[A-Za-z0-9_.,-]{1,200}")
+"""What --lora-targets (and a manifest's adapter.targets) may be: `all-linear` or module names
+separated by commas."""
+
 # Settings whose flag is not `--` plus the field name with dashes.
 _FLAGS = {"volunteer_id": "--id"}
 
@@ -198,8 +213,11 @@ class TrainerConfig(Checked):
     it)."""
     algo: str = setting("grpo", one_of=ALGOS)
     """`reinforce` (advantage r - group mean) or `grpo` (normalized advantage, clipped ratio)."""
-    lr: float = setting(3e-4, above=0)
-    """AdamW learning rate of the RL phase (1e-3 collapsed the tiny model in calibration)."""
+    lr: float | None = setting(None, above=0)
+    """AdamW learning rate of the RL phase (default: 3e-4, or ten times that with --lora-rank,
+    as "LoRA Without Regret" found best for LoRA).
+
+    The defaults are LR and LORA_LR_FACTOR."""
     k: int | None = setting(None, at_least=1)
     """Completions per prompt (group size) volunteers must sample (default: the task's; 8
     for the calculator and countdown)."""
@@ -286,6 +304,14 @@ class TrainerConfig(Checked):
     give one folder they all share."""
     micro_batch: int = setting(256, at_least=1)
     """Rows per forward/backward pass; gradients are accumulated over a step's rows."""
+    lora_rank: int = setting(0, at_least=0, at_most=MAX_LORA_RANK)
+    """Train rank-R LoRA adapters and publish each version as its adapter, on a base
+    published once (0: train every weight). One process only; docs/LORA.md says when."""
+    lora_alpha: float = setting(32.0, above=0, at_most=MAX_LORA_ALPHA)
+    """LoRA's alpha: an adapter adds (alpha / rank) * B @ A to each adapted weight."""
+    lora_targets: str = "all-linear"
+    """The layers --lora-rank adapts: `all-linear` (every linear layer but the output
+    embedding), or module names separated by commas, as q_proj,v_proj."""
     weights_dtype: str = setting("fp32", one_of=WEIGHTS_DTYPES)
     """dtype of the published weights: `fp32`, or `bf16` (half the bytes per version for every
     volunteer to download). The trainer keeps fp32 master weights either way; with bf16 it
@@ -395,6 +421,11 @@ class TrainerConfig(Checked):
         super().__post_init__()
         if self.work_dir is None:  # resolved once, so every part of the trainer sees one folder
             self.work_dir = str(default_work_dir("trainer", self.bucket))
+        if self.lr is None:  # resolved once too: the optimizer and the run's config see it
+            self.lr = LR * (LORA_LR_FACTOR if self.lora_rank else 1.0)
+        if not LORA_TARGETS.fullmatch(self.lora_targets):
+            raise ConfigError(f"{flag('lora_targets')}: {self.lora_targets!r:.60} is not "
+                              "all-linear or module names separated by commas")
 
     def with_task_defaults(self, task) -> "TrainerConfig":
         """These settings with each one left unset (k, max_new_tokens) taken from the task's

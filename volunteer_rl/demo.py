@@ -38,8 +38,10 @@ class DemoSettings(Checked):
     """The trainer's --warm-start-steps: supervised steps that make v0."""
     algo: str = TrainerConfig.algo
     """The trainer's --algo."""
-    lr: float = TrainerConfig.lr
-    """The trainer's --lr."""
+    lr: float | None = TrainerConfig.lr
+    """The trainer's --lr (default: the trainer's, which depends on --lora-rank)."""
+    lora_rank: int = TrainerConfig.lora_rank
+    """The trainer's --lora-rank: 0 trains every weight, R >= 1 rank-R LoRA adapters."""
     threads: int = setting(1, at_least=0)
     """torch threads per process during RL: 1 each leaves the cores to the processes."""
     warm_start_threads: int = setting(0, at_least=0)
@@ -57,7 +59,7 @@ class DemoSettings(Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # its own rules
-        for name in ("warm_start_steps", "algo", "lr", "groups_per_step"):
+        for name in ("warm_start_steps", "algo", "lr", "lora_rank", "groups_per_step"):
             check(TrainerConfig, name, getattr(self, name))  # as the trainer would refuse it
         from volunteer_rl.task.registry import info
 
@@ -87,7 +89,9 @@ def start_processes(s: DemoSettings, bucket: Path,
     work = bucket.parent / "work"
     command = partial(vrl_ranks_command, trainer_ranks) if trainer_ranks else vrl_command
     trainer = subprocess.Popen(
-        command("trainer", "--bucket", str(bucket), "--task", s.task, "--algo", s.algo, "--lr", str(s.lr),
+        command("trainer", "--bucket", str(bucket), "--task", s.task, "--algo", s.algo,
+                    *(("--lr", str(s.lr)) if s.lr is not None else ()),
+                    "--lora-rank", str(s.lora_rank),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
                     "--warm-start-threads", str(s.warm_start_threads or machine_cores()),

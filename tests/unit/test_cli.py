@@ -37,9 +37,9 @@ def test_vrl_is_the_installed_entry_point():
 
 def test_help_shows_the_defaults_and_docs_of_the_config():
     out = vrl("trainer", "--help").stdout
-    assert "AdamW learning rate of the RL phase (1e-3 collapsed the tiny model in " \
-           "calibration)." in out
-    for shown in ("[default: 0.0003]", "[default: grpo]", "[default: 60.0]", "[x>=1]",
+    assert "AdamW learning rate of the RL phase (default: 3e-4, or ten times that with " \
+           "--lora-rank, as \"LoRA Without Regret\" found best for LoRA)." in out
+    for shown in ("[default: 32.0]", "[default: grpo]", "[default: 60.0]", "[x>=1]",
                   "[env var: VRL_ENDPOINT_URL]", "\n   vrl trainer --bucket s3://"):
         assert shown in out, shown
     out = vrl("volunteer", "--help").stdout

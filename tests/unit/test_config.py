@@ -8,7 +8,8 @@ from dataclasses import MISSING, fields
 import pytest
 import typer
 
-from volunteer_rl.config import TrainerConfig, VolunteerConfig, check, flag, range_text
+from volunteer_rl.config import (LORA_LR_FACTOR, LR, TrainerConfig, VolunteerConfig, check, flag,
+                                 range_text)
 from volunteer_rl.demo import DemoSettings
 from volunteer_rl.errors import ConfigError
 from volunteer_rl.protocol.manifest import MAX_POOL
@@ -48,6 +49,9 @@ RULES = [
     (T, "audit_floor", 2.0, "--audit-floor: must be at most 1, not 2.0", 1.0),
     (T, "audit_cover_floor", -0.5, "--audit-cover-floor: must be at least 0, not -0.5", 0.0),
     (T, "audit_cover_floor", 1.5, "--audit-cover-floor: must be at most 1, not 1.5", 1.0),
+    (T, "lora_rank", -1, "--lora-rank: must be at least 0, not -1", 0),
+    (T, "lora_rank", 1025, "--lora-rank: must be at most 1024, not 1025", 1024),
+    (T, "lora_alpha", 0.0, "--lora-alpha: must be more than 0, not 0.0", 1e-6),
     (T, "prompt_pool", 0, "--prompt-pool: must be at least 1, not 0", 1),
     (T, "prompt_pool", 4097, "--prompt-pool: must be at most 4096, not 4097", MAX_POOL),
     (T, "quota_headroom", -0.5, "--quota-headroom: must be at least 0, not -0.5", 0.0),
@@ -134,8 +138,10 @@ def test_defaults_pass_their_own_rules_and_flags_are_spelled_as_typed():
 
 def test_demo_takes_the_trainers_defaults_and_rules():
     d, t = DemoSettings(), T(bucket="b")
-    assert (d.warm_start_steps, d.algo, d.lr, d.groups_per_step) == \
-        (t.warm_start_steps, t.algo, t.lr, t.groups_per_step)
+    assert (d.warm_start_steps, d.algo, d.lora_rank, d.groups_per_step) == \
+        (t.warm_start_steps, t.algo, t.lora_rank, t.groups_per_step)
+    # --lr's default depends on --lora-rank: the demo passes none, the trainer resolves it
+    assert d.lr is None and t.lr == LR and T(bucket="b", lora_rank=8).lr == LR * LORA_LR_FACTOR
     with pytest.raises(ConfigError, match=r"^--algo: use reinforce or grpo, not 'ppo'$"):
         DemoSettings(algo="ppo")
 

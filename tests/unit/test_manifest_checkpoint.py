@@ -51,10 +51,10 @@ def test_round_trip_and_history(tmp_path):
 @pytest.mark.parametrize("body, needle", [
     (b"{not json", "malformed"),
     (b"[]", "malformed"),
-    (b'{"schema_version": 99}', "schema_version 99 is not 9, the one this build speaks; upgrade"),
-    (b'{"schema_version": 8}', "schema_version 8 is not 9, the one this build speaks; the trainer "
+    (b'{"schema_version": 99}', "schema_version 99 is not 10, the one this build speaks; upgrade"),
+    (b'{"schema_version": 9}', "schema_version 9 is not 10, the one this build speaks; the trainer "
                                "runs an older"),
-    (b'{"schema_version": 9, "run_id": "x"}', "malformed"),
+    (b'{"schema_version": 10, "run_id": "x"}', "malformed"),
     (b"[" * 100_000, "malformed (nested deeper than 8)"),
     (b'{"a": ' * 100_000, "malformed (nested deeper than 8)"),
     (b'{"schema_version": 6, "x": [' + b"[]" * 50_000 + b"[[[[[[[[[]]]]]]]]]]}", "nested deeper"),

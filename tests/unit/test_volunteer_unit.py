@@ -85,6 +85,7 @@ def test_a_loaded_model_sets_the_sampling_threads_and_round(tmp_path, monkeypatc
 
     class M:
         run_id, version, files, dataset = "run", 0, {"model.safetensors": WeightsEntry("0" * 64, 0)}, "d"
+        adapter = None  # a version published whole
         task = TaskRef("calculator", "volunteer-rl", "0.1.0")
         prompt_pool = (0,)
 

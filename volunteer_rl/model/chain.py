@@ -78,7 +78,7 @@ def plan_fetch(m: Manifest, held: Held | None) -> tuple[str, list[Keyframe | Lin
     if same_run and held.root == whole.root:
         return "held", []
     from_keyframe = [w.keyframe, *(p for p in w.patches if p.version > w.keyframe.version)]
-    if same_run and w.patches and w.patches[0].version - 1 <= held.version < m.version:
+    if same_run and w.patches and w.patches[0].version - 1 <= held.version < m.weights_version:
         from_held = [p for p in w.patches if p.version > held.version]
         if sum(p.size for p in from_held) < sum(p.size for p in from_keyframe):
             return "patches", from_held
@@ -103,7 +103,7 @@ def _check_pieces(m: Manifest, hashes: list[str], how: str = "") -> None:
     how the file was made if it was not read whole."""
     if hashes != list(m.weights.pieces):
         bad = next((i for i, (a, b) in enumerate(zip(hashes, m.weights.pieces)) if a != b), len(hashes))
-        raise CheckpointError(f"{layout.checkpoint_key(m.version, WEIGHTS_FILE)}: sha256 of piece "
+        raise CheckpointError(f"{layout.checkpoint_key(m.weights_version, WEIGHTS_FILE)}: sha256 of piece "
                               f"{bad} does not match manifest.json" + (f" ({how})" if how else ""))
 
 
@@ -169,7 +169,7 @@ def build_weights(storage: Storage, manifest: Manifest, held: Held | None = None
             how, links = plan_fetch(manifest, None)
     buf = byte_buffer(whole.size, held.buf if held is not None else reuse)
     key = w.keyframe_key()
-    if w.keyframe.version == manifest.version:  # the file itself: its pieces hash as they land
+    if w.keyframe.version == manifest.weights_version:  # the file itself: hashed as it lands
         hasher = PieceHasher(buf, w.piece_bytes)
         try:
             _read_whole(storage, key, buf, hasher.add)

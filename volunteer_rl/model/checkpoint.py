@@ -30,7 +30,7 @@ from volunteer_rl.model.vetting import (
 )
 from volunteer_rl.progress import progress
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import FileEntry, Manifest, WeightsEntry
+from volunteer_rl.protocol.manifest import ADAPTER_FILE, FileEntry, Manifest, WeightsEntry
 from volunteer_rl.storage.base import Storage
 
 
@@ -136,7 +136,8 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
     check_checkpoint(storage, manifest, require_model)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    wanted = {n: e for n, e in manifest.files.items() if only is None or n in only}
+    wanted = {n: e for n, e in manifest.files.items()
+              if (only is None or n in only) and n != ADAPTER_FILE}
     with progress(f"fetch v{manifest.version}", sum(e.size for e in wanted.values()),
                   unit_bytes=True) as advance:
         for name, entry in wanted.items():
@@ -148,7 +149,7 @@ def fetch_checkpoint(storage: Storage, manifest: Manifest, dest: Path,
             advance(entry.size)
     if only is None:
         for path in dest.iterdir():
-            if path.is_file() and path.name not in manifest.files:
+            if path.is_file() and (path.name not in manifest.files or path.name == ADAPTER_FILE):
                 path.unlink()
     return dest
 

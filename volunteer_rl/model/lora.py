@@ -33,7 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from volunteer_rl.model.vetting import CheckpointRefused
+from volunteer_rl.config import MAX_LORA_RANK
+from volunteer_rl.model.vetting import CheckpointRefused, read_verified
+from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import ADAPTER_FILE, Manifest
+from volunteer_rl.storage.base import Storage
 
 ADAPTER_PREFIX = "base_model.model."
 """What PEFT puts before a base module's name in an adapter file."""
@@ -42,9 +46,6 @@ _TENSOR_NAME = re.compile(r"base_model\.model\.([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)
 ALL_LINEAR = "all-linear"
 """The default targets: every linear layer of the model but its output embedding (PEFT's
 own shorthand, which is what the trainer passes)."""
-MAX_LORA_RANK = 1024
-"""The highest --lora-rank: far above any rank RL needs (rank 1 matches full fine-tuning in
-"LoRA Without Regret"), and a bound on the shapes a reader accepts."""
 _HEADER_SLACK = 64 << 10
 """Bytes an adapter file may hold beyond its tensors' data: its JSON header (about 150 bytes
 a tensor; 64 KiB covers some 400 tensors' names, more than any model here adapts, and is
@@ -85,6 +86,60 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
         return get_peft_model(model, config)
 
 
+def is_wrapped(model: torch.nn.Module) -> bool:
+    """Whether `model` is a PEFT-wrapped model (add_adapters)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def base_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT-wrapped one (its adapted layers wrapped in
+    place), or `model` itself."""
+    return model.get_base_model() if is_wrapped(model) else model
+
+
+def round_frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every frozen parameter of a wrapped `model` to `dtype` and back, in place: the
+    trainer then trains against the base exactly as volunteers load it (a bf16 base upcast)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.copy_(p.to(dtype).to(p.dtype))
+
+
+_WRAPPED_WEIGHT = re.compile(r"(.+)\.base_layer\.(weight|bias)")
+
+
+def merged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of a wrapped `model` as the plain model's would be, each adapted layer's
+    weight merged (base + lora_delta, fp32; new tensors) and the adapters themselves left out:
+    what a whole weights file of its current version holds (v0 of a LoRA run, `vrl export`).
+    Names and order are the plain model's."""
+    base = base_model_of(model)
+    modules = dict(base.named_modules())
+    layers = adaptable_layers(base)
+    out = {}
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        m = _WRAPPED_WEIGHT.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, kind = m.group(1), m.group(2)
+        if kind == "weight":
+            module = modules[layer]
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            with torch.no_grad():
+                t = t.float() + lora_delta(a, b, module.scaling["default"], layers[layer][2])
+        out[f"{layer}.{kind}"] = t
+    return out
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer trains: all of a plain model's, a wrapped one's adapters."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter of a PEFT-wrapped model under the names its file uses, detached: every
     `base_model.model.{m}.lora_A.weight` and `...lora_B.weight` (`add_adapters`)."""
@@ -114,14 +169,18 @@ def adapter_config(spec: LoraSpec, base_name: str = "") -> dict:
 def adaptable_layers(base: torch.nn.Module) -> dict[str, tuple[int, int, bool]]:
     """Every layer of `base` an adapter may adapt, by module name: (out, in, transposed), the
     shapes of B's rows and A's columns and whether the stored weight is in x out (GPT-2's
-    Conv1D). The output embedding is not one: tied, its weight is also the input embedding's."""
+    Conv1D). The output embedding is not one: tied, its weight is also the input embedding's.
+    In a PEFT-wrapped model a wrapped layer counts under its own name, by its base layer."""
     from transformers.pytorch_utils import Conv1D
 
     output = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    layers = {}
+    layers, inside = {}, set()
     for name, module in base.named_modules():
-        if module is output:
+        if module is output or any(name.startswith(p) for p in inside):
             continue
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # PEFT's wrapper
+            inside.add(name + ".")
+            module = module.base_layer
         if isinstance(module, torch.nn.Linear):
             layers[name] = (module.out_features, module.in_features, False)
         elif isinstance(module, Conv1D):
@@ -147,6 +206,11 @@ class Adapter:
 
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
     scale: float
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter under its file's names (adapter_tensors' form)."""
+        return {f"{ADAPTER_PREFIX}{m}.lora_{h}.weight": t for m, (a, b) in self.layers.items()
+                for h, t in (("A", a), ("B", b))}
 
 
 def read_adapter(data: bytes | memoryview, name: str, layers: dict[str, tuple[int, int, bool]],
@@ -203,23 +267,31 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, transposed: bool)
     return delta.T if transposed else delta
 
 
+def add_into(model: torch.nn.Module, adapter: Adapter) -> None:
+    """Add each adapted layer's delta (lora_delta, fp32) to `model`'s weight, which must hold
+    the base: what a reader does right after loading a LoRA version's base weights."""
+    modules = dict(model.named_modules())
+    layers = adaptable_layers(model)
+    with torch.no_grad():
+        for name, (a, b) in adapter.layers.items():
+            weight = modules[name].weight
+            delta = lora_delta(a, b, adapter.scale, layers[name][2])
+            weight.copy_((weight.float() + delta).to(weight.dtype))
+
+
 def merge_into(model: torch.nn.Module, adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
-    """Set the weight of every layer in `base` (the fp32 base weights by module name,
-    base_weights) to base + delta (lora_delta, fp32) where `adapter` adapts it, and back to
-    the base where it does not: the weights of the adapter's version, whatever version the
-    model held before (merging onto the last version's weights instead would drift)."""
+    """Set the weight of every layer in `base` (fp32 base weights by module name,
+    base_weights) back to the base and add `adapter` (add_into): the weights of the adapter's
+    version, whatever version the model held before (adding onto the last version's weights
+    instead would drift)."""
     missing = set(adapter.layers) - set(base)
     if missing:
         raise ValueError(f"no base weight kept for {sorted(missing)[:3]}")  # a bug, not input
     modules = dict(model.named_modules())
-    layers = adaptable_layers(model)
     with torch.no_grad():
         for name, w0 in base.items():
-            weight = modules[name].weight
-            if name in adapter.layers:
-                a, b = adapter.layers[name]
-                w0 = w0 + lora_delta(a, b, adapter.scale, layers[name][2])
-            weight.copy_(w0.to(weight.dtype))
+            modules[name].weight.copy_(w0.to(modules[name].weight.dtype))
+    add_into(model, adapter)
 
 
 def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -242,3 +314,34 @@ def set_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
         result = set_peft_model_state_dict(model, tensors)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"unexpected adapter tensors {result.unexpected_keys[:3]}")  # a bug
+
+
+def spec_of(m: Manifest) -> LoraSpec:
+    """The LoraSpec of a LoRA version's manifest."""
+    return LoraSpec(m.adapter.rank, m.adapter.alpha, m.adapter.targets)
+
+
+def fetch_adapter(storage: Storage, m: Manifest, model: torch.nn.Module) -> Adapter:
+    """The adapter of LoRA version `m`, for `model` (its base): the size the manifest lists
+    checked against the largest adapter of that rank for this model before anything is
+    downloaded, the bytes against the sha256 it lists (read_verified), then read_adapter's
+    checks. AdapterRefused or CheckpointError naming the object."""
+    key = layout.checkpoint_key(m.version, ADAPTER_FILE)
+    entry, spec = m.files[ADAPTER_FILE], spec_of(m)
+    layers = adaptable_layers(model)
+    dtype = getattr(torch, m.weights_dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise AdapterRefused(f"{key}: refused adapter: weights_dtype {m.weights_dtype!r:.20}")
+    bound = adapter_bytes_bound(layers, spec.rank, dtype.itemsize)
+    if not 0 < entry.size <= bound:
+        raise AdapterRefused(f"{key}: refused adapter: the manifest lists {entry.size} bytes, more "
+                             f"than the {bound} an adapter of rank {spec.rank} of this model takes;"
+                             " refused before downloading")
+    return read_adapter(read_verified(storage, key, entry), key, layers, spec, dtype)
+
+
+def load_adapter(storage: Storage, m: Manifest, model: torch.nn.Module) -> None:
+    """`model` holds the weights of `m` if it holds its base's: nothing for a version
+    published whole, the adapter fetched and added for a LoRA version."""
+    if m.adapter is not None:
+        add_into(model, fetch_adapter(storage, m, model))

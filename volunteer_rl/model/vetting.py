@@ -27,7 +27,7 @@ from typing import Callable
 
 from volunteer_rl.model.hashing import CheckpointError, Hasher, byte_buffer, sha256_bytes
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import FileEntry, Manifest, WeightsEntry
+from volunteer_rl.protocol.manifest import ADAPTER_FILE, FileEntry, Manifest, WeightsEntry
 from volunteer_rl.storage.base import ShortObject, Storage, TooLarge
 
 # A checkpoint file larger than this is refused before download (volunteers bound what they
@@ -55,6 +55,8 @@ MAX_TOKENIZER_FILE_BYTES = 128 << 20
 
 CHECKPOINT_FILES = {
     WEIGHTS_FILE: MAX_CHECKPOINT_FILE_BYTES,
+    # a LoRA version's adapter (schema 10); read_adapter bounds it by the model's shapes
+    ADAPTER_FILE: MAX_CHECKPOINT_FILE_BYTES,
     CONFIG_FILE: MAX_CONFIG_BYTES,
     "generation_config.json": MAX_CONFIG_BYTES,
     VRL_CONFIG: MAX_CONFIG_BYTES,

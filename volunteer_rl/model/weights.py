@@ -15,6 +15,7 @@ import torch
 from volunteer_rl import config
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.hashing import byte_buffer
+from volunteer_rl.model.lora import base_model_of, is_wrapped, merged_tensors
 from volunteer_rl.model.policy import Policy, quiet_transformers
 from volunteer_rl.model.vetting import VRL_CONFIG, WEIGHTS_FILE
 
@@ -41,7 +42,7 @@ def save_policy(policy: Policy, folder: Path, weights_dtype: torch.dtype = torch
     model = policy.model
     config = copy.deepcopy(model.config)  # the live model's config stays as it is
     config.dtype = str(weights_dtype).removeprefix("torch.")
-    config.architectures = [type(model).__name__]
+    config.architectures = [type(base_model_of(model)).__name__]
     config.save_pretrained(folder)
     if model.can_generate():
         model.generation_config.save_pretrained(folder)
@@ -75,9 +76,11 @@ def published_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict as a checkpoint stores it: a tensor shared under several names (a tied
     lm_head) is kept under its first name only, as transformers saves it. A model sharded
     over ranks gives its DTensors, in the same order on every rank (fill_weights gathers
-    them)."""
+    them). A LoRA-wrapped model gives the plain model's, its adapters merged
+    (lora.merged_tensors)."""
     out, seen = {}, set()
-    for name, t in model.state_dict().items():
+    state = merged_tensors(model) if is_wrapped(model) else model.state_dict()
+    for name, t in state.items():
         local = local_tensor(t)
         ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
         if ident not in seen:

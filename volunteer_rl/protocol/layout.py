@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """2: groups carry `seq` and sample with committed noise (protocol.draws). 3: the manifest's
 `weights` names the weights by pieces and by a chain of keyframe and patches (protocol.patch).
 4: the weights file is named by the root of its pieces (manifest.pieces_root), not by its
@@ -39,12 +39,14 @@ many groups of the version each volunteer should sample before it waits for the 
 (manifest.Quota). 8: the manifest's `task` names the task's package and version too
 (manifest.TaskRef), and the calculator is one task of several. 9: group numbers are granted
 by the trainer in blocks bound to one version, and a block's nonce keys its prompt and noise
-(protocol.grants; "vrl-draw-v3", "vrl-prompt-v2"). Readers refuse any other value: a
-volunteer of schema 2 cannot fetch a version published as a patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
+(protocol.grants; "vrl-draw-v3", "vrl-prompt-v2"). 10: the manifest's `adapter` (null, or a
+LoRA version's base, rank, alpha and targets) and its adapter file (manifest.AdapterRef).
+Readers refuse any other value: a volunteer of schema 2 cannot fetch a version published as a patch, nor check the pieces; one of schema 3 would look for a sha256 the manifest no longer
 gives; one of schema 4 would sample tokens the replay rejects; one of schema 5 would choose its
 prompts, which the trainer refuses (`prompt_mismatch`); one of schema 6 would not stop at its
 quota; one of schema 7 would sample any task's prompts as calculator problems; one of schema 8
-would number its groups itself and draw without a nonce (`prompt_mismatch`)."""
+would number its groups itself and draw without a nonce (`prompt_mismatch`); one of schema 9
+would sample a LoRA version with its base's weights alone, and every group fail its replay."""
 MANIFEST = "manifest.json"
 MANIFESTS = "manifests"
 CHECKPOINTS = "checkpoints"

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from volunteer_rl.config import LORA_TARGETS, MAX_LORA_ALPHA, MAX_LORA_RANK
 from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.protocol import jsonbounds, layout
@@ -69,6 +70,9 @@ KEYFRAME_FILE = "model.safetensors"
 PATCH_FILE = "weights.vrlpatch"
 """A patch (protocol.patch) that turns the weights file of version N-1 into version N's, in
 version N's checkpoint folder."""
+ADAPTER_FILE = "adapter.safetensors"
+"""A LoRA version's adapter (model.lora; schema 10), in that version's checkpoint folder: the
+version is the weights the manifest's `weights` names (its `adapter.base`) plus this."""
 MAX_PATCHES = 256
 """Most patches one manifest may list; the trainer's --keyframe-every stays below it."""
 MAX_POOL = 4096
@@ -139,6 +143,21 @@ class Weights:
     @staticmethod
     def patch_key(version: int) -> str:
         return layout.checkpoint_key(version, PATCH_FILE)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA version (schema 10): the weights the manifest's `weights` names are those of
+    version `base`, and this version is them plus the adapter file of its own checkpoint
+    folder (ADAPTER_FILE, listed in `files` with its sha256 and size): on each adapted layer
+    W + (alpha / rank) * B @ A (model.lora)."""
+
+    base: int
+    rank: int
+    alpha: float
+    targets: str
+    """What the trainer adapted (`all-linear` or module names, --lora-targets): for people
+    and `vrl export`; readers take the layers from the file's tensor names."""
 
 
 @dataclass(frozen=True)
@@ -221,10 +240,18 @@ class Manifest:
     weights: Weights | None = None
     """Pieces and chain of the weights file (schema 3 on). None only for a checkpoint without
     weights, which no reader loads (tests of the protocol's other parts)."""
+    adapter: AdapterRef | None = None
+    """A LoRA version's adapter (schema 10; null for a version published as whole weights):
+    `weights` then names the weights of version `adapter.base`, the frozen base."""
     schema_version: int = layout.SCHEMA_VERSION
     created_at: float = field(default_factory=time.time)
     """The trainer's clock when it published this version. Signed like every field; readers
     order the manifests of different runs on one bucket by it (signing.behind)."""
+
+    @property
+    def weights_version(self) -> int:
+        """The version whose weights `weights` names: this one, or a LoRA version's base."""
+        return self.version if self.adapter is None else self.adapter.base
 
     def to_json(self) -> bytes:
         """Unsigned JSON (what a signature covers is the same object; see to_signed_json)."""
@@ -260,7 +287,7 @@ class Manifest:
                 weights_dtype=str(raw.get("weights_dtype", "float32")),
                 max_shard_groups=raw.get("max_shard_groups", MAX_GROUPS_PER_SHARD),
                 prompt_pool=_pool(raw["prompt_pool"]), quota=_quota(raw["quota"]),
-                weights=_weights(raw.get("weights")),
+                weights=_weights(raw.get("weights")), adapter=_adapter(raw["adapter"]),
                 schema_version=int(raw["schema_version"]), created_at=float(raw["created_at"]))
         except ManifestError:
             raise
@@ -280,6 +307,13 @@ class Manifest:
         if (m.weights is None) != (KEYFRAME_FILE not in m.files):
             raise ManifestError(f"{layout.MANIFEST}: weights: files must list {KEYFRAME_FILE} "
                                 "exactly when the manifest has weights")
+        if (m.adapter is None) == (ADAPTER_FILE in m.files) or (
+                m.adapter is not None and m.weights is None):
+            raise ManifestError(f"{layout.MANIFEST}: adapter: files must list {ADAPTER_FILE} "
+                                "exactly when the manifest has an adapter, and weights with it")
+        if m.adapter is not None and not 0 <= m.adapter.base < m.version:
+            raise ManifestError(f"{layout.MANIFEST}: adapter: base v{m.adapter.base} must be "
+                                f"before v{m.version}")
         if m.weights is not None:
             _check_weights(m)
         return m
@@ -321,6 +355,23 @@ def _quota(raw) -> Quota | None:
     return Quota(groups, float(wait))
 
 
+def _adapter(raw) -> AdapterRef | None:
+    """The `adapter` object (required since schema 10, null for none), its numbers in bounds."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"base", "rank", "alpha", "targets"}:
+        raise ValueError("adapter must be null or an object of base, rank, alpha and targets")
+    base, rank, alpha, targets = raw["base"], raw["rank"], raw["alpha"], raw["targets"]
+    if type(base) is not int or type(rank) is not int or not 1 <= rank <= MAX_LORA_RANK:
+        raise ValueError(f"adapter: base {base!r:.20} and rank {rank!r:.20} must be integers, "
+                         f"the rank in 1..{MAX_LORA_RANK}")
+    if type(alpha) not in (int, float) or not 0 < alpha <= MAX_LORA_ALPHA:  # NaN fails too
+        raise ValueError(f"adapter: alpha {alpha!r:.20} is not a number in (0, {MAX_LORA_ALPHA:g}]")
+    if not isinstance(targets, str) or not LORA_TARGETS.fullmatch(targets):
+        raise ValueError("adapter: targets is not 1-200 of [A-Za-z0-9_.,-]")
+    return AdapterRef(base, rank, float(alpha), targets)
+
+
 def _link(raw) -> Link:
     return Link(version=raw["version"], sha256=raw["sha256"], size=raw["size"])
 
@@ -346,6 +397,7 @@ def _check_weights(m: Manifest) -> None:
     version and reach the keyframe; every number is an integer in bounds and every hash a
     sha256."""
     w, whole = m.weights, m.files[KEYFRAME_FILE]
+    version = m.weights_version
 
     def bad(why: str) -> ManifestError:
         return ManifestError(f"{layout.MANIFEST}: weights: {why}")
@@ -363,14 +415,14 @@ def _check_weights(m: Manifest) -> None:
             raise bad(f"v{link.version!r:.20}: version and size must be integers, the size at most "
                       f"the weights file's {whole.size}")
     k = w.keyframe
-    if not 0 <= k.version <= m.version or k.size != whole.size:
-        raise bad(f"keyframe v{k.version} must be at or before v{m.version} and of {whole.size} bytes")
-    if k.version == m.version and k.root != whole.root:
+    if not 0 <= k.version <= version or k.size != whole.size:
+        raise bad(f"keyframe v{k.version} must be at or before v{version} and of {whole.size} bytes")
+    if k.version == version and k.root != whole.root:
         raise bad(f"keyframe v{k.version} is this version's, so it must be its weights file")
     versions = [p.version for p in w.patches]
-    if versions and (versions != list(range(versions[0], m.version + 1)) or versions[0] < 1):
-        raise bad(f"patches must be of consecutive versions ending at v{m.version}")
-    if k.version < m.version and (not versions or versions[0] > k.version + 1):
+    if versions and (versions != list(range(versions[0], version + 1)) or versions[0] < 1):
+        raise bad(f"patches must be of consecutive versions ending at v{version}")
+    if k.version < version and (not versions or versions[0] > k.version + 1):
         raise bad(f"patches must reach back to v{k.version + 1}, the version after the keyframe")
 
 

@@ -103,8 +103,10 @@ class Budget:
 @dataclass
 class WindowWeights:
     """The published weights of the versions inside the window, as volunteers load them
-    (bf16 publishing: the bf16 tensors; fp32: fp32 copies). Costs, per version kept, the
-    weights' size in the published dtype: max_staleness + 1 copies in all."""
+    (bf16 publishing: the bf16 tensors; fp32: fp32 copies). Only the trained parameters are
+    kept: all of them with full fine-tuning, max_staleness + 1 copies of the weights in the
+    published dtype; with --lora-rank the adapters alone, the frozen base being the same in
+    every version (and the same tensors in the model they are loaded into)."""
 
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     loaded: tuple[int, torch.nn.Module] | None = None
@@ -113,7 +115,7 @@ class WindowWeights:
     def add(self, version: int, model: torch.nn.Module, dtype: torch.dtype) -> None:
         with torch.no_grad():
             self.versions[version] = {n: p.detach().to(dtype).clone()
-                                      for n, p in model.named_parameters()}
+                                      for n, p in model.named_parameters() if p.requires_grad}
 
     def drop_below(self, low: int) -> None:
         for v in [v for v in self.versions if v < low]:
@@ -128,9 +130,10 @@ class WindowWeights:
         weights = self.versions.get(version)
         if weights is None:
             return False
+        params = dict(model.named_parameters())
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(weights[n])
+            for n, t in weights.items():
+                params[n].copy_(t)
         self.loaded = (version, model)
         return True
 

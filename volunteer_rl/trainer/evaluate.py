@@ -7,6 +7,7 @@ from typing import Callable
 
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.hashing import CheckpointError
+from volunteer_rl.model.lora import load_adapter
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.progress import progress
@@ -94,15 +95,23 @@ def held_out(manifest: Manifest, dataset: str | Path | None) -> tuple[Task, list
     return task, load_rows(dataset, task)
 
 
-def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,
-                 trust: Trust) -> tuple[Manifest, Policy]:
-    """Fetch a published version (the current one if None), check its manifest's signature
-    with `trust`, check what its checkpoint holds before downloading it and verify its files
-    against the signed sha256s (fetch_checkpoint), load it (load_policy)."""
+def read_version(storage, version: int | None, *, trust: Trust) -> Manifest:
+    """The signed manifest of a published version (the current one if None), checked with
+    `trust`; ManifestError naming it if there is none."""
     m = read_manifest(storage, version, trust=trust)
     if m is None:
         what = layout.MANIFEST if version is None else layout.manifest_history_key(version)
         raise ManifestError(f"{what}: not found in {storage.uri} (nothing published there?)")
+    return m
+
+
+def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,
+                 trust: Trust) -> tuple[Manifest, Policy]:
+    """Fetch a published version (the current one if None), check its manifest's signature
+    with `trust`, check what its checkpoint holds before downloading it and verify its files
+    against the signed sha256s (fetch_checkpoint), load it (load_policy), and add a LoRA
+    version's adapter (lora.load_adapter)."""
+    m = read_version(storage, version, trust=trust)
     try:
         folder = fetch_checkpoint(storage, m, Path(work_dir) / layout.version_dir(m.version),
                                   require_model=True)
@@ -112,4 +121,6 @@ def load_version(storage, version: int | None, work_dir: Path, device="cpu", *,
         raise CheckpointError(
             f"{m.checkpoint}: removed by retention (`vrl gc` or `vrl trainer --gc-every`); "
             f"{layout.manifest_history_key(version)} is kept as history, the weights are not") from None
-    return m, load_policy(folder, device)
+    policy = load_policy(folder, device)
+    load_adapter(storage, m, policy.model)  # a LoRA version: its base's weights + its adapter
+    return m, policy

@@ -15,6 +15,7 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.chain import fetch_weights
+from volunteer_rl.model.lora import base_model_of, fetch_adapter, set_adapter_tensors
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import (
     WEIGHTS_DTYPES,
@@ -56,7 +57,10 @@ class HeldWeights:
         it (fp32 or bf16), and with bf16 weights evals run on it (published)."""
         if self.second is None:
             p = self.learner.policy
-            self.second = Policy(copy.deepcopy(p.model).eval(), p.tokenizer, p.prompt_format, p.device)
+            # A LoRA policy's frozen base is shared, not copied: only the adapters differ
+            frozen = {id(t): t for t in p.model.parameters() if not t.requires_grad}
+            self.second = Policy(copy.deepcopy(p.model, frozen).eval(), p.tokenizer,
+                                 p.prompt_format, p.device)
         return self.second
 
     def make_skeleton(self) -> None:
@@ -150,8 +154,13 @@ class HeldWeights:
                 m = read_manifest(storage, version, trust=trust)
                 if m is None:
                     raise TrainerError(f"{layout.manifest_history_key(version)} is missing")
-                load_weights(self.audit_policy, fetch_weights(storage, m).buf)
-            except (VrlError, StorageError) as exc:
+                if m.adapter is not None:  # a LoRA version: its adapters on the shared base
+                    model = self.audit_policy.model
+                    adapter = fetch_adapter(storage, m, base_model_of(model))
+                    set_adapter_tensors(model, adapter.tensors())
+                else:
+                    load_weights(self.audit_policy, fetch_weights(storage, m).buf)
+            except (VrlError, StorageError, ValueError) as exc:
                 log(f"warning: v{version}'s weights for audits: {exc}")
                 continue
             self.window.add(version, self.audit_policy.model, WEIGHTS_DTYPES[self.cfg.weights_dtype])

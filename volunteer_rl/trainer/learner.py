@@ -5,6 +5,10 @@ before each manifest, loaded back on a resume (state.py is the format on disk).
 Under torchrun the policy, its gradients and AdamW's moments are sharded over the ranks
 (FSDP2, trainer.ranks): every rank's learner takes its shard of the writer's weights, and the
 ranks load the resumed version's moments together.
+
+With --lora-rank the policy is its model wrapped with LoRA adapters (model.lora): the base
+frozen, rounded to the published dtype (what volunteers load), and only the adapters have
+gradients, AdamW moments and an fp32 master saved in the state.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from typing import Callable
 import torch
 
 from volunteer_rl.config import TrainerConfig
+from volunteer_rl.model.lora import (
+    LoraSpec,
+    add_adapters,
+    adapter_tensors,
+    round_frozen,
+    set_adapter_tensors,
+    trainable,
+)
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.weights import load_weights
+from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.ranks import (
     Ranks,
@@ -27,6 +39,7 @@ from volunteer_rl.trainer.ranks import (
 from volunteer_rl.trainer.state import (
     has_sharded_optimizer,
     load_sharded_optimizer,
+    adapter_master,
     load_state,
     master_weights,
     named_optimizer_state,
@@ -51,6 +64,7 @@ class Learner:
         # How the ranks get the resumed version's moments: "sharded" (saved by ranks, loaded by
         # all together), "whole" (saved by one process, broadcast from the writer), or None.
         self.moments: str | None = None
+        self.adapters_restored = False  # --lora-rank: load() found the fp32 adapters saved
 
     @property
     def lean(self) -> bool:
@@ -64,13 +78,24 @@ class Learner:
         return (self.ranks.joined and self.cfg.weights_dtype == "fp32"
                 and self.cfg.audit_tolerance <= 0)
 
+    @property
+    def lora(self) -> LoraSpec | None:
+        """The adapters trained (--lora-rank), or None: every weight is."""
+        cfg = self.cfg
+        return LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if cfg.lora_rank else None
+
     def take(self, policy: Policy) -> None:
-        """Train `policy` from here on, with a fresh optimizer."""
+        """Train `policy` from here on, with a fresh optimizer; with --lora-rank its model is
+        wrapped with fresh adapters first (B zero: the policy is unchanged)."""
+        if self.lora is not None:
+            model = add_adapters(policy.model, self.lora)
+            round_frozen(model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
+            policy = Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
         self.policy = policy
         self.make_optimizer()
 
     def make_optimizer(self) -> None:
-        self.opt = torch.optim.AdamW(self.policy.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(trainable(self.policy.model), lr=self.cfg.lr, weight_decay=0.0)
 
     def step(self, batch: list[ScoredGroup], prompt_ids: dict[int, list[int]],
              version: int, check: StepReplay | None = None) -> StepResult:
@@ -84,10 +109,12 @@ class Learner:
         """The trainer state of `version` to disk, before its manifest: the optimizer (its
         shards were saved already by every rank when sharded), the step, every volunteer's
         counts and group numbers, and with bf16 weights the fp32 master."""
+        adapter = None if self.lora is None else adapter_tensors(self.policy.model)
         save_state(self.state_root, version, self.opt,
                    {"run_id": run_id, "steps": self.steps, "volunteers": volunteers,
                     "group_numbers": numbers},
-                   master=master, sharded=self.sharded)
+                   master=None if adapter is not None else master, sharded=self.sharded,
+                   adapter=adapter)
 
     def save_shards(self, version: int) -> None:
         """Under ranks, every rank: its optimizer shards of `version`, before the manifest."""
@@ -115,6 +142,10 @@ class Learner:
         master = master_weights(self.state_root, version)
         if master is not None:  # bf16 checkpoint: the fp32 master lives in the state
             load_weights(self.policy, master)
+        adapter = adapter_master(self.state_root, version)
+        if self.lora is not None and adapter is not None:  # the adapters' fp32 master
+            set_adapter_tensors(self.policy.model, adapter)
+            self.adapters_restored = True
         return meta
 
     def shard_and_load(self, full: dict[str, torch.Tensor], moments: str | None,

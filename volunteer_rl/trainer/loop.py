@@ -102,6 +102,10 @@ class Trainer:
             leave(self.ranks)
             raise TrainerError(f"--groups-per-step {cfg.groups_per_step}: not a multiple of the "
                                f"{self.ranks.world_size} ranks (each computes an equal share)")
+        if cfg.lora_rank and self.ranks.joined:
+            leave(self.ranks)
+            raise TrainerError(f"--lora-rank {cfg.lora_rank}: LoRA trains in one process "
+                               "(its point is that the model fits one); run without torchrun")
         self.train_path, self.problems = inputs.train_path, inputs.problems
         # The rooms log through self.log, which a program may swap once it built the trainer.
         say = lambda line: self.log(line)  # noqa: E731

@@ -7,6 +7,7 @@ the previous version standing; the files it left are overwritten or collected la
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -19,12 +20,15 @@ from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import clear_folder, publish_checkpoint, upload_buffer
 from volunteer_rl.model.hashing import Filling, byte_buffer, piece_hashes, sha256_bytes
+from volunteer_rl.model.lora import adapter_file, adapter_tensors
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.vetting import WEIGHTS_FILE
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
+    ADAPTER_FILE,
     MAX_POOL,
+    AdapterRef,
     PIECE_BYTES,
     Dataset,
     Keyframe,
@@ -175,6 +179,11 @@ class WeightsChain:
         self.last, self.last_size = (version, root, buf), len(buf)
         self.keyframe, self.patches = weights.keyframe, list(weights.patches)
 
+    def drop_file(self) -> None:
+        """Hold no weights file any more (a LoRA run after its base is published: its
+        versions are adapters, never patches)."""
+        self.last, self.spare, self.last_size = None, None, 0
+
     def spill(self) -> None:
         """Move the last file from memory to `spill_to` (written whole, then renamed): a
         patch base that costs no memory. Nothing without `spill_to` or once spilled."""
@@ -209,12 +218,27 @@ def _changed_on_disk(path: Path, buf: memoryview, word: int) -> int:
     return changed
 
 
+@dataclass(frozen=True)
+class LoraBase:
+    """The published weights a LoRA run's adapters apply to: their version, files entry and
+    the manifest's `weights` that fetch them (keyframe and patches)."""
+
+    version: int
+    whole: WeightsEntry
+    weights: Weights
+
+    @staticmethod
+    def of(m: Manifest) -> "LoraBase":
+        """The base of the weights `m` names: a LoRA version's base, or `m` itself."""
+        return LoraBase(m.weights_version, m.files[WEIGHTS_FILE], m.weights)
+
+
 def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, run_id: str,
             dataset: Dataset, etag: str | None, key: Ed25519PrivateKey, chain: WeightsChain,
             before_commit: Callable[[], None] = lambda: None,
             prompt_pool: tuple[int, ...] = (), quota: Quota | None = None,
             source: torch.nn.Module | None = None, *,
-            task: TaskRef) -> tuple[Manifest, str]:
+            task: TaskRef, base: LoraBase | None = None) -> tuple[Manifest, str]:
     """Write the checkpoint, verify it, run `before_commit` (ledger, trainer state), then
     commit it all with the signed manifest: in that order, so a crash anywhere before the
     manifest leaves the previous version standing, complete.
@@ -229,8 +253,54 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     manifest and its etag. `source`: the model whose tensors make the weights file, when it
     is not `policy.model` (a sharded model: the writer rank gathers each tensor while the
     other ranks take part, model.weights.gather_along; `policy` then gives the config and
-    tokenizer). `task` names the task volunteers sample for (the manifest's `task`)."""
+    tokenizer). `task` names the task volunteers sample for (the manifest's `task`). `base`:
+    a LoRA run's published base; the version is then its adapter (checkpoints/vN/
+    adapter.safetensors, in the weights dtype) and the manifest names the base's weights and
+    the adapter (`adapter`), and no weights file is made."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
+    if base is None:
+        whole, weights, commit = _publish_weights(storage, policy, version, dtype, chain, source)
+    staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
+    clear_folder(staging)
+    try:
+        save_policy(policy, staging, dtype, weights=False)
+        if base is not None:  # a LoRA version: its adapter goes up with the small files
+            tensors = adapter_tensors(policy.model)
+            (staging / ADAPTER_FILE).write_bytes(adapter_file(tensors, dtype))
+        files = publish_checkpoint(storage, version, staging)
+    finally:
+        clear_folder(staging)
+    adapter = None
+    if base is None:
+        files[WEIGHTS_FILE] = whole  # a patch version lists the file its chain rebuilds
+    else:
+        files[WEIGHTS_FILE], weights = base.whole, base.weights
+        adapter = AdapterRef(base.version, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    manifest = Manifest(
+        run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
+        dataset=dataset, sampling=sampling_of(cfg),
+        max_staleness=cfg.max_staleness, task=task, prompt_format=policy.prompt_format,
+        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
+        prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),
+        quota=quota, weights=weights, adapter=adapter)
+    before_commit()
+    crash_point("before_manifest")
+    try:
+        new_etag = write_manifest(storage, manifest, etag, key)
+    except PreconditionFailed:
+        raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
+                           "being published; is a second trainer running on this bucket?") from None
+    if base is None:
+        commit()
+    return manifest, new_etag
+
+
+def _publish_weights(storage: Storage, policy: Policy, version: int, dtype: torch.dtype,
+                     chain: WeightsChain, source: torch.nn.Module | None
+                     ) -> tuple[WeightsEntry, Weights, Callable[[], None]]:
+    """The weights file of `version` made in memory, hashed by pieces and uploaded as a
+    keyframe, a patch or both (as `chain` decides): its files entry, the manifest's `weights`,
+    and what tells `chain` once the manifest is written."""
     source = policy.model if source is None else source
     buf = byte_buffer(weights_size(source, dtype), chain.spare)
     weights_key = layout.checkpoint_key(version, WEIGHTS_FILE)
@@ -256,37 +326,14 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
         if upload is not None:
             upload.result()
             crash_point("checkpoint_upload")
-    staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
-    clear_folder(staging)
-    try:
-        save_policy(policy, staging, dtype, weights=False)
-        files = publish_checkpoint(storage, version, staging)
-    finally:
-        clear_folder(staging)
     whole = WeightsEntry(root, len(buf))
-    files[WEIGHTS_FILE] = whole  # a patch version lists the file its chain rebuilds
     patch_link = None
     if patch is not None:
         patch_key = Weights.patch_key(version)
         upload_buffer(storage, patch_key, patch)
         patch_link = Link(version, sha256_bytes(patch), len(patch))
     weights = chain.weights(version, whole, pieces, patch_link, keyframe)
-    manifest = Manifest(
-        run_id=run_id, version=version, checkpoint=layout.checkpoint_prefix(version), files=files,
-        dataset=dataset, sampling=sampling_of(cfg),
-        max_staleness=cfg.max_staleness, task=task, prompt_format=policy.prompt_format,
-        weights_dtype=str(dtype).removeprefix("torch."), max_shard_groups=SHARD_GROUPS_LIMIT,
-        prompt_pool=tuple(prompt_pool) or tuple(range(min(dataset.rows, MAX_POOL))),
-        quota=quota, weights=weights)
-    before_commit()
-    crash_point("before_manifest")
-    try:
-        new_etag = write_manifest(storage, manifest, etag, key)
-    except PreconditionFailed:
-        raise TrainerError(f"{layout.MANIFEST}: changed by another writer while v{version} was "
-                           "being published; is a second trainer running on this bucket?") from None
-    chain.commit(version, weights, root, buf)
-    return manifest, new_etag
+    return whole, weights, lambda: chain.commit(version, weights, root, buf)
 
 
 def published_or_started(storage: Storage) -> list[int]:

@@ -23,7 +23,7 @@ from volunteer_rl.trainer.fleet import Fleet
 from volunteer_rl.trainer.held import HeldWeights
 from volunteer_rl.trainer.groups import ScoredGroup, Window
 from volunteer_rl.trainer.learner import Learner
-from volunteer_rl.trainer.publish import publish
+from volunteer_rl.trainer.publish import LoraBase, publish
 from volunteer_rl.trainer.records import Records
 from volunteer_rl.trainer.retention import TrainerRetention
 from volunteer_rl.trainer.withheld import GroupNumbers
@@ -55,6 +55,9 @@ class Publisher:
         # Under ranks (trainer.writer): the other ranks' volunteers' counts and numbers, as
         # they reported them before the last commit; saved and shown with this rank's.
         self.peers: dict[int, dict] = {}
+        self.lora_base: LoraBase | None = None
+        """With --lora-rank: the published weights the adapters apply to, set by the first
+        publish (v0) or a resume; every version after it publishes only its adapter."""
 
     @property
     def version(self) -> int:
@@ -71,7 +74,8 @@ class Publisher:
         return self.last_used
 
     def commit(self, version: int, fresh_after: int, source=None) -> None:
-        """Publish the whole current weights as `version` (trainer.publish.publish), the
+        """Publish the current weights as `version` (trainer.publish.publish: whole, or with
+        --lora-rank once the base is out, the adapters), the
         learner's state and the ledger saved before its manifest. `fresh_after`: usable groups
         in hand that the version's quota need not ask for again; `source`: a `lean` writer's
         sharded model, gathered tensor by tensor."""
@@ -80,8 +84,11 @@ class Publisher:
                                            self.chain, lambda: self._save(version),
                                            self.picker.pool(self.cfg.prompt_pool),
                                            self.balance.quota(time.time(), fresh_after),
-                                           source=source, task=self.task)
-
+                                           source=source, task=self.task,
+                                           base=self.lora_base)
+        if self.learner.lora is not None and self.lora_base is None:
+            self.lora_base = LoraBase.of(self.manifest)  # the base, published whole just now
+            self.chain.drop_file()  # no version after it is a patch of it
     def _save(self, version: int) -> None:
         """Ledger to the bucket and trainer state to disk, both before the manifest of
         `version`; under ranks the state holds every rank's volunteers."""

@@ -16,6 +16,7 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.checkpoint import fetch_checkpoint
+from volunteer_rl.model.lora import base_model_of, fetch_adapter, set_adapter_tensors
 from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol import layout
@@ -27,7 +28,7 @@ from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.dataset import file_sha256
 from volunteer_rl.trainer.groups import Window
 from volunteer_rl.trainer.preflight import TrainerError
-from volunteer_rl.trainer.publish import sampling_of, upload_dataset
+from volunteer_rl.trainer.publish import LoraBase, sampling_of, upload_dataset
 from volunteer_rl.trainer.publisher import Publisher
 from volunteer_rl.trainer.warmstart import summary, torch_threads, trainer_split, warm_start
 from volunteer_rl.trainer.withheld import GroupNumbers
@@ -96,9 +97,10 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     if manifest.dataset.sha256 != file_sha256(train_path):
         raise TrainerError(f"manifest.json: dataset {manifest.dataset.key} differs from "
                            f"{train_path}; resume with the same --dataset")
+    check_lora(cfg, manifest)
     folder = fetch_checkpoint(p.storage, manifest, Path(cfg.work_dir) / "resume",
                               require_model=True)
-    p.learner.take(load_policy(folder, device))
+    p.learner.take(load_policy(folder, device))  # a LoRA version: its base, wrapped afresh
     p.run_id, p.dataset, p.manifest = manifest.run_id, manifest.dataset, manifest
     p.etag = etag
     with stop.shielded():
@@ -108,6 +110,12 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     p.ledger = rebuild(p.storage, sorted(p.published))
     p.ledger.prune(win.low)
     meta = p.learner.load(manifest.version, p.run_id, p.log)
+    if p.learner.lora is not None:
+        p.lora_base = LoraBase.of(manifest)  # a version published whole becomes the base
+        if manifest.adapter is not None and not p.learner.adapters_restored:
+            model = p.learner.policy.model  # no fp32 adapters saved: the published ones
+            set_adapter_tensors(model, fetch_adapter(p.storage, manifest,
+                                                     base_model_of(model)).tensors())
     if meta is not None:
         p.fleet.load_counts(meta.get("volunteers", {}))
         try:
@@ -117,6 +125,18 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     p.held.keep(manifest.version)
     recover_pools(p, manifest)
     p.log(f"resuming {p.run_id} at v{manifest.version} (step {p.learner.steps})")
+
+
+def check_lora(cfg: TrainerConfig, manifest: Manifest) -> None:
+    """A run whose versions are adapters resumes with the same --lora-rank, --lora-alpha and
+    --lora-targets (other adapters would not fit its base, and without them its adapters are
+    lost). A version published whole may be resumed either way: with --lora-rank it becomes
+    the base of the adapters trained from there."""
+    a = manifest.adapter
+    if a is not None and (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) != (a.rank, a.alpha, a.targets):
+        raise TrainerError(f"manifest.json: the run trains LoRA adapters on v{a.base}; resume it "
+                           f"with --lora-rank {a.rank} --lora-alpha {a.alpha:g} "
+                           f"--lora-targets {a.targets}")
 
 
 def recover_pools(p: Publisher, manifest: Manifest) -> None:

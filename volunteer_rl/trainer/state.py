@@ -36,6 +36,11 @@ MASTER_FILE = "master.safetensors"
 checkpoint alone would lose their low bits on resume."""
 
 
+ADAPTER_MASTER_FILE = "adapter.safetensors"
+"""A LoRA trainer's adapters in fp32 (model.lora's file form), saved at every version: the
+bucket's copy is in the published dtype, and the base is the bucket's."""
+
+
 def state_dir(root: Path, version: int) -> Path:
     return Path(root) / layout.version_dir(version)
 
@@ -54,9 +59,10 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
 
 
 def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
-               master: torch.nn.Module | None = None, sharded: bool = False) -> Path:
-    """Write state/v<version>/: optimizer tensors (and `master`'s fp32 weights if given), then
-    state.json as the completion mark. `sharded`: the ranks saved the optimizer's tensors
+               master: torch.nn.Module | None = None, sharded: bool = False,
+               adapter: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write state/v<version>/: optimizer tensors (and `master`'s fp32 weights, or a LoRA
+    trainer's fp32 `adapter` tensors, if given), then state.json as the completion mark. `sharded`: the ranks saved the optimizer's tensors
     already (save_sharded_optimizer, into this folder); only the rest is written here."""
     from safetensors.torch import save_file
 
@@ -76,6 +82,9 @@ def save_state(root: Path, version: int, opt: torch.optim.Optimizer, meta: dict,
 
         with open(folder / MASTER_FILE, "wb") as f:
             write_weights(master, f, torch.float32)
+    if adapter is not None:
+        save_file({n: t.float().contiguous() for n, t in adapter.items()},
+                  str(folder / ADAPTER_MASTER_FILE))
     crash_point("state_save")
     tmp = folder / f"{STATE_FILE}.tmp"
     tmp.write_text(json.dumps({"version": version, "optimizer": rest, **meta}))
@@ -216,6 +225,15 @@ def master_weights(root: Path, version: int) -> Path | None:
     folder = state_dir(root, version)
     path = folder / MASTER_FILE
     return path if (folder / STATE_FILE).exists() and path.exists() else None
+
+
+def adapter_master(root: Path, version: int) -> dict[str, torch.Tensor] | None:
+    """The fp32 adapters saved with `version`'s complete state, if any."""
+    from safetensors.torch import load_file
+
+    folder = state_dir(root, version)
+    path = folder / ADAPTER_MASTER_FILE
+    return load_file(str(path)) if (folder / STATE_FILE).exists() and path.exists() else None
 
 
 def prune_states(root: Path, keep: set[int]) -> None:

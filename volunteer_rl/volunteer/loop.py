@@ -30,6 +30,7 @@ from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
                                         set_sampling_threads)
 from volunteer_rl.model.hashing import CheckpointError, sha256_bytes
+from volunteer_rl.model.lora import load_adapter
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.vetting import WEIGHTS_FILE, CheckpointRefused
@@ -38,7 +39,8 @@ from volunteer_rl.progress import Every
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
-from volunteer_rl.protocol.manifest import Manifest, ManifestError, poll_manifest, read_manifest
+from volunteer_rl.protocol.manifest import (ADAPTER_FILE, Manifest, ManifestError, poll_manifest,
+                                            read_manifest)
 from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Completion, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.stopping import Stopped, StopSignal
@@ -184,7 +186,8 @@ class Volunteer:
         The weights come into memory (chain.fetch_weights: the patches after the version
         held, or the keyframe and the patches after it, whichever is fewer bytes), are checked
         piece by piece against the manifest, and only then copied into the model; a swap
-        writes nothing to disk. The buffer then holds this version's weights file, for the
+        writes nothing to disk. A LoRA version's weights file is its base's, held after the
+        first fetch, and its adapter is fetched, checked and added to them (lora.load_adapter). The buffer then holds this version's weights file, for the
         next version's patches. Weights published
         in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
         computes in fp32 with the bf16-rounded values, as the trainer's audit does.
@@ -201,7 +204,8 @@ class Volunteer:
         old = self.manifest
         task = self.task if old is not None and old.task == m.task else for_manifest(m.task)[0]
         same_shape = (old is not None and old.run_id == m.run_id and self.policy is not None
-                      and all(old.files.get(n) == e for n, e in m.files.items() if n != WEIGHTS_FILE))
+                      and all(old.files.get(n) == e for n, e in m.files.items()
+                              if n not in (WEIGHTS_FILE, ADAPTER_FILE)))
         folder = self.work / "checkpoint"
         try:
             fetched = fetch_weights(self.storage, m, self.held, self.log, self.weights_buffer)
@@ -214,12 +218,15 @@ class Volunteer:
         if same_shape:
             self._check_pool(m, self.problems)
             load_weights(self.policy, fetched.buf)
+            load_adapter(self.storage, m, self.policy.model)  # a LoRA version: its base + this
         else:
             fetch_checkpoint(self.storage, m, folder, require_model=True, weights=fetched.buf)
             new_data = old is None or old.dataset != m.dataset or old.task != m.task
             problems = self._load_dataset(m, task) if new_data else self.problems
             self._check_pool(m, problems)
-            self.policy = load_policy(folder, self.device)
+            policy = load_policy(folder, self.device)
+            load_adapter(self.storage, m, policy.model)
+            self.policy = policy
             if new_data:
                 self.problems, self.task = problems, task
             self.policy.model.eval()
