@@ -292,8 +292,9 @@ class Side:
     version: int
 
 
-def trainer_args(bucket: Path, work: Path, model: Path, eval_csv: Path) -> list[str]:
-    return ["trainer", "--bucket", str(bucket), "--work-dir", str(work), "--model", str(model),
+def trainer_args(bucket: Path, work: Path, model: Path, eval_csv: Path,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    return ["trainer", *extra, "--bucket", str(bucket), "--work-dir", str(work), "--model", str(model),
             "--eval-dataset", str(eval_csv), "--audit-tolerance", "0", "--eval-every", "0",
             "--dashboard-every", "0", "--weights-dtype", "fp32", "-k", str(K),
             "--max-new-tokens", str(MAX_NEW_TOKENS), "--groups-per-step", str(GROUPS_PER_STEP),
@@ -304,9 +305,10 @@ def trainer_args(bucket: Path, work: Path, model: Path, eval_csv: Path) -> list[
 
 
 def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, problems,
-             vocab: int, timeout: float) -> Side:
-    """`vrl trainer` (as `ranks` torchrun ranks; 0: one plain process) on a fresh bucket,
-    fed the groups once v0 is out, until it exits; each process's peak."""
+             vocab: int, timeout: float, extra: tuple[str, ...] = ()) -> Side:
+    """`vrl trainer` (as `ranks` torchrun ranks; 0: one plain process; `extra` flags after
+    the bench's) on a fresh bucket, fed the groups once v0 is out, until it exits; each
+    process's peak."""
     from volunteer_rl.launch import stop, vrl_command, vrl_env, vrl_ranks_command
     from volunteer_rl.protocol import layout
     from volunteer_rl.protocol.manifest import read_manifest
@@ -316,7 +318,7 @@ def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, pro
 
     root.mkdir(parents=True)
     bucket, work, out = root / "bucket", root / "work", root / "trainer.log"
-    args = trainer_args(bucket, work, model, eval_csv)
+    args = trainer_args(bucket, work, model, eval_csv, extra)
     command = vrl_ranks_command(ranks, *args) if ranks else vrl_command(*args)
     peaks: dict[int, int] = {}
     fed = False

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import PICKED, TEMPLATE_VERSION
 
 from helpers.bucket_objects import assert_manifest_complete, committed, honest_shards, trained_lines
 from helpers.vrlproc import Proc, wait_for
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.manifest import Manifest
 from volunteer_rl.storage import open_storage
 
 CRASHES = [("ingest", 1), ("optimizer_step", 2), ("checkpoint_upload", 3),
@@ -25,29 +27,37 @@ SHARDS = 6
 
 
 def trainer(bucket: Path, root: Path, name: str, eval_csv: Path, crash: str | None,
-            key: Path) -> Proc:
+            key: Path, extra: tuple[str, ...] = ()) -> Proc:
     env = {"VRL_CRASH_AT": crash} if crash else {}
-    return Proc(["trainer", *PICKED, "--bucket", str(bucket), "--groups-per-step", "4",
+    return Proc(["trainer", *PICKED, *extra, "--bucket", str(bucket), "--groups-per-step", "4",
                  "--max-staleness", "50", "--eval-every", "0", "--eval-dataset", str(eval_csv),
                  "--threads", "1", "--poll-seconds", "0.05", "--work-dir", str(root / "work"),
                  "--signing-key", str(key)],
                 root / f"{name}.log", root, env)
 
 
-def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path):
+LORA = ("--lora-rank", "2")
+"""The LoRA case: the template's v2, published whole, becomes the base, and every version the
+trainer publishes after it is an adapter; each restart restores the adapters and their AdamW
+moments from the state saved with the version it resumes (no "fresh optimizer" at the end)."""
+
+
+@pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora"])
+def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_path, extra):
     bucket = template.copy(tmp_path / "bucket")
     keys = honest_shards(template, bucket, SHARDS)
     expected = {(k, line) for k in keys for line in range(4)}
     versions = [TEMPLATE_VERSION]
     for point, nth in CRASHES:
-        proc = trainer(bucket, tmp_path, point, template.eval_csv, f"{point}:{nth}", template.key)
+        proc = trainer(bucket, tmp_path, point, template.eval_csv, f"{point}:{nth}", template.key,
+                       extra)
         code = proc.wait(180)
         assert code == -9 and f"crash point {point}: SIGKILL" in proc.text(), proc.text()[-2000:]
         versions.append(assert_manifest_complete(bucket, tmp_path))
         assert set(trained_lines(bucket)) <= expected
         assert max(trained_lines(bucket).values(), default=1) == 1, point
     assert versions == sorted(versions) and versions[-1] > TEMPLATE_VERSION
-    final = trainer(bucket, tmp_path, "final", template.eval_csv, None, template.key)
+    final = trainer(bucket, tmp_path, "final", template.eval_csv, None, template.key, extra)
     try:
         wait_for(lambda: set(trained_lines(bucket)) == expected, 180, "every group trained")
     finally:
@@ -61,6 +71,10 @@ def test_sigkill_anywhere_loses_nothing_and_trains_nothing_twice(template, tmp_p
     for name in [p for p, _ in CRASHES[1:]] + ["final"]:
         assert "resuming" in (tmp_path / f"{name}.log").read_text()
     assert "fresh optimizer" not in (tmp_path / "final.log").read_text()
+    m = Manifest.from_json((bucket / layout.MANIFEST).read_bytes())
+    assert (m.adapter is not None) == bool(extra)  # adapters on v2's weights, or whole versions
+    if extra:
+        assert m.adapter.base == TEMPLATE_VERSION and m.weights_version == TEMPLATE_VERSION
 
 
 def test_a_volunteer_killed_mid_upload_leaves_nothing_visible(template, tmp_path):

@@ -146,3 +146,42 @@ def test_publish_then_fetch_verifies_sha(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoints/v000003/model.safetensors"):
         fetch_checkpoint(s, m, tmp_path / "dest2")
     assert not (tmp_path / "dest2" / "model.safetensors").exists()
+
+
+def lora_raw() -> dict:
+    """A valid LoRA manifest (schema 10) as JSON: v3, adapter on v0's weights."""
+    from volunteer_rl.protocol.manifest import AdapterRef, FileEntry
+
+    entry, weights = keyframe_weights(0, b"\0" * 64)
+    files = {"model.safetensors": entry, "adapter.safetensors": FileEntry("cd" * 32, 100)}
+    m = make_manifest(3, files, weights)
+    m = Manifest(**{**m.__dict__, "adapter": AdapterRef(0, 2, 32.0, "all-linear")})
+    return json.loads(Manifest.from_raw(json.loads(m.to_json())).to_json())
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda r: r["adapter"].update(rank=0), "rank 0 must be integers, the rank in 1..1024"),
+    (lambda r: r["adapter"].update(rank=1025), "the rank in 1..1024"),
+    (lambda r: r["adapter"].update(rank="2"), "must be integers"),
+    (lambda r: r["adapter"].update(base=True), "must be integers"),
+    (lambda r: r["adapter"].update(alpha=0), "alpha 0 is not a number in (0, 1e+06]"),
+    (lambda r: r["adapter"].update(alpha=1e7), "is not a number in"),
+    (lambda r: r["adapter"].update(alpha="32"), "is not a number in"),
+    (lambda r: r["adapter"].update(targets="../x\n"), "targets is not 1-200 of"),
+    (lambda r: r["adapter"].update(targets=""), "targets is not 1-200 of"),
+    (lambda r: r["adapter"].update(extra=1), "adapter must be null or an object of base, rank"),
+    (lambda r: r["adapter"].update(base=3), "adapter: base v3 must be before v3"),
+    (lambda r: r["adapter"].update(base=-1), "adapter: base v-1 must be before v3"),
+    (lambda r: r["files"].pop("adapter.safetensors"), "files must list adapter.safetensors exactly"),
+    (lambda r: r.update(adapter=None), "files must list adapter.safetensors exactly"),
+    (lambda r: r.pop("adapter"), "malformed (KeyError"),
+    (lambda r: r["adapter"].update(base=1), "patches must reach back to v1"),  # v1 is no base
+])
+def test_a_lora_manifests_adapter_is_bounded_and_consistent(change, needle):
+    raw = lora_raw()
+    m = Manifest.from_raw(dict(raw))
+    assert m.adapter.base == 0 and m.weights_version == 0
+    change(raw)
+    with pytest.raises(ManifestError) as e:
+        Manifest.from_raw(raw)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -15,7 +15,12 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.chain import fetch_weights
-from volunteer_rl.model.lora import base_model_of, fetch_adapter, set_adapter_tensors
+from volunteer_rl.model.lora import (
+    adapter_tensors,
+    base_model_of,
+    fetch_adapter,
+    set_adapter_tensors,
+)
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import (
     WEIGHTS_DTYPES,
@@ -26,7 +31,8 @@ from volunteer_rl.model.weights import (
     unbind_weights,
 )
 from volunteer_rl.protocol import layout
-from volunteer_rl.protocol.manifest import read_manifest
+from volunteer_rl.model.vetting import WEIGHTS_FILE
+from volunteer_rl.protocol.manifest import Manifest, read_manifest
 from volunteer_rl.protocol.signing import Trust
 from volunteer_rl.storage.base import Storage, StorageError
 from volunteer_rl.trainer.audit import Unavailable, WindowWeights
@@ -144,20 +150,21 @@ class HeldWeights:
         self.window.drop_below(low)
 
     def recover(self, published: set[int], storage: Storage, trust: Trust,
-                log: Callable[[str], None]) -> None:
+                log: Callable[[str], None], lora_base: str | None = None) -> None:
         """After a resume: the published weights of the window's older versions, read back
         from their checkpoints (each verified against its signed manifest copy), so their
         groups can be audited. A version that cannot be read is logged and its audited
-        shards wait until it leaves the window."""
+        shards wait until it leaves the window. With --lora-rank (`lora_base`: the root of
+        the base's weights file) a version is held as its adapters: a LoRA version's own, the
+        base itself as adapters of zero; a version published whole before the base cannot
+        be, and is logged as unreadable."""
         for version in sorted(published - set(self.window.versions)):
             try:
                 m = read_manifest(storage, version, trust=trust)
                 if m is None:
                     raise TrainerError(f"{layout.manifest_history_key(version)} is missing")
-                if m.adapter is not None:  # a LoRA version: its adapters on the shared base
-                    model = self.audit_policy.model
-                    adapter = fetch_adapter(storage, m, base_model_of(model))
-                    set_adapter_tensors(model, adapter.tensors())
+                if lora_base is not None:
+                    self._recover_adapters(storage, m, lora_base)
                 else:
                     load_weights(self.audit_policy, fetch_weights(storage, m).buf)
             except (VrlError, StorageError, ValueError) as exc:
@@ -165,6 +172,18 @@ class HeldWeights:
                 continue
             self.window.add(version, self.audit_policy.model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
         self.window.loaded = None  # the audit model holds whatever was read last
+
+    def _recover_adapters(self, storage: Storage, m: Manifest, base_root: str) -> None:
+        """A LoRA trainer: version `m`'s adapters into the audit model (see recover)."""
+        model = self.audit_policy.model
+        if m.files[WEIGHTS_FILE].root != base_root:
+            raise TrainerError(f"{layout.manifest_history_key(m.version)}: its weights are not "
+                               "this run's LoRA base, and only adapters on the base are held")
+        if m.adapter is None:  # the base itself
+            tensors = {n: torch.zeros_like(t) for n, t in adapter_tensors(model).items()}
+        else:
+            tensors = fetch_adapter(storage, m, base_model_of(model)).tensors()
+        set_adapter_tensors(model, tensors)
 
     def replay(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                run_id: str) -> tuple[str, str] | None:

@@ -109,7 +109,8 @@ class Single:
             auditor = Auditor(replay, Budget(cfg.audit_share), cfg.audit_full_groups,
                               cfg.audit_floor, trusted=cfg.verify == "sampled",
                               cover_floor=cfg.audit_cover_floor)
-            p.held.recover(p.published, p.storage, trust, self.log)
+            p.held.recover(p.published, p.storage, trust, self.log,
+                           None if p.lora_base is None else p.lora_base.whole.root)
         budget = RewardBudget(cfg.shard_reward_seconds, cfg.poll_reward_seconds,
                               p.records.stop.is_set, RewardShares(cfg.reward_share))
         self.ingest = Ingest(p.storage, rules, p.ledger, p.fleet, auditor, self.log,

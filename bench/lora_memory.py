@@ -1,0 +1,66 @@
+"""Trainer peak memory with LoRA (`vrl trainer --lora-rank 1`) against full fine-tuning, one
+process, for a Qwen3-0.6B-shaped model (issue 42, row (b); goal: LoRA at most 0.25x).
+
+    python -m bench.lora_memory [--quick] [--json PATH]
+
+The set-up and the measurement are bench.rank_memory's, one plain process each side: the
+same random Qwen3 of Qwen3-0.6B's shape saved in bf16, the same groups written into the
+bucket once v0 is out, 2 steps of 2 groups then v1, fp32 weights, audits off, one thread; the
+peak is the trainer process's VmHWM. The LoRA side adds `--lora-rank 1` (alpha 32, every
+linear layer but the output embedding). What to expect, in bytes a parameter: full
+fine-tuning 25 and more (rank_memory's docstring counts them); LoRA the fp32 base 4, and while
+it publishes v0 (the base, whole) that file 4 more, then only adapters.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import Row, cli
+from bench.rank_memory import FULL, QUICK, TIMEOUT, gib, log, run_side, save_model, train_problems
+from bench.rank_memory import write_eval_rows
+
+COMMAND = "python -m bench.lora_memory"
+GOAL = 0.25
+LORA = ("--lora-rank", "1")
+
+
+def results(quick: bool) -> list[Row]:
+    shape = QUICK if quick else FULL
+    command = COMMAND + (" --quick" if quick else "")
+    problems = train_problems()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="vrl-lora-memory-") as tmp:
+        tmp = Path(tmp)
+        model, eval_csv = tmp / "model", tmp / "eval.csv"
+        params = save_model(shape, model, problems)
+        write_eval_rows(eval_csv)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+        log(f"{shape.label}: {params:,} parameters, saved in bf16")
+        peaks = {}
+        for name, extra in (("full", ()), ("lora", LORA)):
+            side = run_side(tmp / name, 0, model, eval_csv, tokenizer, problems, shape.vocab_size,
+                            TIMEOUT[quick], extra)
+            peaks[name] = side.peaks[0]
+            log(f"  {name}: peak {gib(side.peaks[0]):.3f} GiB ({side.peaks[0] / params:.1f} B/param),"
+                f" {side.seconds:.0f}s")
+            shutil.rmtree(tmp / name)
+    full, lora = peaks["full"], peaks["lora"]
+    return [Row(
+        f"trainer peak memory, {shape.label}, LoRA rank 1 vs full fine-tuning",
+        "GiB peak resident (VmHWM): --lora-rank 1 (vrl) vs full fine-tuning, one process",
+        gib(lora), gib(full), full / lora, f">= {1 / GOAL:g} (LoRA <= {GOAL:g}x full)",
+        lora <= GOAL * full, command,
+        f"LoRA/full {lora / full:.2f}; bytes a parameter: LoRA {lora / params:.1f}, full "
+        f"{full / params:.1f}; {params:,} parameters, fp32 weights, audits off, 2 steps of 2 "
+        f"groups then v1, 1 thread; both runs {time.time() - started:.0f}s")]
+
+
+if __name__ == "__main__":
+    sys.exit(cli(results, __doc__))

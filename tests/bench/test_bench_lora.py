@@ -1,0 +1,20 @@
+"""bench/lora_bytes.py and bench/lora_memory.py at --quick size: the rows add up (not the
+figures: those are the benches' own, run idle)."""
+import pytest
+
+from bench import lora_bytes, lora_memory
+
+
+@pytest.mark.slow  # a small Qwen3: a few AdamW steps and three adapters
+def test_lora_bytes_quick_rows_are_sane():
+    rows = lora_bytes.results(quick=True)
+    assert [r.benchmark for r in rows] == [f"bytes per version, small Qwen3, LoRA rank {r}"
+                                           for r in lora_bytes.RANKS]
+    assert all(0 < r.vrl < r.baseline for r in rows)
+    assert rows[0].vrl < rows[1].vrl < rows[2].vrl  # the adapter grows with the rank
+
+
+@pytest.mark.slow  # two short trainer runs
+def test_lora_memory_quick_rows_are_sane():
+    (row,) = lora_memory.results(quick=True)
+    assert row.vrl > 0 and row.baseline > 0 and row.command == "python -m bench.lora_memory --quick"
