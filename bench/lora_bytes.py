@@ -78,8 +78,9 @@ def results(quick: bool) -> list[Row]:
             "bytes: adapter (vrl --lora-rank) vs whole bf16 file", size, whole, ratio,
             f">= {goal:g}x" if goal else "-", (ratio >= goal) if goal else None, command,
             f"{n:,} adapter parameters on every linear layer but the output embedding, bf16; "
-            f"{patch / size:.1f}x fewer than today's patch at lr {LR:g} ({patch:,.0f} bytes, "
-            f"mean of steps 2-3 in this run); {params:,} parameters"))
+            + (f"{patch / size:.1f}x fewer" if size <= patch else f"{size / patch:.1f}x more")
+            + f" bytes than today's patch at lr {LR:g} ({patch:,.0f} bytes, mean of steps 2-3 "
+            f"in this run); {params:,} parameters"))
     return rows
 
 

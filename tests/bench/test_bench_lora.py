@@ -18,3 +18,13 @@ def test_lora_bytes_quick_rows_are_sane():
 def test_lora_memory_quick_rows_are_sane():
     (row,) = lora_memory.results(quick=True)
     assert row.vrl > 0 and row.baseline > 0 and row.command == "python -m bench.lora_memory --quick"
+
+
+@pytest.mark.slow  # three 60 s runs of a trainer and a volunteer, each scored on 100 prompts
+def test_lora_accuracy_quick_rows_are_sane():
+    from bench import lora_accuracy
+
+    rows = lora_accuracy.results(quick=True, tasks=["calculator"])
+    assert [r.benchmark for r in rows] == [
+        f"held-out accuracy after 60s of RL, calculator, LoRA rank {r} vs full" for r in (1, 8)]
+    assert all(0 <= r.vrl <= 1 and 0 < r.baseline <= 1 for r in rows)
