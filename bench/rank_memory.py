@@ -294,14 +294,15 @@ class Side:
 
 def trainer_args(bucket: Path, work: Path, model: Path, eval_csv: Path,
                  extra: tuple[str, ...] = ()) -> list[str]:
-    return ["trainer", *extra, "--bucket", str(bucket), "--work-dir", str(work), "--model", str(model),
+    return ["trainer", "--bucket", str(bucket), "--work-dir", str(work), "--model", str(model),
             "--eval-dataset", str(eval_csv), "--audit-tolerance", "0", "--eval-every", "0",
             "--dashboard-every", "0", "--weights-dtype", "fp32", "-k", str(K),
             "--max-new-tokens", str(MAX_NEW_TOKENS), "--groups-per-step", str(GROUPS_PER_STEP),
             "--micro-batch", str(K), "--max-steps", str(STEPS), "--publish-every", str(STEPS),
             "--threads", "1", "--poll-seconds", "0.2", "--rank-timeout", "3600",
             # No patch is tried: see PATCH_MAX_FRACTION.
-            "--patch-max-fraction", str(PATCH_MAX_FRACTION)]
+            "--patch-max-fraction", str(PATCH_MAX_FRACTION),
+            *extra]  # last: a flag given twice takes its last value
 
 
 def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, problems,

@@ -126,10 +126,10 @@ def merged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = t
             continue
         layer, kind = m.group(1), m.group(2)
-        if kind == "weight":
-            module = modules[layer]
-            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-            with torch.no_grad():
+        module = modules[layer]
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        if kind == "weight" and bool(b.detach().any()):  # B zero (a fresh adapter): the base
+            with torch.no_grad():  # itself, not a copy of every adapted weight (v0's publish)
                 t = t.float() + lora_delta(a, b, module.scaling["default"], layers[layer][2])
         out[f"{layer}.{kind}"] = t
     return out
