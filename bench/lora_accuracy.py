@@ -82,6 +82,18 @@ def start_for(task_name: str) -> Path:
     return folder
 
 
+def tiny_eval(task: str, work: Path) -> Path:
+    """The first 4 rows of the task's held-out file: the trainer's own v0 and final
+    evaluations then take a moment (the score below is the bench's)."""
+    from volunteer_rl.config import TrainerConfig
+    from volunteer_rl.trainer.preflight import read_inputs
+
+    source = read_inputs(TrainerConfig(bucket="memory://unused", task=task)).eval_path
+    path = work / "eval-4.csv"
+    path.write_text("".join(Path(source).read_text().splitlines(keepends=True)[:5]))
+    return path
+
+
 def run(task: str, model: Path, flags: tuple[str, ...], seconds: float, work: Path) -> Path:
     """A trainer and a volunteer for `seconds` of RL; the folder bucket they used."""
     from volunteer_rl.launch import stop, vrl_command, vrl_env
@@ -92,7 +104,7 @@ def run(task: str, model: Path, flags: tuple[str, ...], seconds: float, work: Pa
     trainer = subprocess.Popen(vrl_command(
         "trainer", "--bucket", str(bucket), "--model", str(model), "--task", task, *flags,
         "--max-seconds", str(seconds), "--threads", "1", "--seed", str(SEED),
-        "--groups-per-step", "16", "--eval-every", "0", "--eval-samples", "1",
+        "--groups-per-step", "16", "--eval-every", "0", "--eval-dataset", str(tiny_eval(task, work)),
         "--poll-seconds", "0.05", "--work-dir", str(work / "trainer")),
         stdout=open(work / "trainer.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=work)
     volunteer = subprocess.Popen(vrl_command(

@@ -111,7 +111,8 @@ _WRAPPED_WEIGHT = re.compile(r"(.+)\.base_layer\.(weight|bias)")
 
 def merged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of a wrapped `model` as the plain model's would be, each adapted layer's
-    weight merged (base + lora_delta, fp32; new tensors) and the adapters themselves left out:
+    weight merged (base + lora_delta, fp32, a new tensor; the base tensor itself while B is
+    zero, so v0's publish copies nothing) and the adapters themselves left out:
     what a whole weights file of its current version holds (v0 of a LoRA run, `vrl export`).
     Names and order are the plain model's."""
     base = base_model_of(model)
