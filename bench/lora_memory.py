@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 from bench.common import Row, cli
-from bench.rank_memory import FULL, QUICK, TIMEOUT, gib, log, run_side, save_model, train_problems
-from bench.rank_memory import write_eval_rows
+from bench.rank_memory import FULL, QUICK, TIMEOUT, gib, log, prepare, run_side, train_problems
 
 COMMAND = "python -m bench.lora_memory"
 GOAL = 0.25
@@ -40,13 +39,7 @@ def results(quick: bool) -> list[Row]:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vrl-lora-memory-") as tmp:
         tmp = Path(tmp)
-        model, eval_csv = tmp / "model", tmp / "eval.csv"
-        params = save_model(shape, model, problems)
-        write_eval_rows(eval_csv)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-        log(f"{shape.label}: {params:,} parameters, saved in bf16")
+        model, eval_csv, tokenizer, params = prepare(shape, tmp, problems)
         peaks = {}
         for name, extra in SIDES.items():
             side = run_side(tmp / name, 0, model, eval_csv, tokenizer, problems, shape.vocab_size,

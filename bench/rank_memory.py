@@ -375,6 +375,21 @@ def gib(n: int) -> float:
     return n / GIB
 
 
+def prepare(shape: Shape, tmp: Path, problems) -> tuple[Path, Path, object, int]:
+    """The set-up every side shares, in `tmp`: (the model folder, saved in bf16; the eval CSV;
+    the model's tokenizer; its parameter count)."""
+    from transformers import AutoTokenizer
+
+    started = time.time()
+    model, eval_csv = tmp / "model", tmp / "eval.csv"
+    params = save_model(shape, model, problems)
+    write_eval_rows(eval_csv)
+    tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    log(f"{shape.label}: {params:,} parameters (vocabulary {shape.vocab_size:,}, tokenizer "
+        f"{len(tokenizer)}), saved in bf16 in {time.time() - started:.0f}s")
+    return model, eval_csv, tokenizer, params
+
+
 def results(quick: bool, shape: Shape | None = None) -> list[Row]:
     shape = shape or (QUICK if quick else FULL)
     command = COMMAND + (" --quick" if quick else "")
@@ -383,14 +398,7 @@ def results(quick: bool, shape: Shape | None = None) -> list[Row]:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vrl-rank-memory-") as tmp:
         tmp = Path(tmp)
-        model, eval_csv = tmp / "model", tmp / "eval.csv"
-        params = save_model(shape, model, problems)
-        write_eval_rows(eval_csv)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-        log(f"{shape.label}: {params:,} parameters (vocabulary {shape.vocab_size:,}, tokenizer "
-            f"{len(tokenizer)}), saved in bf16 in {time.time() - started:.0f}s")
+        model, eval_csv, tokenizer, params = prepare(shape, tmp, problems)
         sides = {}
         for ranks in (0, RANKS):
             what = "one process" if not ranks else f"{ranks} ranks under torchrun"

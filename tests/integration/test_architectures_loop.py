@@ -123,6 +123,27 @@ def save_model(arch: str, tok, chat: bool, dataset, folder) -> None:
     tok.save_pretrained(folder)
 
 
+def run_loop(tmp_path, bucket, model, dataset, trainer_flags: list[str], versions: int,
+             timeout: float = 120) -> tuple[Proc, Proc]:
+    """A real `vrl trainer` on the model folder and a real `vrl volunteer`, one folder bucket,
+    until the trainer exits 0 (its flags end it after `versions` versions) and the volunteer
+    says it is on the last one; both processes, stopped, their logs still readable."""
+    trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(model),
+                    "--dataset", str(dataset), "--eval-dataset", str(dataset), *trainer_flags,
+                    "--work-dir", str(tmp_path / "tw")],
+                   tmp_path / "trainer.log", tmp_path, ONE_THREAD)
+    vol = Proc(["volunteer", "--bucket", str(bucket), *VOLUNTEER_FLAGS,
+                "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path, ONE_THREAD)
+    try:
+        assert trainer.wait(timeout) == 0, trainer.text()[-3000:]
+        wait_for(lambda: f"now on v{versions} " in vol.text(), 120, f"the volunteer on v{versions}")
+        assert vol.terminate() == 0, vol.text()[-3000:]
+    finally:
+        for p in (trainer, vol):
+            p.kill()
+    return trainer, vol
+
+
 LIVE_IN_THE_SUITE = ("qwen3", "gpt2")
 """The families whose live loop runs in the default suite: one replayed as prefix trees and
 one with padded rows (model.replay_forward.TREE_MODEL_TYPES), chat and plain prompts. Llama's
@@ -140,19 +161,7 @@ def test_the_loop_runs_with_patches_for_each_architecture(arch, tokenizer, tmp_p
     bucket.mkdir()  # only the trainer makes a folder bucket; a volunteer may start first
     assert not (model / "vrl.json").exists()  # no hint of ours: the format comes from the folder
 
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(model),
-                    "--dataset", str(dataset), "--eval-dataset", str(dataset), *TRAINER_FLAGS,
-                    "--work-dir", str(tmp_path / "tw")],
-                   tmp_path / "trainer.log", tmp_path, ONE_THREAD)
-    vol = Proc(["volunteer", "--bucket", str(bucket), *VOLUNTEER_FLAGS,
-                "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path, ONE_THREAD)
-    try:
-        assert trainer.wait(120) == 0, trainer.text()[-3000:]
-        wait_for(lambda: f"now on v{VERSIONS} " in vol.text(), 120, f"the volunteer on v{VERSIONS}")
-        assert vol.terminate() == 0, vol.text()[-3000:]
-    finally:
-        for p in (trainer, vol):
-            p.kill()
+    trainer, vol = run_loop(tmp_path, bucket, model, dataset, TRAINER_FLAGS, VERSIONS)
     storage, ms = published_manifests(bucket, VERSIONS)
     assert json.loads((bucket / layout.MANIFEST).read_text())["version"] == VERSIONS
     run_id = ms[0].run_id

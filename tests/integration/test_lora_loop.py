@@ -26,8 +26,8 @@ import re
 import torch
 from safetensors.torch import load
 
-from helpers.vrlproc import Proc, wait_for
-from test_architectures_loop import ONE_THREAD, VOLUNTEER_FLAGS, save_model, write_dataset
+from helpers.vrlproc import Proc
+from test_architectures_loop import ONE_THREAD, run_loop, save_model, write_dataset
 from test_hostile_bucket import tokenizer  # noqa: F401  (a fixture)
 from volunteer_rl.protocol import layout, metrics
 from volunteer_rl.protocol.manifest import ADAPTER_FILE, KEYFRAME_FILE, PATCH_FILE, Manifest
@@ -47,18 +47,7 @@ def test_a_lora_run_publishes_adapters_on_a_base_and_replays_accept_honest_group
     write_dataset(dataset)
     save_model("qwen3", tokenizer, False, dataset, model)
     bucket.mkdir()
-    trainer = Proc(["trainer", "--bucket", str(bucket), "--model", str(model),
-                    "--dataset", str(dataset), "--eval-dataset", str(dataset), *TRAINER_FLAGS,
-                    "--work-dir", str(tmp_path / "tw")], tmp_path / "trainer.log", tmp_path, ONE_THREAD)
-    vol = Proc(["volunteer", "--bucket", str(bucket), *VOLUNTEER_FLAGS,
-                "--work-dir", str(tmp_path / "vw")], tmp_path / "vol.log", tmp_path, ONE_THREAD)
-    try:
-        assert trainer.wait(180) == 0, trainer.text()[-3000:]
-        wait_for(lambda: f"now on v{VERSIONS} " in vol.text(), 120, f"the volunteer on v{VERSIONS}")
-        assert vol.terminate() == 0, vol.text()[-3000:]
-    finally:
-        for p in (trainer, vol):
-            p.kill()
+    _, vol = run_loop(tmp_path, bucket, model, dataset, TRAINER_FLAGS, VERSIONS, timeout=180)
     ms = [Manifest.from_json((bucket / layout.manifest_history_key(v)).read_bytes())
           for v in range(VERSIONS + 1)]
 

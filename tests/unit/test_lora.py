@@ -68,7 +68,7 @@ def merged(folder, data: bytes, dtype: torch.dtype, spec: LoraSpec = SPEC) -> Po
             t.copy_(t.to(dtype).float())
     adapter = lora.read_adapter(data, "adapter.safetensors", lora.adaptable_layers(p.model),
                                 spec, dtype)
-    lora.merge_into(p.model, adapter, lora.base_weights(p.model))
+    lora.add_into(p.model, adapter)
     return p
 
 

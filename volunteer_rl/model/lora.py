@@ -17,7 +17,7 @@ those of that layer at the rank the manifest states, the dtype the manifest's, e
 finite, and the file no larger than the adapter those shapes make (`adapter_bytes_bound`).
 Anything else is refused in one line naming the object.
 
-Merged or not: `merge_into` writes W + scale * B @ A into the model's weights (computed in
+Merged or not: `add_into` adds scale * B @ A into weights that hold the base (computed in
 fp32 from the fp32 base, so a bf16 base is upcast exactly first); the trainer's PEFT model
 computes the same sum per layer unmerged. The two differ by float rounding only (about 1e-7
 relative on the logits, tests/unit/test_lora.py), far inside the replay tolerance.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from volunteer_rl.config import MAX_LORA_RANK
-from volunteer_rl.model.vetting import CheckpointRefused, read_verified
+from volunteer_rl.model.vetting import CheckpointRefused, read_verified, weights_itemsize
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import ADAPTER_FILE, Manifest
 from volunteer_rl.storage.base import Storage
@@ -224,7 +224,7 @@ def read_adapter(data: bytes | memoryview, name: str, layers: dict[str, tuple[in
 
     if not 1 <= spec.rank <= MAX_LORA_RANK or not (math.isfinite(spec.alpha) and spec.alpha > 0):
         raise refused(f"rank {spec.rank!r:.20} / alpha {spec.alpha!r:.20} out of bounds")
-    bound = adapter_bytes_bound(layers, spec.rank, torch.empty(0, dtype=dtype).element_size())
+    bound = adapter_bytes_bound(layers, spec.rank, dtype.itemsize)
     if len(data) > bound:
         raise refused(f"{len(data)} bytes, more than the {bound} an adapter of rank {spec.rank} "
                       "of this model takes")
@@ -280,28 +280,6 @@ def add_into(model: torch.nn.Module, adapter: Adapter) -> None:
             weight.copy_((weight.float() + delta).to(weight.dtype))
 
 
-def merge_into(model: torch.nn.Module, adapter: Adapter, base: dict[str, torch.Tensor]) -> None:
-    """Set the weight of every layer in `base` (fp32 base weights by module name,
-    base_weights) back to the base and add `adapter` (add_into): the weights of the adapter's
-    version, whatever version the model held before (adding onto the last version's weights
-    instead would drift)."""
-    missing = set(adapter.layers) - set(base)
-    if missing:
-        raise ValueError(f"no base weight kept for {sorted(missing)[:3]}")  # a bug, not input
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, w0 in base.items():
-            modules[name].weight.copy_(w0.to(modules[name].weight.dtype))
-    add_into(model, adapter)
-
-
-def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fp32 copies of the weights of every adaptable layer of `model` (adaptable_layers), by
-    module name: the base a reader merges each version's adapter onto (merge_into)."""
-    modules = dict(model.named_modules())
-    return {name: modules[name].weight.detach().float().clone() for name in adaptable_layers(model)}
-
-
 def set_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Load adapter `tensors` (file names, adapter_tensors) into a PEFT-wrapped `model`'s A
     and B, in their dtype: the unmerged form of that version (a replay of an older version,
@@ -330,9 +308,8 @@ def fetch_adapter(storage: Storage, m: Manifest, model: torch.nn.Module) -> Adap
     key = layout.checkpoint_key(m.version, ADAPTER_FILE)
     entry, spec = m.files[ADAPTER_FILE], spec_of(m)
     layers = adaptable_layers(model)
-    dtype = getattr(torch, m.weights_dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise AdapterRefused(f"{key}: refused adapter: weights_dtype {m.weights_dtype!r:.20}")
+    weights_itemsize(m.weights_dtype)  # vetting's rule: float32 or bfloat16, nothing else
+    dtype = getattr(torch, m.weights_dtype)
     bound = adapter_bytes_bound(layers, spec.rank, dtype.itemsize)
     if not 0 < entry.size <= bound:
         raise AdapterRefused(f"{key}: refused adapter: the manifest lists {entry.size} bytes, more "
@@ -346,3 +323,10 @@ def load_adapter(storage: Storage, m: Manifest, model: torch.nn.Module) -> None:
     published whole, the adapter fetched and added for a LoRA version."""
     if m.adapter is not None:
         add_into(model, fetch_adapter(storage, m, model))
+
+
+def load_adapter_unmerged(storage: Storage, m: Manifest, model: torch.nn.Module) -> None:
+    """A PEFT-wrapped `model`, on LoRA version `m`'s base, given that version's published
+    adapter (fetch_adapter's checks) in its A and B: the trainer's form, for audits of an
+    older version and for a resume without saved fp32 adapters."""
+    set_adapter_tensors(model, fetch_adapter(storage, m, base_model_of(model)).tensors())

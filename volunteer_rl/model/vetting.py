@@ -268,16 +268,22 @@ _WEIGHTS_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 _HEADER_BYTES_PER_TENSOR = 1024  # a safetensors header entry is ~100-200 bytes: name, dtype, shape, offsets
 
 
+def weights_itemsize(weights_dtype: str) -> int:
+    """Bytes a value of a manifest's `weights_dtype`; CheckpointRefused for any dtype but
+    float32 and bfloat16."""
+    itemsize = _WEIGHTS_ITEMSIZE.get(weights_dtype)
+    if itemsize is None:
+        raise CheckpointRefused(f"{layout.MANIFEST}: weights_dtype {weights_dtype!r:.40} is not "
+                                f"float32 or bfloat16")
+    return itemsize
+
+
 def check_weights_size(shape: ModelShape, entry: WeightsEntry, weights_dtype: str, key: str) -> None:
     """CheckpointRefused unless a safetensors file of `shape`'s tensors, floats in
     `weights_dtype`, could be `entry.size` bytes long: its data exactly, plus 8 bytes and a
     header of 2 bytes up to 4 KiB + 1 KiB per tensor. A listed size that is not that is
     refused before the reader allocates a buffer for it."""
-    itemsize = _WEIGHTS_ITEMSIZE.get(weights_dtype)
-    if itemsize is None:
-        raise CheckpointRefused(f"{layout.MANIFEST}: weights_dtype {weights_dtype!r:.40} is not "
-                                f"float32 or bfloat16")
-    data = shape.weights_bytes(itemsize)
+    data = shape.weights_bytes(weights_itemsize(weights_dtype))
     least, most = data + 10, data + 8 + 4096 + _HEADER_BYTES_PER_TENSOR * shape.tensors
     if not least <= entry.size <= most:
         raise CheckpointRefused(

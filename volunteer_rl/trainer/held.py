@@ -15,12 +15,7 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.chain import fetch_weights
-from volunteer_rl.model.lora import (
-    adapter_tensors,
-    base_model_of,
-    fetch_adapter,
-    set_adapter_tensors,
-)
+from volunteer_rl.model.lora import adapter_tensors, load_adapter_unmerged, set_adapter_tensors
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.weights import (
     WEIGHTS_DTYPES,
@@ -180,10 +175,10 @@ class HeldWeights:
             raise TrainerError(f"{layout.manifest_history_key(m.version)}: its weights are not "
                                "this run's LoRA base, and only adapters on the base are held")
         if m.adapter is None:  # the base itself
-            tensors = {n: torch.zeros_like(t) for n, t in adapter_tensors(model).items()}
+            set_adapter_tensors(model, {n: torch.zeros_like(t)
+                                        for n, t in adapter_tensors(model).items()})
         else:
-            tensors = fetch_adapter(storage, m, base_model_of(model)).tensors()
-        set_adapter_tensors(model, tensors)
+            load_adapter_unmerged(storage, m, model)
 
     def replay(self, version: int, groups: list[ScoredGroup], prompt_ids: dict[int, list[int]],
                run_id: str) -> tuple[str, str] | None:

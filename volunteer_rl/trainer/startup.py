@@ -16,7 +16,7 @@ import torch
 from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.model.checkpoint import fetch_checkpoint
-from volunteer_rl.model.lora import base_model_of, fetch_adapter, set_adapter_tensors
+from volunteer_rl.model.lora import load_adapter_unmerged
 from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol import layout
@@ -113,9 +113,8 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     if p.learner.lora is not None:
         p.lora_base = LoraBase.of(manifest)  # a version published whole becomes the base
         if manifest.adapter is not None and not p.learner.adapters_restored:
-            model = p.learner.policy.model  # no fp32 adapters saved: the published ones
-            set_adapter_tensors(model, fetch_adapter(p.storage, manifest,
-                                                     base_model_of(model)).tensors())
+            # no fp32 adapters saved: the published ones
+            load_adapter_unmerged(p.storage, manifest, p.learner.policy.model)
     if meta is not None:
         p.fleet.load_counts(meta.get("volunteers", {}))
         try:
