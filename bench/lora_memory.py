@@ -8,8 +8,9 @@ same random Qwen3 of Qwen3-0.6B's shape saved in bf16, the same groups written i
 bucket once v0 is out, 2 steps of 2 groups then v1, fp32 weights, audits off, one thread; the
 peak is the trainer process's VmHWM. The LoRA side adds `--lora-rank 1` (alpha 32, every
 linear layer but the output embedding). What to expect, in bytes a parameter: full
-fine-tuning 25 and more (rank_memory's docstring counts them); LoRA the fp32 base 4, and while
-it publishes v0 (the base, whole) that file 4 more, then only adapters.
+fine-tuning 25 and more (rank_memory's docstring counts them); LoRA the fp32 base 4 and the
+adapters' share of the rest: v0, the base, is written from the model straight into its upload
+(trainer.publish._stream_base), never held whole.
 """
 
 from __future__ import annotations

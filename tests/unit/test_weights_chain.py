@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from volunteer_rl.model.chain import Held, build_weights, plan_fetch
-from volunteer_rl.model.hashing import CheckpointError, piece_hashes, sha256_bytes
+from volunteer_rl.model.hashing import CheckpointError, PieceSink, piece_hashes, sha256_bytes
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     TaskRef,
@@ -253,3 +253,20 @@ def test_followers_of_a_file_being_made_get_its_bytes_or_stop_when_the_making_fa
     assert all(isinstance(r, Exception) and "cast failed" in str(r) for r in failed), failed
     assert isinstance(failed[1], CheckpointError)  # the hashing stops with Filling's error
     assert not storage.exists("failed.bin")
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 4096 * 3, 4096 * 3 + 5])
+def test_a_file_hashed_by_pieces_while_it_is_written_has_the_pieces_of_the_whole(size, tmp_path):
+    """PieceSink (a LoRA base streamed into its upload) gives the pieces piece_hashes gives for
+    the same bytes in one buffer, whatever the writes' sizes, and passes every byte on."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        sink = PieceSink(f, 4096)
+        at, step = 0, 1
+        while at < size:  # writes of 1, 2, 4, ... bytes, across piece boundaries
+            sink.write(data[at:at + step])
+            at, step = at + step, step * 2 + 1
+        pieces = sink.finish()
+    assert out.read_bytes() == data and sink.size == size
+    assert pieces == piece_hashes(memoryview(data), 4096)

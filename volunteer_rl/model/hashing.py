@@ -104,6 +104,40 @@ class HashingSink:
         return len(view)
 
 
+class PieceSink:
+    """A file-like for `Storage.create_from` writers that hashes the stream by pieces of
+    `piece_bytes` (the sha256 of each, as piece_hashes gives for the same bytes in one buffer)
+    and passes every byte on to `sink`: a file hashed by pieces while it is written, never
+    held whole."""
+
+    def __init__(self, sink: BinaryIO, piece_bytes: int):
+        self.sink, self.piece_bytes = sink, piece_bytes
+        self.pieces: list[str] = []
+        self.h, self.in_piece, self.size = hashlib.sha256(), 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        at = 0
+        while at < len(view):
+            take = min(self.piece_bytes - self.in_piece, len(view) - at)
+            self.h.update(view[at:at + take])
+            self.in_piece += take
+            at += take
+            if self.in_piece == self.piece_bytes:
+                self.pieces.append(self.h.hexdigest())
+                self.h, self.in_piece = hashlib.sha256(), 0
+        self.sink.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def finish(self) -> list[str]:
+        """Every piece's sha256, the last (shorter) one included."""
+        if self.in_piece:
+            self.pieces.append(self.h.hexdigest())
+            self.h, self.in_piece = hashlib.sha256(), 0
+        return self.pieces
+
+
 def piece_hashes(buf, piece_bytes: int, workers: int = 0,
                  ready: Callable[[int], None] = lambda end: None) -> list[str]:
     """sha256 of every `piece_bytes` slice of `buf`, computed on `workers` threads (0: one per

@@ -19,11 +19,24 @@ from volunteer_rl.config import TrainerConfig
 from volunteer_rl.errors import VrlError
 from volunteer_rl.faults import crash_point
 from volunteer_rl.model.checkpoint import clear_folder, publish_checkpoint, upload_buffer
-from volunteer_rl.model.hashing import Filling, byte_buffer, piece_hashes, sha256_bytes
+from volunteer_rl.model.hashing import (
+    CheckpointError,
+    Filling,
+    PieceSink,
+    byte_buffer,
+    piece_hashes,
+    sha256_bytes,
+)
 from volunteer_rl.model.lora import adapter_file, adapter_tensors
 from volunteer_rl.model.policy import Policy
 from volunteer_rl.model.vetting import WEIGHTS_FILE
-from volunteer_rl.model.weights import WEIGHTS_DTYPES, fill_weights, save_policy, weights_size
+from volunteer_rl.model.weights import (
+    WEIGHTS_DTYPES,
+    fill_weights,
+    save_policy,
+    weights_size,
+    write_weights,
+)
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import (
     ADAPTER_FILE,
@@ -256,10 +269,12 @@ def publish(storage: Storage, policy: Policy, version: int, cfg: TrainerConfig, 
     tokenizer). `task` names the task volunteers sample for (the manifest's `task`). `base`:
     a LoRA run's published base; the version is then its adapter (checkpoints/vN/
     adapter.safetensors, in the weights dtype) and the manifest names the base's weights and
-    the adapter (`adapter`), and no weights file is made."""
+    the adapter (`adapter`), and no weights file is made; the base itself (a LoRA run's
+    version published with no `base`) is streamed (_stream_base)."""
     dtype = WEIGHTS_DTYPES[cfg.weights_dtype]
     if base is None:
-        whole, weights, commit = _publish_weights(storage, policy, version, dtype, chain, source)
+        make = _stream_base if cfg.lora_rank else _publish_weights
+        whole, weights, commit = make(storage, policy, version, dtype, chain, source)
     staging = Path(cfg.work_dir) / f"staging-{layout.version_dir(version)}"
     clear_folder(staging)
     try:
@@ -334,6 +349,32 @@ def _publish_weights(storage: Storage, policy: Policy, version: int, dtype: torc
         patch_link = Link(version, sha256_bytes(patch), len(patch))
     weights = chain.weights(version, whole, pieces, patch_link, keyframe)
     return whole, weights, lambda: chain.commit(version, weights, root, buf)
+
+
+def _stream_base(storage: Storage, policy: Policy, version: int, dtype: torch.dtype,
+                 chain: WeightsChain, source: torch.nn.Module | None
+                 ) -> tuple[WeightsEntry, Weights, Callable[[], None]]:
+    """A LoRA run's base, as _publish_weights returns it, but written from the model straight
+    into the upload and hashed by pieces on the way: never held whole in memory. Its buffer
+    would serve no patch (no version after it is one), and made in memory it was the LoRA
+    trainer's peak, its fp32 model and the whole file at once. A keyframe with no patches;
+    `chain` is left holding no file."""
+    source = policy.model if source is None else source
+    key, size = layout.checkpoint_key(version, WEIGHTS_FILE), weights_size(source, dtype)
+    pieces: list[str] = []
+
+    def write(sink) -> None:  # a retried upload calls it again, on a fresh sink
+        hashed = PieceSink(sink, chain.piece_bytes)
+        write_weights(source, hashed, dtype)
+        pieces[:] = hashed.finish()
+
+    storage.create_from(key, write)
+    if storage.size(key) != size:
+        raise CheckpointError(f"{key}: size after upload differs from {size} bytes")
+    crash_point("checkpoint_upload")
+    root = pieces_root(chain.piece_bytes, size, pieces)
+    weights = Weights(chain.piece_bytes, tuple(pieces), Keyframe(version, root, size), ())
+    return WeightsEntry(root, size), weights, chain.drop_file
 
 
 def published_or_started(storage: Storage) -> list[int]:
