@@ -200,6 +200,42 @@ def test_the_folders_the_kept_versions_are_rebuilt_from_stay(tmp_path):
     assert chain_floor(with_chain(7, 6, None), None, 5) == 0
 
 
+def lora(version: int, base: int, keyframe: int | None = None) -> Manifest:
+    """A LoRA version's manifest: the weights of `base` (a keyframe, or `keyframe` and
+    patches up to the base), and its own adapter."""
+    from dataclasses import replace
+
+    from volunteer_rl.protocol.manifest import ADAPTER_FILE, AdapterRef, FileEntry
+
+    m = with_chain(version, base if keyframe is None else keyframe,
+                   None if keyframe is None else keyframe + 1)
+    weights = replace(m.weights, patches=tuple(p for p in m.weights.patches if p.version <= base))
+    return replace(m, weights=weights, files={**m.files, ADAPTER_FILE: FileEntry("cd" * 32, 7)},
+                   adapter=AdapterRef(base, 1, 32.0, "all-linear"))
+
+
+def test_a_lora_runs_base_stays_and_the_adapters_below_the_kept_range_go(tmp_path):
+    """Kept range v7-v9 (keep 3) of a LoRA run on base v2: v2's folder stays (volunteers fetch
+    the base from it), the adapter folders v0-v1 and v3-v6 go; a base rebuilt from keyframe v1
+    and a patch keeps v1 and v2. Both `vrl gc` and the trainer's passes."""
+    s = open_storage(str(tmp_path))
+    fill(s, range(10))
+    s.write(layout.manifest_history_key(7), lora(7, 2).to_json())
+    s.write(layout.MANIFEST, lora(9, 2).to_json())
+    collect(s, keep_versions=3, trust=UNSIGNED)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {2, 7, 8, 9}
+    assert {layout.split_versioned_key(k)[1] for k in s.list("rollouts")} == {7, 8, 9}
+    fill(s, range(10))
+    s.write(layout.manifest_history_key(7), lora(7, 2, keyframe=1).to_json())
+    s.write(layout.MANIFEST, lora(9, 2, keyframe=1).to_json())
+    collect(s, keep_versions=3, trust=UNSIGNED)
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {1, 2, 7, 8, 9}
+    fill(s, range(10))
+    r = TrainerRetention(s, keep_versions=3, every=1, log=lambda line: None)
+    r.run_pass(lora(9, 2))
+    assert {layout.split_versioned_key(k)[1] for k in s.list("checkpoints")} == {2, 7, 8, 9}
+
+
 def test_collect_deletes_and_dry_run_does_not(tmp_path):
     s = open_storage(str(tmp_path))
     fill(s, range(8))

@@ -33,6 +33,7 @@ from volunteer_rl.storage.base import DELETE_BATCH, NotFound, Storage, StorageEr
 from volunteer_rl.trainer.retention_plan import (
     DEFAULT_PREFIXES,
     Plan,
+    base_folders,
     chain_floor,
     check_rules,
     committed_versions,
@@ -137,11 +138,12 @@ def collect(storage: Storage, keep_versions: int, dry_run: bool = False,
         raise ManifestError(f"{layout.MANIFEST}: not found in {storage.uri}; without it "
                             "nothing is known to be safe to delete")
     low = kept_from(m.version, m.max_staleness, keep_versions)
-    floor = chain_floor(m, _lowest(storage, m, low, trust), low)
+    lowest = _lowest(storage, m, low, trust)
+    floor, bases = chain_floor(m, lowest, low), base_folders(m, lowest)
     keys = [k for prefix in prefixes for k in storage.list(prefix)]
     committed = committed_versions(storage.list(layout.MANIFESTS))
     p = plan(keys, m.version, m.max_staleness, keep_versions, committed, prefixes,
-             checkpoints_from=floor)
+             checkpoints_from=floor, bases=bases)
     return p, execute(storage, p, dry_run)
 
 
@@ -287,21 +289,22 @@ class TrainerRetention:
 
     def _pass(self, m: Manifest) -> Outcome:
         low = kept_from(m.version, m.max_staleness, self.keep_versions)
-        floor = chain_floor(m, _lowest(self.storage, m, low, None), low)
+        lowest = _lowest(self.storage, m, low, None)
+        floor, bases = chain_floor(m, lowest, low), base_folders(m, lowest)
         budget = _Budget(MAX_LISTINGS_PER_PASS, MAX_DELETES_PER_PASS)
         outcome = Outcome()
         if self.next is None:
             self._start(m, low, budget)
         # Debris folders are known never committed: planned as such (committed: none).
-        while self.debris and self._clear(layout.CHECKPOINTS, self.debris[0], m, floor,
+        while self.debris and self._clear(layout.CHECKPOINTS, self.debris[0], m, (floor, bases),
                                           set(), budget, outcome):
             self.debris.pop(0)
         for prefix in self.prefixes:
             end = low
             if prefix == layout.CHECKPOINTS:
                 end = min([low, floor] + [self.next[p] for p in self.prefixes if p != prefix])
-            while self.next[prefix] < end and self._clear(prefix, self.next[prefix], m, floor,
-                                                          None, budget, outcome):
+            while self.next[prefix] < end and self._clear(prefix, self.next[prefix], m,
+                                                          (floor, bases), None, budget, outcome):
                 self.next[prefix] += 1
         self._report(outcome, low, m.version, budget)
         return outcome
@@ -320,11 +323,12 @@ class TrainerRetention:
         self.debris = sorted(v for v in folders
                              if v not in committed and start <= v < window_from and v < m.version)
 
-    def _clear(self, prefix: str, version: int, m: Manifest, floor: int,
+    def _clear(self, prefix: str, version: int, m: Manifest, chain: tuple[int, frozenset[int]],
                committed: set[int] | None, budget: _Budget, outcome: Outcome) -> bool:
         """Remove what the plan says goes of `<prefix>/vNNNNNN/`, LIST_LIMIT keys at a time,
-        within the budget. True once nothing of it is left to remove; False if the budget or
-        a stop ran out first, or a delete request went unanswered (the next pass tries again).
+        within the budget (`chain`: chain_floor and base_folders, what checkpoints/ keeps).
+        True once nothing of it is left to remove; False if the budget or a stop ran out
+        first, or a delete request went unanswered (the next pass tries again).
 
         An object the bucket refuses to delete (access denied, a file it cannot remove) is
         reported and stepped over: the folder's listings then ask for that many keys more,
@@ -342,7 +346,8 @@ class TrainerRetention:
             limit = want + len(refused)
             keys = self.storage.list(folder, limit=limit)
             p = plan([k for k in keys if k not in refused], m.version, m.max_staleness,
-                     self.keep_versions, committed, self.prefixes, checkpoints_from=floor)
+                     self.keep_versions, committed, self.prefixes, checkpoints_from=chain[0],
+                     bases=chain[1])
             if not p.keys:  # nothing (more) here goes
                 return True
             if self.stopping():  # came while the listing ran

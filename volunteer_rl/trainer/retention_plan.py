@@ -13,6 +13,9 @@ The rules (docs/PROTOCOL.md, "Retention"):
   from the keyframe of the lowest kept version on, and those of the patches the current
   manifest lists (`chain_floor`). When the lowest kept version's manifest copy cannot be
   read, no checkpoint below the kept range is removed that pass.
+- A LoRA run's base: the folders its weights are rebuilt from (its keyframe's to the base's)
+  stay whatever their version (`base_folders`), while the adapter folders between the base
+  and the kept range go.
 - Removed: objects under `prefixes` (checkpoints/, rollouts/) of versions below the kept
   range, whose shards can never be trained on again; and crash debris, the checkpoint
   objects of a version below the window that never got its `manifests/` copy (a publish
@@ -91,26 +94,42 @@ def chain_floor(current: Manifest, lowest: Manifest | None, low: int) -> int:
     """The lowest checkpoint folder the kept versions' weights need: the keyframe of the
     lowest kept version (`lowest`, its manifest; every kept version's keyframe is at or after
     it), and the first patch the current manifest lists (volunteers holding any version from
-    there on patch forward). `lowest` None (its manifest unreadable): 0, keep them all."""
+    there on patch forward). `lowest` None (its manifest unreadable): 0, keep them all.
+    A LoRA version's weights are its base's, kept by base_folders instead."""
     if lowest is None:
         return 0
     floor = low
     for m in (current, lowest):
-        if m.weights is not None:
+        if m.weights is not None and m.adapter is None:
             floor = min(floor, m.weights.keyframe.version,
                         *(p.version for p in m.weights.patches[:1]))
     return floor
 
 
+def base_folders(current: Manifest, lowest: Manifest | None) -> frozenset[int]:
+    """The checkpoint folders a LoRA run's base is rebuilt from, for the kept versions that
+    are adapters on it (`current`, and `lowest`, the lowest kept version's manifest): the
+    base's keyframe and patches, from the keyframe's folder to the base's. Empty for versions
+    published whole."""
+    out: set[int] = set()
+    for m in (current, lowest):
+        if m is not None and m.adapter is not None and m.weights is not None:
+            out.update(range(m.weights.keyframe.version, m.adapter.base + 1))
+    return frozenset(out)
+
+
 def _reason(key: str, current: int, low: int, window_from: int,
             committed: Collection[int] | None, prefixes: Collection[str],
-            debris_prefixes: Collection[str], checkpoints_from: int) -> tuple[str, str, int] | None:
+            debris_prefixes: Collection[str], checkpoints_from: int,
+            bases: Collection[int]) -> tuple[str, str, int] | None:
     """(prefix, reason, version) if `key` goes, None if it stays."""
     parsed = layout.split_versioned_key(key)
     if parsed is None:
         return None
     prefix, version = parsed
     if prefix not in prefixes or version >= current:
+        return None
+    if prefix == layout.CHECKPOINTS and version in bases:
         return None
     if version < (min(low, checkpoints_from) if prefix == layout.CHECKPOINTS else low):
         return prefix, BELOW_RANGE, version
@@ -124,14 +143,14 @@ def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: i
          committed: Collection[int] | None = None,
          prefixes: Collection[str] = DEFAULT_PREFIXES,
          debris_prefixes: Collection[str] = DEBRIS_PREFIXES,
-         checkpoints_from: int | None = None) -> Plan:
+         checkpoints_from: int | None = None, bases: Collection[int] = ()) -> Plan:
     """The keys to delete, grouped by prefix and reason.
 
     `current` and `max_staleness` are the manifest's; `committed` is the set of versions with
     a manifests/ copy (None: unknown, so no version is treated as crash debris);
     `checkpoints_from` (chain_floor) keeps the checkpoint folders from it on as well (None:
-    nothing beyond the kept range). Keys outside `prefixes`, or that do not parse as
-    versioned keys, are kept."""
+    nothing beyond the kept range), and `bases` (base_folders) those of these versions. Keys
+    outside `prefixes`, or that do not parse as versioned keys, are kept."""
     prefixes = tuple(prefixes)
     check_rules(keep_versions, prefixes)
     if current < 0 or max_staleness < 0:
@@ -141,7 +160,7 @@ def plan(keys: Iterable[str], current: int, max_staleness: int, keep_versions: i
     groups: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
     for key in keys:
         why = _reason(key, current, low, window_from, committed, prefixes, debris_prefixes,
-                      low if checkpoints_from is None else checkpoints_from)
+                      low if checkpoints_from is None else checkpoints_from, bases)
         if why is not None:
             groups[why[:2]].append((why[2], key))
     order = sorted(groups, key=lambda g: (prefixes.index(g[0]), g[1]))
