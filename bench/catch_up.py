@@ -25,6 +25,10 @@ also gives the trainer's publish time per patch version (make the file, hash it,
 compress, upload the patch). `--quick` uses a much smaller Qwen3 shape. Peak memory at full
 size is about 14 GB (the training run: fp32 weights, gradients, two Adam moments, two bf16
 files; then moto holding the keyframe).
+
+The same run then measures LoRA on the same model (bench.lora_catch_up, row (d) of issue 42):
+a new volunteer's base + adapter against the keyframe above, a volunteer behind against the
+patches above, merged against unmerged, and the replay of those honest groups.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import time
 from pathlib import Path
 
 from bench.common import Row, cli
+from bench.lora_catch_up import lora_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m bench.catch_up"
@@ -133,6 +138,7 @@ def results(quick: bool = False) -> list[Row]:
             print(f"keyframe: {key.bytes / 1e6:.0f} MB in {key_s:.1f} s "
                   f"({key.bytes / 1e6 / key_s:.1f} MB/s)", flush=True)
             buf = key.buf
+            full = {"keyframe_s": key_s, "keyframe_bytes": key.bytes, "behind": {}}
             for behind in BEHIND:
                 mine = manifests[target - behind]
                 held_buf = build_weights(local, mine, reuse=buf).buf  # v(target-behind), verified
@@ -143,6 +149,7 @@ def results(quick: bool = False) -> list[Row]:
                     raise SystemExit(f"{behind} behind: fetched {got.how} ({got.links} links)")
                 print(f"{behind} behind: {got.links} patches, {got.bytes / 1e6:.1f} MB in "
                       f"{sec:.1f} s", flush=True)
+                full["behind"][behind] = (sec, got.bytes)
                 rows.append(Row(
                     f"volunteer catching up {behind} version{'s' * (behind > 1)}, "
                     f"{MBPS} MB/s link", "seconds to the new weights (patches vs keyframe)",
@@ -154,6 +161,8 @@ def results(quick: bool = False) -> list[Row]:
                     f"{'small Qwen3' if quick else 'Qwen3-0.6B shape'}, "
                     f"AdamW lr {LR:g}; the trainer published each patch version in "
                     f"{statistics.median_high(publish_s[1:-1]):.1f} s (median)"))
+            del key, buf, held_buf, held, got
+            rows += lora_rows(policy, Path(tmp), f"s3://{BUCKET}", endpoint, link, quick, full)
         finally:
             for proc in (relay, server):
                 if proc is not None:

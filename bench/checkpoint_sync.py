@@ -146,10 +146,12 @@ class Publisher:
     """trainer.publish on one bucket, one version after another. With `keyframe_every`, one
     WeightsChain throughout, as `vrl trainer --keyframe-every` runs it; without, every version
     a keyframe (a fresh chain each time), its file made in the buffer of the version before,
-    as a trainer that has published before makes it."""
+    as a trainer that has published before makes it. With `lora_rank` (a policy wrapped by
+    model.lora.add_adapters), as `vrl trainer --lora-rank` publishes: the first version whole
+    (the base), every later one its adapter only."""
 
     def __init__(self, uri: str, endpoint: str | None, policy, dtype: str, work: Path,
-                 keyframe_every: int | None = None):
+                 keyframe_every: int | None = None, lora_rank: int = 0):
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
         from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
@@ -162,6 +164,8 @@ class Publisher:
                                  weights_dtype=dtype).with_task_defaults(CalculatorTask())
         if keyframe_every is not None:
             self.cfg.keyframe_every = keyframe_every
+        self.cfg.lora_rank = lora_rank
+        self.base = None  # a LoRA run's published base (trainer.publish.LoraBase), after v1
         self.storage = open_storage(uri, endpoint)
         self.policy, self.key, self.etag, self.version = policy, Ed25519PrivateKey.generate(), None, 0
         self.dataset = upload_dataset(self.storage, PACKAGE_DATA / "train.csv")
@@ -172,7 +176,7 @@ class Publisher:
 
     def publish(self) -> None:
         from volunteer_rl.task.registry import info
-        from volunteer_rl.trainer.publish import WeightsChain, publish
+        from volunteer_rl.trainer.publish import LoraBase, WeightsChain, publish
 
         chain = self.chain
         if chain is None:  # a keyframe: a chain with no last version, the last file's buffer reused
@@ -181,8 +185,11 @@ class Publisher:
         self.version += 1
         self.manifest, self.etag = publish(self.storage, self.policy, self.version, self.cfg,
                                            "bench", self.dataset, self.etag, self.key, chain,
-                                           task=info("calculator").ref)
-        self.spare = chain.last[2]
+                                           task=info("calculator").ref, base=self.base)
+        if self.cfg.lora_rank:  # the base, streamed: no file is held after it
+            self.base = self.base or LoraBase.of(self.manifest)
+        else:
+            self.spare = chain.last[2]
 
 
 def evict(path: Path) -> None:

@@ -2,7 +2,8 @@
 against full fine-tuning, from the same v0 (issue 42, row (c); goal: within 2 s.e. of full
 fine-tuning, or the gap reported with the learning rates tried).
 
-    python -m bench.lora_accuracy [--quick] [--tasks calculator,countdown] [--json PATH]
+    python -m bench.lora_accuracy [--quick] [--tasks calculator,countdown] [--lrs 3e-3,1e-2]
+                                  [--json PATH]
 
 **Start.** Per task, the tiny model `vrl trainer --model tiny` builds and warm-starts (the
 demo's 900 steps, seed 0), saved once (cached under runs/bench/lora_accuracy/ by task, steps
@@ -12,7 +13,7 @@ and source hashes). Every contender starts from that folder (`--model FOLDER`).
 folder bucket, one thread each (OMP_NUM_THREADS=1), the demo's settings otherwise (GRPO, K 8,
 T 1, 16 groups a step), for `--max-seconds` 300 (60 with --quick) counted from the trainer's
 first step: full fine-tuning at its default lr (3e-4), `--lora-rank 1` and `--lora-rank 8` at
-theirs (3e-3: ten times, alpha 32).
+each learning rate of `--lrs` (default: theirs, 3e-3, ten times; alpha 32).
 
 **Score.** The last version each published, loaded as `vrl eval` loads it (its base and, for
 LoRA, its adapter), scored by `trainer.evaluate.greedy_and_sampled` on the task's 500 held-out
@@ -44,7 +45,17 @@ SECONDS = {False: 300.0, True: 60.0}
 PROMPTS = {False: 500, True: 100}
 SAMPLES = 4
 EVAL_SEED = 1234
-VARIANTS = {"full": (), "LoRA rank 1": ("--lora-rank", "1"), "LoRA rank 8": ("--lora-rank", "8")}
+RANKS = (1, 8)
+LORA_LR = 3e-3  # TrainerConfig's LR times LORA_LR_FACTOR: what `--lora-rank` takes by default
+
+
+def variants(lrs: list[float]) -> dict[str, tuple[str, ...]]:
+    """Full fine-tuning, then each rank at each learning rate: name -> vrl trainer flags."""
+    out: dict[str, tuple[str, ...]] = {"full": ()}
+    for lr in lrs:
+        for rank in RANKS:
+            out[f"LoRA rank {rank}, lr {lr:g}"] = ("--lora-rank", str(rank), "--lr", f"{lr:g}")
+    return out
 
 
 def log(msg: str) -> None:
@@ -139,16 +150,18 @@ def score(task_name: str, bucket: Path, work: Path, prompts: int) -> tuple[int, 
                                          SAMPLES, m.sampling.max_new_tokens)
 
 
-def results(quick: bool, tasks: list[str]) -> list[Row]:
+def results(quick: bool, tasks: list[str], lrs: list[float] = (LORA_LR,)) -> list[Row]:
     import tempfile
 
     seconds, prompts = SECONDS[quick], PROMPTS[quick]
-    command = COMMAND + (" --quick" if quick else "") + f" --tasks {','.join(tasks)}"
+    command = COMMAND + (" --quick" if quick else "") + f" --tasks {','.join(tasks)}" + \
+        ("" if list(lrs) == [LORA_LR] else f" --lrs {','.join(f'{lr:g}' for lr in lrs)}")
     rows = []
+    runs = variants(list(lrs))
     for task in tasks:
         model = start_for(task)
         got = {}
-        for name, flags in VARIANTS.items():
+        for name, flags in runs.items():
             with tempfile.TemporaryDirectory(prefix="vrl-lora-acc-") as tmp:
                 t0 = time.time()
                 bucket = run(task, model, flags, seconds, Path(tmp))
@@ -160,7 +173,7 @@ def results(quick: bool, tasks: list[str]) -> list[Row]:
         full_v, full = got["full"]
         p_full = full["eval/accuracy_sampled"]
         se_full = math.sqrt(p_full * (1 - p_full) / prompts)
-        for name in ("LoRA rank 1", "LoRA rank 8"):
+        for name in [n for n in runs if n != "full"]:
             version, res = got[name]
             p = res["eval/accuracy_sampled"]
             se = math.sqrt(max(se_full ** 2 + p * (1 - p) / prompts, 1e-12))
@@ -171,7 +184,7 @@ def results(quick: bool, tasks: list[str]) -> list[Row]:
                 abs(p - p_full) <= 2 * se, command,
                 f"gap {(p - p_full) / se:+.2f} s.e. (s.e. of the gap {se:.3f}); LoRA v{version}, "
                 f"full v{full_v}; greedy {res['eval/accuracy_greedy']:.3f} vs "
-                f"{full['eval/accuracy_greedy']:.3f}; lr 3e-3 (LoRA, alpha 32) vs 3e-4; "
+                f"{full['eval/accuracy_greedy']:.3f}; alpha 32; full at lr 3e-4; "
                 f"{prompts} prompts x {SAMPLES} samples; 1 trainer + 1 volunteer, 1 thread each"))
     return rows
 
@@ -180,9 +193,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 s runs, 100 prompts")
     parser.add_argument("--tasks", default="calculator,countdown")
+    parser.add_argument("--lrs", default=f"{LORA_LR:g}", help="LoRA learning rates, comma-separated")
     parser.add_argument("--json", help="write the rows here as JSON (for python -m bench)")
     args = parser.parse_args()
-    return emit_rows(results(args.quick, args.tasks.split(",")), args.json)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    return emit_rows(results(args.quick, args.tasks.split(","), lrs), args.json)
 
 
 if __name__ == "__main__":

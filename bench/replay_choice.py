@@ -38,6 +38,13 @@ forward with gradients (`completion_logits`, GROUPS_PER_REPLAY groups a micro-ba
 logits scored by `model.replay.replay_scored`. Counted: honest completions it rejects (goal 0),
 and the largest difference of its margins and logprobs from the replay's at the same positions:
 the float noise of the training forward, against the tolerance.
+With LoRA (issue 42): a rank-LORA_RANK adapter on every linear layer of each model (B drawn so
+that it moves the logits), published as the trainer publishes it in fp32 and in bf16. For each,
+groups are sampled merged (the base rounded to the weights dtype, the adapter file's delta
+added: what volunteers run) and replayed unmerged (the same base under PEFT's layers holding
+the file's A and B: what the trainer's replay runs), and the other way round. Counted: honest
+completions rejected (goal 0), and the largest difference between the two forms' margins on
+the same completions.
 Forged completions, from the fp32 honest samples: at a random position among the first
 FORGE_SPAN, the token is replaced by (in turn) the runner-up of the committed draw (the
 forger's best choice: it holds the weights and the key), a random one of the 10 most likely
@@ -48,6 +55,7 @@ Baseline: the same neighbour swap under schema 4's rule on the same distribution
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import sys
@@ -77,6 +85,7 @@ OLD_BAND = 1e-4        # schema 4's tolerance, in probability mass
 TOL = TrainerConfig(bucket="unused").replay_tolerance
 GOAL_TWO, GOAL_CAUGHT = 1e-4, 0.999
 GAP_BINS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+LORA_RANK, LORA_ALPHA = 1, 32.0
 
 
 def build(vocab: int, tok, scale: float, seed: int = 0) -> Policy:
@@ -112,6 +121,63 @@ def peaked_scale(vocab: int, tok, prompts: list[list[int]]) -> float:
             hi = mid
     return math.sqrt(lo * hi)
 
+
+
+def lora_forms(base: Policy, dtype: torch.dtype, prompts: list[list[int]]) -> tuple[Policy, Policy]:
+    """(merged, unmerged): a trained-looking adapter of `base`, published in `dtype`, as a
+    volunteer runs it (merged onto the base rounded to `dtype`) and as the trainer's replay
+    runs it (PEFT's layers holding the file's A and B on that base)."""
+    from safetensors.torch import load
+
+    from volunteer_rl.model import lora
+
+    spec = lora.LoraSpec(LORA_RANK, LORA_ALPHA)
+    trained = lora.add_adapters(copy.deepcopy(base.model), spec)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in trained.named_parameters():
+            if "lora_B" in name:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+    data = lora.adapter_file(lora.adapter_tensors(trained), dtype)
+
+    def on_base() -> torch.nn.Module:
+        model = copy.deepcopy(base.model)
+        with torch.no_grad():
+            for t in model.parameters():
+                t.copy_(t.to(dtype).float())
+        return model
+
+    merged = on_base()
+    lora.add_into(merged, lora.read_adapter(data, "adapter.safetensors",
+                                            lora.adaptable_layers(merged), spec, dtype))
+    unmerged = lora.add_adapters(on_base(), spec)
+    lora.set_adapter_tensors(unmerged, {n: t.float() for n, t in load(data).items()})
+    forms = [Policy(m.eval(), base.tokenizer, "plain", base.device) for m in (merged, unmerged)]
+    with torch.no_grad():
+        ids = torch.tensor([p[:4] for p in prompts])
+        moved = (forms[0].model(ids).logits - base.model(ids).logits).abs().max().item()
+    if moved < 0.05:  # an adapter that changes nothing would make agreement meaningless
+        raise SystemExit(f"the LoRA adapter moved the logits by only {moved:.3g}")
+    return forms[0], forms[1]
+
+
+def lora_replays(base: Policy, prompts, keys, total: dict) -> None:
+    """Sample honest groups merged and replay them unmerged, and the other way round, with
+    an adapter published in fp32 and in bf16; add the counts to `total`."""
+    for dtype in (torch.float32, torch.bfloat16):
+        forms = dict(zip(("merged", "unmerged"), lora_forms(base, dtype, prompts)))
+        for sampler, replayer in (("merged", "unmerged"), ("unmerged", "merged")):
+            out = sample(forms[sampler], prompts, K, T, NEW, draw_keys=keys)
+            comps = [[s.token_ids for s in g] for g in out]
+            own = replay_all(forms[sampler], prompts, comps, keys, 2)
+            other = replay_all(forms[replayer], prompts, comps, keys, 2)
+            for r, e in zip(other, own):
+                total["lora_completions"] += 1
+                total["lora_rejected"] += r.first_failure(TOL) >= 0
+                total["lora_worst"] = min(total["lora_worst"], r.margin)
+                total["lora_margin_gap"] = max([total["lora_margin_gap"]] + [
+                    abs(x - y) for x, y in zip(r.margins, e.margins)
+                    if math.isfinite(x) and math.isfinite(y)])
 
 
 def replay_all(policy, prompts, completions, keys, threads):
@@ -227,7 +293,9 @@ def results(quick: bool) -> list[Row]:
              "rejected": 0, "completions": 0, "forged": 0, "caught": 0, "worst": math.inf,
              "gap_counts": [0] * len(GAP_BINS), "logprob_gap": 0.0, "seconds": {},
              "expected_two": 0.0, "step_completions": 0, "step_rejected": 0,
-             "step_worst": math.inf, "step_margin_gap": 0.0, "step_logprob_gap": 0.0}
+             "step_worst": math.inf, "step_margin_gap": 0.0, "step_logprob_gap": 0.0,
+             "lora_completions": 0, "lora_rejected": 0, "lora_worst": math.inf,
+             "lora_margin_gap": 0.0}
     kinds_total: dict[str, list[int]] = {}
     start_all = time.perf_counter()
     for vocab in VOCABS:
@@ -278,6 +346,7 @@ def results(quick: bool) -> list[Row]:
             total["old_neighbour"] += neighbour
             per_kind = forge(base, prompts, fp32_comps, keys, fp32_rows, likely, forged_n[vocab],
                              rng)
+            lora_replays(base, prompts, keys, total)
             for kind, (f, c) in per_kind.items():
                 kinds_total.setdefault(kind, [0, 0])
                 kinds_total[kind][0] += f
@@ -289,6 +358,7 @@ def results(quick: bool) -> list[Row]:
                   + ", ".join(f"{k} {c}/{f}" for k, (f, c) in per_kind.items())
                   + f"; step forward rejected {total['step_rejected']} of "
                   f"{total['step_completions']:,}, margins off by {total['step_margin_gap']:.2g}"
+                  + f"; LoRA rejected {total['lora_rejected']} of {total['lora_completions']:,}"
                   + f"; schema 4 several {several}/{n}, neighbour passes {neighbour}; "
                   f"{seconds:.0f} s", flush=True)
     torch.set_num_threads(2)
@@ -332,6 +402,13 @@ def results(quick: bool) -> list[Row]:
             f"replay at the same positions, margins differ by at most "
             f"{total['step_margin_gap']:.2g} nats and logprobs by "
             f"{total['step_logprob_gap']:.2g} (tolerance {TOL:g}); baseline 0, the replay's"),
+        Row(BENCH, f"honest LoRA completions rejected, merged and unmerged (rank {LORA_RANK})",
+            total["lora_rejected"], 0, 1.0, "0", total["lora_rejected"] == 0, command,
+            f"{where}; of {total['lora_completions']:,}, adapters published in fp32 and bf16, "
+            f"sampled merged (as volunteers) and replayed unmerged (as the trainer), and the "
+            f"other way round; worst margin {total['lora_worst']:.3g} nats; the two forms' "
+            f"margins on the same completions differ by at most "
+            f"{total['lora_margin_gap']:.2g} nats (tolerance {TOL:g})"),
     ]
 
 

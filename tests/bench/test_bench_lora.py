@@ -1,5 +1,5 @@
-"""bench/lora_bytes.py and bench/lora_memory.py at --quick size: the rows add up (not the
-figures: those are the benches' own, run idle)."""
+"""bench/lora_bytes.py, lora_memory.py, lora_accuracy.py and catch_up.py's LoRA rows at --quick
+size: the rows add up (not the figures: those are the benches' own, run idle)."""
 import pytest
 
 from bench import lora_bytes, lora_memory
@@ -28,5 +28,19 @@ def test_lora_accuracy_quick_rows_are_sane():
 
     rows = lora_accuracy.results(quick=True, tasks=["calculator"])
     assert [r.benchmark for r in rows] == [
-        f"held-out accuracy after 60s of RL, calculator, LoRA rank {r} vs full" for r in (1, 8)]
+        f"held-out accuracy after 60s of RL, calculator, LoRA rank {r}, lr 0.003 vs full"
+        for r in (1, 8)]
     assert all(0 <= r.vrl <= 1 and 0 < r.baseline <= 1 for r in rows)
+
+
+@pytest.mark.slow  # the small Qwen3's chain of 21 versions, moto and the link, then LoRA's v1-v3
+def test_catch_up_quick_lora_rows_are_sane():
+    from bench import catch_up
+
+    rows = catch_up.results(quick=True)
+    lora = [r for r in rows if r.benchmark.startswith("LoRA")]
+    assert len(rows) == 3 + 5 and len(lora) == 5
+    new, behind, move, speed, replayed = lora
+    assert new.vrl > 0 and new.baseline > 0 and behind.vrl > 0 and speed.vrl > 0
+    assert "adapter" in new.note and "1 patch" in behind.note
+    assert replayed.vrl == 0 and replayed.met, replayed.note  # no honest LoRA group rejected

@@ -27,7 +27,7 @@ def test_the_expected_near_tie_share_is_what_gumbel_noise_gives():
 
 @pytest.mark.slow  # samples and replays 32k and 151k vocabularies: a check of bench code, ~5 min
 def test_replay_choice_quick_rows_are_sane():
-    two, caught, rejected, in_step = results(quick=True)
+    two, caught, rejected, in_step, lora = results(quick=True)
     assert two.vrl <= 100 * math.expm1(TOL) and two.baseline > 1  # %; schema 4's band left a choice
     assert "expected share over the committed noise" in two.note and two.met
     assert caught.vrl == 100 and caught.met
@@ -40,3 +40,8 @@ def test_replay_choice_quick_rows_are_sane():
     assert in_step.vrl == 0 and in_step.met, in_step.note
     gap = float(re.search(r"margins differ by at most (\S+) nats", in_step.note).group(1))
     assert 0 <= gap < TOL, in_step.note
+    # LoRA: merged (volunteers) and unmerged (the trainer) agree within the tolerance
+    assert lora.vrl == 0 and lora.met, lora.note
+    assert int(re.search(r"of (\d+(?:,\d{3})*)", lora.note).group(1).replace(",", "")) > 0
+    gap = float(re.search(r"differ by at most (\S+) nats", lora.note).group(1))
+    assert 0 <= gap < TOL, lora.note
