@@ -341,14 +341,15 @@ class TrainerConfig(Checked):
     """With --verify sampled, the lowest rate at which a trusted volunteer's groups are drawn
     for an audit: a shard of g groups is audited with a chance of at least 1 - (1 - floor)^g
     (16 groups: 7.7 %, 256 groups: 72 %)."""
-    audit_cover_floor: float = setting(0.5, at_least=0, at_most=1)
+    audit_cover_floor: float = setting(0.3, at_least=0, at_most=1)
     """With --verify every, the least share of a volunteer's groups that no step trains
     (all rewards equal, or content taken before) replayed at intake, each group drawn on its
     own (at its volunteer's audit rate while that is higher). No step replays them, yet each
     counts its number as received, so a made-up one would hide a group its volunteer kept
     back; one that fails denies its volunteer. A coverer gets about (1 - floor) / floor of
-    them through per identity; 1 replays every one (in the demo, about half of what
-    volunteers send). 0 leaves them at the audit rate alone (down to --audit-floor)."""
+    them through per identity (about 2 at 0.3), on top of the --missing-bound share any
+    volunteer may leave out; 1 replays every one (in the demo, about half of what volunteers
+    send). 0 leaves them at the audit rate alone (down to --audit-floor)."""
     verify: str = setting("every", one_of=VERIFY_MODES)
     """Which groups are replayed against their committed draws before they are trained:
     `every` group of every step (one forward pass each with its version's weights, unless an
