@@ -12,25 +12,28 @@ under their own prefix, and are read through the same shared link.
 
 The volunteer's side, a fresh fp32 model as a volunteer's:
 - new: it holds nothing and moves to v3 as `Volunteer.switch` does: the base's keyframe
-  (chain.swap_weights) then v3's adapter, checked and added (lora.load_adapter). Baseline:
-  the full run's keyframe in bench.catch_up's run.
+  (chain.fetch_weights) copied into the model, then v3's adapter, checked and held unmerged
+  in PEFT's layers (chain.onto_version). Baseline: the full run's keyframe in
+  bench.catch_up's run.
 - behind: it holds v2 and moves to v3: the base is held, only v3's adapter is fetched. A
   LoRA version names one adapter on the base, never the versions between, so this is what
   any number of versions behind costs. Baseline: the full run's one patch, and its five and
   twenty in the note.
-- merged against unmerged, the same move v2 -> v3: merged (what volunteers run) copies the
-  held base file into the model again and adds each layer's delta; unmerged keeps a
-  PEFT-wrapped model whose base never changes and writes only the adapter's A and B
-  (lora.load_adapter_unmerged, what the trainer's audits of an older version do). Then each
-  form samples the same committed-noise groups (PROMPTS prompts, K completions of NEW tokens,
-  the manifest's temperature), best of two.
-- replay: the groups each form sampled are replayed by the other form (merged sampled,
-  unmerged replays: what the trainer does with a volunteer's group) at the trainer's
-  --replay-tolerance; honest completions rejected (goal 0).
+- unmerged against merged, the same move v2 -> v3: unmerged (what volunteers run) keeps the
+  PEFT-wrapped model whose base never changes and writes only the adapter's A and B; merged
+  (the rule before 2026-11-30) copies the held base file into the model again and adds each
+  layer's B @ A (lora.load_adapter). Then each form samples the same committed-noise groups
+  (PROMPTS prompts, K completions of NEW tokens, the manifest's temperature), best of two.
+- replay: the groups the volunteer sampled are replayed as the trainer replays v3 (the base
+  under PEFT's layers holding the published adapter, lora.load_adapter_unmerged) at the
+  trainer's --replay-tolerance; honest completions rejected (goal 0), and how far the
+  replay's margins are from each sampler's at the same positions (0 for the volunteer's
+  form: the same computation; the merged form rounds otherwise).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -103,6 +106,17 @@ def rejected(policy, prompts, comps, keys, m) -> tuple[int, float]:
             min(x for r in rows for x in r.margins))
 
 
+def margin_gap(a, b, prompts, comps, keys, m) -> float:
+    """The largest difference of the replay's margins under `a` and under `b` at the same
+    positions of the same completions (0: the two compute alike, bit for bit)."""
+    from volunteer_rl.model.replay import replay
+
+    t = m.sampling.temperature
+    ra, rb = replay(a, prompts, comps, keys, t), replay(b, prompts, comps, keys, t)
+    return max(abs(x - y) for r, e in zip(ra, rb) for x, y in zip(r.margins, e.margins)
+               if math.isfinite(x) and math.isfinite(y))
+
+
 def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quick: bool,
               full: dict) -> list[Row]:
     """The rows, measured after bench.catch_up's: `full` holds that run's figures (keyframe
@@ -111,9 +125,9 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
     from bench.catch_up import COMMAND, MBPS, upload_target
     from bench.checkpoint_sync import policy_for, qwen3
     from volunteer_rl.config import PACKAGE_DATA
-    from volunteer_rl.model.chain import Held, swap_weights
+    from volunteer_rl.model.chain import Held, fetch_weights, onto_version, swap_weights
     from volunteer_rl.model.lora import LoraSpec, add_adapters, load_adapter, load_adapter_unmerged
-    from volunteer_rl.model.policy import Policy, encode_prompts
+    from volunteer_rl.model.policy import encode_prompts
     from volunteer_rl.model.vetting import WEIGHTS_FILE
     from volunteer_rl.protocol.manifest import ADAPTER_FILE
     from volunteer_rl.storage import open_storage
@@ -129,49 +143,61 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
     local = open_storage(str(folder))
     adapter_bytes = m[3].files[ADAPTER_FILE].size
 
-    vol = policy_for(qwen3(quick))  # a volunteer's model: fp32, overwritten by what it fetches
+    # The volunteer, as Volunteer.switch moves it: fetch_weights, then chain.onto_version.
+    state = {"policy": policy_for(qwen3(quick)), "root": None, "held": None}
 
-    def new_volunteer():  # holds nothing, moves to v3 as Volunteer.switch does
-        fetched = swap_weights(remote, m[3], vol, None, print)
-        load_adapter(remote, m[3], vol.model)
+    def move(to) -> object:
+        fetched = fetch_weights(remote, to, state["held"], print)
+        state["held"] = Held(to.run_id, to.version, to.files[WEIGHTS_FILE].root, fetched.buf)
+        state["policy"], state["root"] = onto_version(remote, to, state["policy"], fetched.buf,
+                                                      state["root"])
         return fetched
 
-    new_s, got = timed(new_volunteer)
+    new_s, got = timed(lambda: move(m[3]))
     if got.how != "keyframe":
         raise SystemExit(f"a new LoRA volunteer fetched {got.how}")
     print(f"LoRA new volunteer: {(got.bytes + adapter_bytes) / 1e6:.0f} MB in {new_s:.1f} s", flush=True)
-    held = Held(m[2].run_id, m[2].version, m[2].files[WEIGHTS_FILE].root, got.buf)
-
-    def merged_move():  # v2 -> v3 as Volunteer.switch does: the held base again, then the adapter
-        fetched = swap_weights(remote, m[3], vol, held, print)
+    behind = []
+    for _ in range(2):  # v2, then v3: what any number of versions behind costs
+        move(m[2])
+        sec, fetched = timed(lambda: move(m[3]))
         if fetched.how != "held":
             raise SystemExit(f"a LoRA volunteer on the base fetched {fetched.how}")
-        load_adapter(remote, m[3], vol.model)
+        behind.append(sec)
+    vol = state["policy"]
+    unmerged_s = min(behind)
+
+    merged = policy_for(qwen3(quick))  # the rule before: the base copied again, deltas added
+    held = Held(m[2].run_id, m[2].version, m[2].files[WEIGHTS_FILE].root,
+                swap_weights(local, m[2], merged, None).buf)
+    load_adapter(local, m[2], merged.model)
+
+    def merged_move():
+        swap_weights(remote, m[3], merged, held, print)
+        load_adapter(remote, m[3], merged.model)
 
     merged_s = min(timed(merged_move)[0] for _ in range(2))
-
-    unm = policy_for(qwen3(quick))  # the unmerged form: the base loaded once, PEFT's layers on it
-    swap_weights(local, m[1], unm, None)
-    unm = Policy(add_adapters(unm.model, LoraSpec(RANK, ALPHA)), unm.tokenizer, unm.prompt_format,
-                 unm.device)
-    unmerged_s = min(timed(lambda: load_adapter_unmerged(remote, m[3], unm.model))[0]
-                     for _ in range(2))
-    print(f"LoRA move v2 -> v3: merged {merged_s:.2f} s, unmerged {unmerged_s:.2f} s", flush=True)
+    print(f"LoRA move v2 -> v3: volunteers (unmerged) {unmerged_s:.2f} s, merged {merged_s:.2f} s",
+          flush=True)
 
     problems = load_csv(PACKAGE_DATA / "train.csv")[:PROMPTS]
     prompts = encode_prompts(vol, [p.prompt for p in problems])
     speed, sampled = {}, {}
-    for form, p in (("merged", vol), ("unmerged", unm), ("merged", vol), ("unmerged", unm)):
+    for form, p in (("unmerged", vol), ("merged", merged), ("unmerged", vol), ("merged", merged)):
         sec, comps, keys, tokens = honest_groups(p, prompts, m[3])
         speed[form] = max(speed.get(form, 0.0), tokens / sec)
         sampled[form] = (comps, keys)
         print(f"LoRA sampling {form}: {tokens} tokens in {sec:.1f} s", flush=True)
-    verdicts = {}
-    for sampler, replayer in (("merged", unm), ("unmerged", vol)):
-        comps, keys = sampled[sampler]
-        verdicts[sampler] = rejected(replayer, prompts, comps, keys, m[3])
-    completions = PROMPTS * K
-    print(f"LoRA replay: {verdicts}", flush=True)
+    # The trainer's replay of v3: the base, PEFT's layers holding the published adapter.
+    trainer = policy_for(qwen3(quick))
+    swap_weights(local, m[1], trainer, None)
+    trainer.model = add_adapters(trainer.model, LoraSpec(RANK, ALPHA)).eval()
+    load_adapter_unmerged(local, m[3], trainer.model)
+    comps, keys = sampled["unmerged"]
+    lost, worst = rejected(trainer, prompts, comps, keys, m[3])
+    gaps = {form: margin_gap(p, trainer, prompts, *sampled[form], m[3])
+            for form, p in (("unmerged", vol), ("merged", merged))}
+    print(f"LoRA replay: {lost} rejected, worst margin {worst:.2e}; margin gaps {gaps}", flush=True)
 
     shape = "small Qwen3" if quick else "Qwen3-0.6B shape"
     cmd = COMMAND + (" --quick" if quick else "")
@@ -179,7 +205,6 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
     one_patch_s, one_patch_b = full["behind"][1]
     others = ", ".join(f"{n} patches {sec:.1f} s ({b:,} bytes)"
                        for n, (sec, b) in full["behind"].items() if n > 1)
-    lost = sum(n for n, _ in verdicts.values())
     return [
         Row(f"LoRA rank {RANK}: a new volunteer, {MBPS} MB/s link",
             "seconds to the new weights (base + adapter vs full run's keyframe)",
@@ -188,26 +213,29 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
             f"{full['keyframe_bytes']:,}-byte keyframe; both verified and loaded into the live "
             f"model; {link_text}; {shape}"),
         Row(f"LoRA rank {RANK}: a volunteer any number of versions behind, {MBPS} MB/s link",
-            "seconds to the new weights (adapter, merged vs the full run's 1 patch)",
-            merged_s, one_patch_s, one_patch_s / merged_s, "-", None, cmd,
+            "seconds to the new weights (adapter vs the full run's 1 patch)",
+            unmerged_s, one_patch_s, one_patch_s / unmerged_s, "-", None, cmd,
             f"{adapter_bytes:,} bytes (one adapter; the base held) vs {one_patch_b:,} bytes in "
-            f"1 patch; the full run's {others}; merged: the held base copied into the model "
-            f"again and each layer's delta added, as volunteers do; {link_text}; {shape}"),
-        Row(f"LoRA rank {RANK}: a new version to sampling, merged vs unmerged",
-            "seconds from a manifest to sampling with it (merged vs unmerged)",
-            merged_s, unmerged_s, unmerged_s / merged_s, "-", None, cmd,
-            f"unmerged: a PEFT-wrapped model holds the base once and a version writes only "
-            f"its A and B; both fetch and check the {adapter_bytes:,}-byte adapter over the "
-            f"link; best of 2; {shape}"),
-        Row(f"LoRA rank {RANK}: sampling speed, merged vs unmerged",
-            "completion tokens/s (merged vs unmerged)",
-            speed["merged"], speed["unmerged"], speed["merged"] / speed["unmerged"], "-", None, cmd,
+            f"1 patch; the full run's {others}; the adapter held unmerged, as volunteers do "
+            f"(best of 2); {link_text}; {shape}"),
+        Row(f"LoRA rank {RANK}: a new version to sampling, unmerged vs merged",
+            "seconds from a manifest to sampling with it (unmerged vs merged)",
+            unmerged_s, merged_s, merged_s / unmerged_s, "-", None, cmd,
+            f"unmerged (volunteers): PEFT's layers on the base held once, a version writes only "
+            f"its A and B; merged (the rule before): the held base copied into the model again "
+            f"and each layer's B @ A added; both fetch and check the {adapter_bytes:,}-byte "
+            f"adapter over the link; best of 2; {shape}"),
+        Row(f"LoRA rank {RANK}: sampling speed, unmerged vs merged",
+            "completion tokens/s (unmerged vs merged)",
+            speed["unmerged"], speed["merged"], speed["unmerged"] / speed["merged"], "-", None, cmd,
             f"{PROMPTS} prompts x {K} committed-noise completions x {NEW} tokens, temperature "
             f"{m[3].sampling.temperature:g}, fp32 on the bf16 base, best of 2; {shape}"),
         Row(f"LoRA rank {RANK}: honest completions the replay rejects",
-            "completions rejected (merged sampled / unmerged replayed, and back)",
+            "completions rejected (a volunteer's, replayed by the trainer)",
             lost, 0, 1.0, "0", lost == 0, cmd,
-            f"{completions} completions each way, {m[3].sampling.temperature:g} temperature; "
-            f"worst margins {verdicts['merged'][1]:+.2e} and {verdicts['unmerged'][1]:+.2e} "
-            f"nats; {shape}, vocabulary {vol.model.config.vocab_size:,}"),
+            f"{PROMPTS * K} completions sampled as volunteers do (unmerged), replayed as the "
+            f"trainer does (PEFT, the published adapter); worst margin {worst:+.2e} nats; the "
+            f"replay's margins differ from the sampler's by {gaps['unmerged']:.1e} nats (merged "
+            f"sampler: {gaps['merged']:.1e}); {shape}, vocabulary "
+            f"{vol.model.config.vocab_size:,}"),
     ]

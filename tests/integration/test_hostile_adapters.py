@@ -6,8 +6,9 @@ LoRA version whose adapter is hostile: NaN or infinite values, shapes of another
 extra tensor, the output embedding adapted, another dtype, or a listed size beyond any
 adapter of that rank for this model (refused before it is downloaded: the object is not even
 in the bucket). Each is refused in one line naming the object; the volunteer keeps v0's
-weights and says so once. An honest adapter is loaded and changes the weights by exactly its
-delta (the check of the test itself: what is refused would otherwise have loaded)."""
+weights and says so once. An honest adapter is held unmerged, computing exactly what the
+trainer's replay computes (the check of the test itself: what is refused would otherwise have
+loaded)."""
 from __future__ import annotations
 
 import math
@@ -144,16 +145,23 @@ def test_an_adapter_listed_larger_than_any_of_its_rank_is_refused_before_downloa
                         "will retry")
 
 
-def test_an_honest_adapter_loads_onto_the_base(volunteer_on_v0, llama, dataset_csv):  # noqa: F811
+def test_an_honest_adapter_is_held_unmerged_as_the_trainer_replays_it(
+        volunteer_on_v0, llama, dataset_csv):  # noqa: F811
+    """The volunteer holds the adapter unmerged on the base it kept (no weights fetched or
+    copied again), and computes bit for bit what the trainer's replay of v1 computes: the
+    base under PEFT's layers holding the published A and B (lora.load_adapter_unmerged).
+    Merged weights round otherwise (red with lora.load_adapter in its place)."""
     v, storage, v0, etag, logs = volunteer_on_v0
-    base = {n: t.clone() for n, t in v.policy.model.state_dict().items()}
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        before = v.policy.model(input_ids=ids).logits
     tensors = honest_adapter(llama)
     publish_lora_v1(storage, llama, dataset_csv, etag, v0, save(tensors))
     assert v.try_switch(v.poll()) and v.manifest.version == 1, logs[-3:]
     assert logs[-1] == "now on v1 of run-h (weights unchanged)"
-    got = v.policy.model.state_dict()
-    name = "model.layers.0.self_attn.q_proj"
-    a, b = tensors[f"{ADAPTER_PREFIX}{name}.lora_A.weight"], tensors[f"{ADAPTER_PREFIX}{name}.lora_B.weight"]
-    assert torch.allclose(got[f"{name}.weight"], base[f"{name}.weight"] + (ALPHA / RANK) * b @ a,
-                          atol=1e-6)
-    assert torch.equal(got["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    replayer = lora.add_adapters(load_policy(llama).model, lora.LoraSpec(RANK, ALPHA)).eval()
+    lora.load_adapter_unmerged(storage, v.manifest, replayer)
+    with torch.no_grad():
+        got, want = v.policy.model(input_ids=ids).logits, replayer(input_ids=ids).logits
+    assert (got - before).abs().max() > 1e-3  # the adapter moved them
+    assert torch.equal(got, want)

@@ -210,3 +210,26 @@ def fetched_text(f: Fetched, m: Manifest) -> str:
         return f"{f.links} patch{'es' * (f.links != 1)}, {mb}"
     after = f" + {f.links - 1} patch{'es' * (f.links != 2)}" if f.links > 1 else ""
     return f"keyframe v{m.weights.keyframe.version}{after}, {mb}"
+
+
+def onto_version(storage: Storage, m: Manifest, policy: "Policy", weights: memoryview,
+                 holds: str | None) -> "tuple[Policy, str]":
+    """(`policy` on version `m` as a volunteer samples it, the root of the weights file its
+    model then holds). `holds`: the root of the file the model holds now (None: not known);
+    `weights`: m's weights file, verified (fetch_weights). The plain model takes that file
+    unless it holds it already; a LoRA version's adapter is fetched and checked before
+    anything changes, and held unmerged beside the base (lora.hold_adapter: the very
+    computation the trainer replays). The policy's model is changed in place."""
+    from volunteer_rl.model.lora import base_model_of, fetch_adapter, hold_adapter, spec_of, unwrapped
+    from volunteer_rl.model.policy import Policy
+    from volunteer_rl.model.weights import load_weights
+
+    adapter = None if m.adapter is None else fetch_adapter(storage, m, base_model_of(policy.model))
+    root, model = m.files[WEIGHTS_FILE].root, policy.model
+    if adapter is None or holds != root:
+        model = unwrapped(model)
+    if holds != root:
+        load_weights(Policy(model, policy.tokenizer, policy.prompt_format, policy.device), weights)
+    if adapter is not None:
+        model = hold_adapter(model, adapter, spec_of(m))
+    return Policy(model, policy.tokenizer, policy.prompt_format, policy.device), root

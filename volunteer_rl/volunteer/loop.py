@@ -25,16 +25,14 @@ from pathlib import Path
 from typing import Callable
 
 from volunteer_rl.config import VolunteerConfig
-from volunteer_rl.model.chain import Held, fetch_weights, fetched_text
+from volunteer_rl.model.chain import Held, fetch_weights, fetched_text, onto_version
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
                                         set_sampling_threads)
 from volunteer_rl.model.hashing import CheckpointError, sha256_bytes
-from volunteer_rl.model.lora import load_adapter
 from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
 from volunteer_rl.model.sampling import sample
 from volunteer_rl.model.vetting import WEIGHTS_FILE, CheckpointRefused
-from volunteer_rl.model.weights import load_weights
 from volunteer_rl.progress import Every
 from volunteer_rl.protocol import jsonbounds, layout
 from volunteer_rl.protocol.draws import group_keys, pool_prompt
@@ -99,6 +97,7 @@ class Volunteer:
         self.task: Task | None = None  # the manifest's task, from this machine's packages
         self.problems: list[Row] = []
         self.held: Held | None = None  # the weights file of the version loaded, verified
+        self.model_root: str | None = None  # the weights file the model holds (a LoRA run's base)
         self.weights_buffer: memoryview | None = None  # reused by every fetch
         self.threads = 0  # torch threads in force for sampling (set_sampling_threads)
         self.manifest: Manifest | None = None
@@ -187,10 +186,11 @@ class Volunteer:
         held, or the keyframe and the patches after it, whichever is fewer bytes), are checked
         piece by piece against the manifest, and only then copied into the model; a swap
         writes nothing to disk. A LoRA version's weights file is its base's, held after the
-        first fetch, and its adapter is fetched, checked and added to them (lora.load_adapter). The buffer then holds this version's weights file, for the
-        next version's patches. Weights published
-        in bf16 (`m.weights_dtype`) are upcast into the fp32 model exactly: the volunteer
-        computes in fp32 with the bf16-rounded values, as the trainer's audit does.
+        first fetch and copied into the model once; its adapter is fetched, checked and held
+        unmerged beside it (chain.onto_version). The buffer then holds this version's weights
+        file, for the next version's patches. Weights published in bf16 (`m.weights_dtype`)
+        are upcast into the fp32 model exactly: the volunteer computes in fp32 with the
+        bf16-rounded values, as the trainer's audit does.
 
         Either way the checkpoint is checked before any of it is downloaded (its file names,
         config.json, the weights' size: vetting.check_checkpoint) and a full load checks
@@ -217,16 +217,17 @@ class Volunteer:
         self.held = Held(m.run_id, m.version, m.files[WEIGHTS_FILE].root, fetched.buf)
         if same_shape:
             self._check_pool(m, self.problems)
-            load_weights(self.policy, fetched.buf)
-            load_adapter(self.storage, m, self.policy.model)  # a LoRA version: its base + this
+            holds, self.model_root = self.model_root, None  # unknown while the model changes
+            self.policy, self.model_root = onto_version(self.storage, m, self.policy, fetched.buf,
+                                                         holds)
         else:
             fetch_checkpoint(self.storage, m, folder, require_model=True, weights=fetched.buf)
             new_data = old is None or old.dataset != m.dataset or old.task != m.task
             problems = self._load_dataset(m, task) if new_data else self.problems
             self._check_pool(m, problems)
             policy = load_policy(folder, self.device)
-            load_adapter(self.storage, m, policy.model)
-            self.policy = policy
+            self.policy, self.model_root = onto_version(self.storage, m, policy, fetched.buf,
+                                                         m.files[WEIGHTS_FILE].root)
             if new_data:
                 self.problems, self.task = problems, task
             self.policy.model.eval()
