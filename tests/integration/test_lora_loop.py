@@ -13,8 +13,7 @@ VERSIONS versions. What it proves:
    unchanged": the base held), up to the last one, with no warning;
 4. the trainer's replays of the volunteer's honest groups never rejected one: no shard
    rejected, no verified group failed, and groups were verified and audited (so the replays
-   ran on the adapters: the volunteer merged them into its weights, the trainer holds them
-   unmerged);
+   ran on the adapters, which the volunteer and the trainer both hold unmerged);
 5. the adapter trained: the last version's B is not zero;
 6. `vrl eval` loads the last version (base + adapter) and evaluates it.
 """
@@ -35,7 +34,11 @@ from volunteer_rl.protocol.manifest import ADAPTER_FILE, KEYFRAME_FILE, PATCH_FI
 VERSIONS = 5
 GROUPS_PER_STEP = 2
 LORA = ["--lora-rank", "2", "--lora-alpha", "16"]
+# --audit-full-groups 2: only the first shard is audited whole, so the step's verification
+# replays the groups after it (at the default 10, a loaded machine could train all ten groups
+# of the run from audited shards, and the verification would have nothing to do)
 TRAINER_FLAGS = [*LORA, "--weights-dtype", "bf16", "--max-steps", str(VERSIONS),
+                 "--audit-full-groups", "2",
                  "--max-staleness", "4", "--groups-per-step", str(GROUPS_PER_STEP),
                  "-k", "4", "--max-new-tokens", "12", "--eval-every", "0",
                  "--dashboard-every", "0", "--threads", "1", "--poll-seconds", "0.05"]
