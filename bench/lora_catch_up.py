@@ -33,7 +33,6 @@ The volunteer's side, a fresh fp32 model as a volunteer's:
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -95,28 +94,6 @@ def honest_groups(policy, prompts, m):
     return sec, comps, keys, sum(len(c) for g in comps for c in g)
 
 
-def rejected(policy, prompts, comps, keys, m) -> tuple[int, float]:
-    """(honest completions the replay rejects at the trainer's tolerance, the worst margin)."""
-    from volunteer_rl.config import TrainerConfig
-    from volunteer_rl.model.replay import replay
-
-    tol = TrainerConfig(bucket="unused").replay_tolerance
-    rows = replay(policy, prompts, comps, keys, m.sampling.temperature)
-    return (sum(r.first_failure(tol) != -1 for r in rows),
-            min(x for r in rows for x in r.margins))
-
-
-def margin_gap(a, b, prompts, comps, keys, m) -> float:
-    """The largest difference of the replay's margins under `a` and under `b` at the same
-    positions of the same completions (0: the two compute alike, bit for bit)."""
-    from volunteer_rl.model.replay import replay
-
-    t = m.sampling.temperature
-    ra, rb = replay(a, prompts, comps, keys, t), replay(b, prompts, comps, keys, t)
-    return max(abs(x - y) for r, e in zip(ra, rb) for x, y in zip(r.margins, e.margins)
-               if math.isfinite(x) and math.isfinite(y))
-
-
 def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quick: bool,
               full: dict) -> list[Row]:
     """The rows, measured after bench.catch_up's: `full` holds that run's figures (keyframe
@@ -124,10 +101,12 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
     reach the moto server directly (to upload), `link` through the shared link."""
     from bench.catch_up import COMMAND, MBPS, upload_target
     from bench.checkpoint_sync import policy_for, qwen3
+    from bench.replay_choice import TOL, margin_gap
     from volunteer_rl.config import PACKAGE_DATA
     from volunteer_rl.model.chain import Held, fetch_weights, onto_version, swap_weights
     from volunteer_rl.model.lora import LoraSpec, add_adapters, load_adapter, load_adapter_unmerged
     from volunteer_rl.model.policy import encode_prompts
+    from volunteer_rl.model.replay import replay
     from volunteer_rl.model.vetting import WEIGHTS_FILE
     from volunteer_rl.protocol.manifest import ADAPTER_FILE
     from volunteer_rl.storage import open_storage
@@ -193,10 +172,16 @@ def lora_rows(policy, tmp: Path, direct_uri: str, endpoint: str, link: str, quic
     swap_weights(local, m[1], trainer, None)
     trainer.model = add_adapters(trainer.model, LoraSpec(RANK, ALPHA)).eval()
     load_adapter_unmerged(local, m[3], trainer.model)
-    comps, keys = sampled["unmerged"]
-    lost, worst = rejected(trainer, prompts, comps, keys, m[3])
-    gaps = {form: margin_gap(p, trainer, prompts, *sampled[form], m[3])
-            for form, p in (("unmerged", vol), ("merged", merged))}
+    temperature = m[3].sampling.temperature
+
+    def replayed(p, form):  # `form`'s samples replayed by `p`
+        return replay(p, prompts, *sampled[form], temperature)
+
+    by_trainer = replayed(trainer, "unmerged")
+    lost = sum(r.first_failure(TOL) != -1 for r in by_trainer)
+    worst = min(x for r in by_trainer for x in r.margins)
+    gaps = {"unmerged": margin_gap(by_trainer, replayed(vol, "unmerged")),
+            "merged": margin_gap(replayed(trainer, "merged"), replayed(merged, "merged"))}
     print(f"LoRA replay: {lost} rejected, worst margin {worst:.2e}; margin gaps {gaps}", flush=True)
 
     shape = "small Qwen3" if quick else "Qwen3-0.6B shape"

@@ -170,14 +170,24 @@ def lora_replays(base: Policy, prompts, keys, total: dict) -> None:
             out = sample(forms[sampler], prompts, K, T, NEW, draw_keys=keys)
             comps = [[s.token_ids for s in g] for g in out]
             own = replay_all(forms[sampler], prompts, comps, keys, 2)
-            other = replay_all(forms[replayer], prompts, comps, keys, 2)
-            for r, e in zip(other, own):
-                total["lora_completions"] += 1
-                total["lora_rejected"] += r.first_failure(TOL) >= 0
-                total["lora_worst"] = min(total["lora_worst"], r.margin)
-                total["lora_margin_gap"] = max([total["lora_margin_gap"]] + [
-                    abs(x - y) for x, y in zip(r.margins, e.margins)
-                    if math.isfinite(x) and math.isfinite(y)])
+            tally(total, "lora_", replay_all(forms[replayer], prompts, comps, keys, 2), own)
+
+
+def margin_gap(rows, ref) -> float:
+    """The largest difference of two replays' margins at the same positions of the same
+    completions (finite margins only; 0 for none)."""
+    return max([0.0] + [abs(x - y) for r, e in zip(rows, ref) for x, y in zip(r.margins, e.margins)
+                        if math.isfinite(x) and math.isfinite(y)])
+
+
+def tally(total: dict, prefix: str, rows, ref) -> None:
+    """Add `rows`, a replay of honest completions, to `total`'s counts under `prefix`: the
+    completions, those rejected at TOL, the worst margin, and the largest margin gap from
+    `ref`, the same completions replayed another way."""
+    total[prefix + "completions"] += len(rows)
+    total[prefix + "rejected"] += sum(r.first_failure(TOL) >= 0 for r in rows)
+    total[prefix + "worst"] = min([total[prefix + "worst"]] + [r.margin for r in rows])
+    total[prefix + "margin_gap"] = max(total[prefix + "margin_gap"], margin_gap(rows, ref))
 
 
 def replay_all(policy, prompts, completions, keys, threads):
@@ -328,15 +338,10 @@ def results(quick: bool) -> list[Row]:
                                 total["gap_counts"][i] += abs(m) <= b
                     if weights == "fp32":
                         in_step = step_replay_all(pol, prompts, comps, keys, 3 - threads)
-                        for r, e in zip(in_step, rows):
-                            total["step_completions"] += 1
-                            total["step_rejected"] += r.first_failure(TOL) >= 0
-                            total["step_worst"] = min(total["step_worst"], r.margin)
-                            total["step_margin_gap"] = max([total["step_margin_gap"]] + [
-                                abs(x - y) for x, y in zip(r.margins, e.margins)
-                                if math.isfinite(x) and math.isfinite(y)])
-                            total["step_logprob_gap"] = max([total["step_logprob_gap"]] + [
-                                abs(x - y) for x, y in zip(r.logprobs, e.logprobs)])
+                        tally(total, "step_", in_step, rows)
+                        total["step_logprob_gap"] = max([total["step_logprob_gap"]] + [
+                            abs(x - y) for r, e in zip(in_step, rows)
+                            for x, y in zip(r.logprobs, e.logprobs)])
                     if weights == "fp32" and fp32_rows is None:
                         fp32_rows, fp32_comps = rows, comps
             n, several, neighbour, likely, expected = old_rule(base, prompts, fp32_comps, rng)

@@ -18,9 +18,11 @@ finite, and the file no larger than the adapter those shapes make (`adapter_byte
 Anything else is refused in one line naming the object.
 
 Merged or not: `add_into` adds scale * B @ A into weights that hold the base (computed in
-fp32 from the fp32 base, so a bf16 base is upcast exactly first); the trainer's PEFT model
-computes the same sum per layer unmerged. The two differ by float rounding only (about 1e-7
-relative on the logits, tests/unit/test_lora.py), far inside the replay tolerance.
+fp32 from the fp32 base, so a bf16 base is upcast exactly first), for `vrl eval` and `vrl
+export`; the trainer's PEFT model computes the same sum per layer unmerged, and so does a
+volunteer (`hold_adapter`). The two forms differ by float rounding only, but on peaked models
+that moves a token's margin by up to 7e-5 nats, more than the replay tolerance
+(bench.replay_choice), so whatever is replayed is sampled unmerged.
 """
 
 from __future__ import annotations
