@@ -18,6 +18,7 @@ import torch
 
 from volunteer_rl.model.vetting import (
     VRL_CONFIG,
+    WEIGHTS_FILE,
     CheckpointRefused,
     check_model_folder,
     read_json_object,
@@ -105,11 +106,13 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu",
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **local)
+        config = AutoConfig.from_pretrained(str(folder), **local)
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                         use_safetensors=True, **local)
+            model = _streamed(folder, config)
+            if model is None:  # names transformers maps on load, or a sharded folder
+                model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             use_safetensors=True, **local)
         else:
-            config = AutoConfig.from_pretrained(str(folder), **local)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                          trust_remote_code=False)
@@ -127,3 +130,36 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu",
     if weights:
         model.to(device)
     return Policy(model, tokenizer, fmt, device)
+
+
+def _streamed(folder: Path, config) -> torch.nn.Module | None:
+    """The model of `folder`'s one model.safetensors, built from its config and filled a piece
+    at a time (model.safetensors_file.stream_into), or None where the file's tensor names are
+    not the model's own one for one (a checkpoint whose names transformers maps on load; a
+    sharded folder): from_pretrained loads those. What from_pretrained does besides is done
+    the same way: the model is built without initialising its weights, and after the load
+    `initialize_weights` sets what the file does not hold (buffers such as rotary
+    frequencies), skipping every tensor marked loaded; a tied output layer follows the
+    embedding. The model comes back in eval mode, as from_pretrained gives it."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    from volunteer_rl.model.safetensors_file import WeightsError, stream_into
+
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        return None
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 trust_remote_code=False)
+    try:
+        filled = stream_into(model, path)
+    except WeightsError:
+        return None
+    for t in filled:
+        t._is_hf_initialized = True
+    model.tie_weights()
+    model.initialize_weights()
+    if model.can_generate() and (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    return model.eval()

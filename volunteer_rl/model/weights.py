@@ -13,19 +13,22 @@ from typing import Callable
 import torch
 
 from volunteer_rl import config
-from volunteer_rl.errors import VrlError
 from volunteer_rl.model.hashing import byte_buffer
 from volunteer_rl.model.lora import base_model_of, is_wrapped, merged_tensors
 from volunteer_rl.model.policy import Policy, quiet_transformers
+from volunteer_rl.model.safetensors_file import (
+    MAX_HEADER_BYTES,
+    PIECE,
+    ST_DTYPES,
+    WeightsError,
+    fitted,
+    parse_header,
+    view,
+)
 from volunteer_rl.model.vetting import VRL_CONFIG, WEIGHTS_FILE
 
 WEIGHTS_DTYPES = dict(zip(config.WEIGHTS_DTYPES, (torch.float32, torch.bfloat16), strict=True))
 """The torch dtype of each `--weights-dtype` name (config.WEIGHTS_DTYPES lists the names)."""
-
-
-class WeightsError(VrlError, ValueError):
-    """A weights file that is not safetensors or does not fit the model (names the file)."""
-"""What `--weights-dtype` accepts, and the dtype each name publishes."""
 
 
 def save_policy(policy: Policy, folder: Path, weights_dtype: torch.dtype = torch.float32,
@@ -59,12 +62,6 @@ def save_policy(policy: Policy, folder: Path, weights_dtype: torch.dtype = torch
 # bytes go from the tensors straight into the sink (a bucket object, being hashed on the
 # way) with no second copy in memory; `save_pretrained` took 12 s for Qwen3-0.6B here,
 # this takes the time of the write.
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
-_PIECE = 16 << 20
-"""Bytes written (write_weights) or cast (fill_weights) at a time."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +94,7 @@ def _serialized(model: torch.nn.Module, dtype: torch.dtype):
     for name, t in tensors.items():
         dt = dtype if t.is_floating_point() else t.dtype
         size = t.numel() * dt.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape),
+        header[name] = {"dtype": ST_DTYPES[dt], "shape": list(t.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -121,8 +118,8 @@ def write_weights(model: torch.nn.Module, out, dtype: torch.dtype = torch.float3
     with torch.no_grad():
         for t in tensors:
             data = _tensor_bytes(t, dtype)
-            for start in range(0, len(data), _PIECE):
-                out.write(memoryview(data[start:start + _PIECE]))
+            for start in range(0, len(data), PIECE):
+                out.write(memoryview(data[start:start + PIECE]))
     return total
 
 
@@ -135,7 +132,7 @@ def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
                  made: Callable[[int], None] = lambda end: None) -> None:
     """Make in `buf` (weights_size bytes) the file `write_weights` writes, calling
     `made(end)` each time buf[:end] is done (hashing.Filling: threads that hash and upload
-    it follow along, so a big tensor is made _PIECE bytes at a time).
+    it follow along, so a big tensor is made PIECE bytes at a time).
 
     Each tensor is cast straight into its place in `buf` (the same rounding as `Tensor.to`):
     no temporary copy, which made this three times slower on a 0.6 B model."""
@@ -157,7 +154,7 @@ def fill_weights(model: torch.nn.Module, dtype: torch.dtype, buf: memoryview,
                 arr[at:at + n] = _tensor_bytes(t, dtype)
             else:
                 dst, src = out[at:at + n].view(dt), t.detach().reshape(-1)
-                step = max(1, _PIECE // dt.itemsize)
+                step = max(1, PIECE // dt.itemsize)
                 for i in range(0, src.numel(), step):
                     dst[i:i + step].copy_(src[i:i + step])
                     made(at + min((i + step) * dt.itemsize, n))
@@ -189,10 +186,8 @@ def weights_bytes(model: torch.nn.Module, dtype: torch.dtype, reuse=None) -> mem
 
 def _fitted(model: torch.nn.Module, source) -> tuple[memoryview, int, dict, dict]:
     """(the bytes, where their data starts, each tensor's (dtype, shape, byte range), the
-    model's state dict) of a safetensors file's path or bytes, every tensor's shape and byte
-    range checked against `model` (WeightsError, naming the file)."""
-    import math
-
+    model's tensors to fill) of a safetensors file's path or bytes, every tensor's shape and
+    byte range checked against `model` (safetensors_file.fitted; WeightsError naming the file)."""
     import numpy as np
 
     if isinstance(source, (str, Path)):
@@ -201,39 +196,12 @@ def _fitted(model: torch.nn.Module, source) -> tuple[memoryview, int, dict, dict
     else:
         name = WEIGHTS_FILE
     buf = memoryview(source).cast("B")
-    try:
-        n = int.from_bytes(buf[:8], "little")
-        header = json.loads(bytes(buf[8:8 + n]))
-        header.pop("__metadata__", None)
-        header = {k: (_ST_TORCH[v["dtype"]], [int(d) for d in v["shape"]],
-                      [int(o) for o in v["data_offsets"]]) for k, v in header.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise WeightsError(f"{name}: not a safetensors file ({type(exc).__name__}: {exc})") from None
-    targets = model.state_dict()
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = set(targets) - set(header) - tied
-    unexpected = sorted(set(header) - set(targets))
-    if missing or unexpected:
-        raise WeightsError(f"{name}: weights do not fit the model "
-                         f"(missing {sorted(missing)[:3]}, unexpected {unexpected[:3]})")
-    base = 8 + n
-    for key, (dtype, shape, (begin, end)) in header.items():
-        target = targets[key]
-        if list(target.shape) != shape or end - begin != math.prod(shape) * dtype.itemsize \
-                or begin < 0 or base + end > len(buf):
-            raise WeightsError(f"{name}: {key} has shape {shape} (bytes {begin}-{end}), "
-                             f"the model {list(target.shape)}")
-    return buf, base, header, targets
-
-
-def _view(buf: memoryview, base: int, dtype: torch.dtype, shape: list[int],
-          begin: int) -> torch.Tensor:
-    import math
-
-    count = math.prod(shape)
-    src = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin) if count \
-        else torch.empty(0, dtype=dtype)
-    return src.view(shape)
+    n = int.from_bytes(buf[:8], "little")
+    if len(buf) < 8 or n > min(MAX_HEADER_BYTES, len(buf) - 8):
+        raise WeightsError(f"{name}: not a safetensors file (a header of {n:,} bytes in "
+                           f"{len(buf):,})")
+    header = parse_header(bytes(buf[8:8 + n]), name)
+    return buf, 8 + n, header, fitted(model, header, 8 + n, len(buf), name)
 
 
 def load_weights(policy: Policy, source) -> None:
@@ -249,7 +217,7 @@ def load_weights(policy: Policy, source) -> None:
     buf, base, header, targets = _fitted(policy.model, source)
     with torch.no_grad():
         for key, (dtype, shape, (begin, _)) in header.items():
-            targets[key].copy_(_view(buf, base, dtype, shape, begin))
+            targets[key].copy_(view(buf, base, dtype, shape, begin))
 
 
 def skeleton(model: torch.nn.Module) -> torch.nn.Module:
@@ -271,8 +239,8 @@ def bind_weights(model: torch.nn.Module, source) -> None:
     buf, base, header, targets = _fitted(model, source)
     views = {}
     for key, (dtype, shape, (begin, _)) in header.items():
-        view = _view(buf, base, dtype, shape, begin)
-        views[key] = view if dtype == targets[key].dtype else view.to(targets[key].dtype)
+        v = view(buf, base, dtype, shape, begin)
+        views[key] = v if dtype == targets[key].dtype else v.to(targets[key].dtype)
     bind_tensors(model, views)
 
 
