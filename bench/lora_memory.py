@@ -10,7 +10,11 @@ peak is the trainer process's VmHWM. The LoRA side adds `--lora-rank 1` (alpha 3
 linear layer but the output embedding). What to expect, in bytes a parameter: full
 fine-tuning 25 and more (rank_memory's docstring counts them); LoRA the fp32 base 4 and the
 adapters' share of the rest: v0, the base, is written from the model straight into its upload
-(trainer.publish._stream_base), never held whole.
+(trainer.publish._stream_base), never held whole, and the model folder is read into the model
+a piece at a time (model.safetensors_file.stream_into).
+
+Without --quick a last row trains the largest shape that fits this machine with LoRA (LARGEST,
+Qwen3-4B's, publishing bf16) the same way, about 10 minutes more.
 """
 
 from __future__ import annotations
@@ -22,7 +26,18 @@ import time
 from pathlib import Path
 
 from bench.common import Row, cli
-from bench.rank_memory import FULL, QUICK, TIMEOUT, gib, log, prepare, run_side, train_problems
+from bench.rank_memory import (
+    FULL,
+    GIB,
+    QUICK,
+    TIMEOUT,
+    Shape,
+    gib,
+    log,
+    prepare,
+    run_side,
+    train_problems,
+)
 
 COMMAND = "python -m bench.lora_memory"
 GOAL = 0.25
@@ -31,6 +46,12 @@ SIDES = {"full": (), "lora": LORA, "lora bf16": (*LORA, "--weights-dtype", "bf16
 """The full side and the goal's LoRA side publish fp32 weights, as rank_memory does; the third
 is LoRA as it would be run, publishing bf16 (the base file then takes 2 bytes a parameter
 while v0 goes out, not 4)."""
+
+LARGEST = Shape("Qwen3-4B shape", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+"""The largest Qwen3 size whose LoRA trainer fits this 24 GiB machine, run as the third side
+is: its fp32 base alone is 15 GiB, Qwen3-8B's would be 30.5 GiB. Full fine-tuning's largest
+is FULL itself: at its 28 bytes a parameter Qwen3-1.7B would need about 45 GiB."""
 
 
 def results(quick: bool) -> list[Row]:
@@ -50,7 +71,8 @@ def results(quick: bool) -> list[Row]:
                 f" {side.seconds:.0f}s")
             shutil.rmtree(tmp / name)
     full, lora, half = peaks["full"], peaks["lora"], peaks["lora bf16"]
-    return [Row(
+    largest = [] if quick else [largest_row(problems, full, params)]
+    return [*largest, Row(
         f"trainer peak memory, {shape.label}, LoRA rank 1 vs full fine-tuning",
         "GiB peak resident (VmHWM): --lora-rank 1 (vrl) vs full fine-tuning, one process",
         gib(lora), gib(full), full / lora, f">= {1 / GOAL:g} (LoRA <= {GOAL:g}x full)",
@@ -63,6 +85,35 @@ def results(quick: bool) -> list[Row]:
             gib(half), gib(full), full / half, "-", None, command,
             f"LoRA bf16/full {half / full:.2f}; bytes a parameter {half / params:.1f}; the same "
             "runs, this one publishing bf16 (a LoRA run's own choice), the full one fp32")]
+
+
+def largest_row(problems, full: int, full_params: int) -> Row:
+    """LARGEST trained with `--lora-rank 1 --weights-dtype bf16`, as the third side is: its
+    peak against this machine's memory."""
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="vrl-lora-largest-") as tmp:
+        tmp = Path(tmp)
+        model, eval_csv, tokenizer, params = prepare(LARGEST, tmp, problems)
+        side = run_side(tmp / "lora", 0, model, eval_csv, tokenizer, problems,
+                        LARGEST.vocab_size, TIMEOUT[False], SIDES["lora bf16"])
+    peak, total = side.peaks[0], machine_memory()
+    log(f"  {LARGEST.label} lora bf16: peak {gib(peak):.3f} GiB ({peak / params:.1f} B/param), "
+        f"{side.seconds:.0f}s")
+    return Row(
+        f"largest shape that trains here, LoRA rank 1: {LARGEST.label}",
+        "GiB peak resident (VmHWM): --lora-rank 1 --weights-dtype bf16 (vrl) vs this machine's memory",
+        gib(peak), gib(total), total / peak, "-", None, COMMAND,
+        f"{params:,} parameters, {peak / params:.1f} B/param; Qwen3-8B's fp32 base alone would be "
+        f"30.5 GiB. Full fine-tuning's largest is the {FULL.label} ({gib(full):.2f} GiB, "
+        f"{full / full_params:.1f} B/param above): Qwen3-1.7B (1.72 B parameters) would need about "
+        f"{1.72e9 * full / full_params / GIB:.0f} GiB. 2 steps of 2 groups then v1, audits off, "
+        f"1 thread; {time.time() - started:.0f}s")
+
+
+def machine_memory() -> int:
+    """MemTotal of this machine, in bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
 
 
 if __name__ == "__main__":
