@@ -50,6 +50,10 @@ def volunteer(
     trust_key: Optional[str] = TRUST_KEY,
     allow_unsigned: bool = ALLOW_UNSIGNED,
     log_level: str = V("log_level"),
+    print_service: Optional[str] = typer.Option(
+        None, "--print-service", metavar="systemd|launchd", rich_help_panel="Run and reports",
+        help="Print a unit that runs this volunteer, with the flags given, at login and again "
+             "after a crash (a systemd user service or a launchd agent), and exit."),
 ):
     """Donate compute: sample rollouts and upload them.
 
@@ -61,12 +65,17 @@ def volunteer(
     \b
     Example:
       vrl volunteer --bucket s3://my-bucket/run1 --trust-key ed25519:...
+      vrl volunteer --bucket s3://my-bucket/run1 --print-service systemd
     """
     from volunteer_rl.stopping import Stopped
     from volunteer_rl.storage.uri import check_bucket
 
+    params = {k: v for k, v in ctx.params.items() if k != "print_service"}
     with usage_errors():
-        cfg = VolunteerConfig(**ctx.params)
+        cfg = VolunteerConfig(**params)
+    if print_service is not None:
+        _print_service(ctx, print_service)
+        return
     log.level = cfg.log_level
     check_bucket(cfg.bucket, cfg.endpoint_url, create=False)  # before seconds of imports
 
@@ -85,6 +94,46 @@ def volunteer(
         return
     groups = v.run()
     log(f"volunteer {v.id} stopped after uploading {groups} groups")
+
+
+def _print_service(ctx: typer.Context, kind: str) -> None:
+    """The unit of `kind` on stdout (volunteer_rl.volunteer.service), for the flags this
+    command was given on its command line or by environment variable (a --config file's
+    settings come with --config itself)."""
+    import os
+    from pathlib import Path
+
+    from volunteer_rl.volunteer.service import KINDS, service
+
+    if kind not in KINDS:
+        raise typer.BadParameter(f"{kind!r} is not one of {', '.join(KINDS)}",
+                                 param_hint="--print-service")
+    try:
+        unit = service(kind, given_flags(ctx), Path(os.getcwd()), Path.home())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--print-service") from None
+    print(unit, end="")
+
+
+def given_flags(ctx: typer.Context) -> list[str]:
+    """The flags of this command line as given (on it or by environment variable), in a form
+    the same command parses back to the same settings; --print-service left out."""
+    out: list[str] = []
+    for param in ctx.command.params:
+        name = param.name
+        if name == "print_service" or not param.expose_value:
+            continue
+        source = ctx.get_parameter_source(name)  # by name: typer ships its own click
+        if getattr(source, "name", None) not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        value, longest = ctx.params[name], max(param.opts, key=len)
+        if getattr(param, "is_flag", False) and isinstance(value, bool):
+            off = max(param.secondary_opts, key=len) if param.secondary_opts else None
+            if value or off:
+                out.append(longest if value else off)
+        elif value is not None:
+            out += [longest, str(value)]
+    return out
 
 
 denylist = typer.Typer(help="See and edit the denylist of volunteers (denylist.json).",
