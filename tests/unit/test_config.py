@@ -166,8 +166,9 @@ SHARED = {"bucket", "endpoint_url", "device"}  # one option on every command, fr
 @pytest.mark.parametrize("command,cls", [("trainer", T), ("volunteer", V)])
 def test_defaults_and_help_shown_in_help_are_the_dataclass_defaults(command, cls):
     click_command = typer.main.get_command(app).commands[command]
+    # hidden: the volunteer's --seed; print_service: an action (print a unit, exit), no setting
     params = {p.name: p for p in click_command.params
-              if p.name not in ("ctx", "config") and not p.hidden}  # hidden: the volunteer's --seed
+              if p.name not in ("ctx", "config", "print_service") and not p.hidden}
     assert set(params) == {f.name for f in fields(cls)} - NOT_FLAGS[cls]
     for f in fields(cls):
         if f.name not in params:
