@@ -45,7 +45,7 @@ def group(run: TrapRun, manifest: dict, volunteer: str, seq: int, texts: list[st
 
 class Feeder:
     """A thread that writes, for each new version, the honest volunteer's two groups (a right
-    answer and a wrong one each) and a burner shard of 16 groups of distinct "burn"
+    answer and a wrong one of its own each) and a burner shard of 16 groups of distinct "burn"
     completions (12.8 s of CPU unbounded); their keys."""
 
     def __init__(self, run: TrapRun):
@@ -70,7 +70,11 @@ class Feeder:
                 prompt = pool_prompt(manifest["prompt_pool"], manifest["run_id"], v, "honest", seq,
                                      nonce(self.run.secret, manifest["run_id"], "honest", v, seq))
                 right = self.run.template.problems[prompt]["python_expression"]
-                honest.append(group(self.run, manifest, "honest", seq, [right, "none"], [1.0, 0.0]))
+                # a wrong answer of its own per number: two numbers that draw the same prompt
+                # would otherwise be the same content, and the second a duplicate, leaving the
+                # step one group short for good (CI on 66576da's tree)
+                honest.append(group(self.run, manifest, "honest", seq, [right, f"none {seq}"],
+                                    [1.0, 0.0]))
             self.honest.append(self.run.bucket.put(key("honest", f"h{v}", v), gz_lines(honest)))
             burns = [group(self.run, manifest, "burner", seq, [f"{seq} burn", f"{seq} burn 1"],
                            [0.0, 0.0]) for seq in range(16 * v, 16 * v + 16)]
