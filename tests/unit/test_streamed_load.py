@@ -101,12 +101,11 @@ def test_the_file_is_read_a_piece_at_a_time(tokenizer, tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors_file, "open", lambda p, mode: Spy(real_open(p, mode)),
                         raising=False)
-    model = load_policy(folder).model
+    load_policy(folder)
     reads = sizes[2:]  # after the header's length and the header
     assert reads and max(reads) <= 4096
-    assert sum(reads) == sum(t.numel() * 4 for t in model.state_dict().values()
-                             if t is not model.state_dict().get("lm_head.weight")
-                             or not model.config.tie_word_embeddings)
+    data = (folder / "model.safetensors").read_bytes()
+    assert sum(reads) == len(data) - 8 - int.from_bytes(data[:8], "little")  # every tensor once
 
 
 def test_names_transformers_would_map_fall_back_to_from_pretrained(tokenizer, tmp_path):

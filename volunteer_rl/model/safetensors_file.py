@@ -43,6 +43,16 @@ class WeightsError(VrlError, ValueError):
     """A weights file that is not safetensors or does not fit the model (names the file)."""
 
 
+def header_length(first8: bytes, file_bytes: int, name: str) -> int:
+    """The header's length, from a file's first 8 bytes; WeightsError naming the file unless
+    it fits in the file and in MAX_HEADER_BYTES."""
+    n = int.from_bytes(first8[:8], "little")
+    if file_bytes < 8 or n > min(MAX_HEADER_BYTES, file_bytes - 8):
+        raise WeightsError(f"{name}: not a safetensors file (a header of {n:,} bytes in a "
+                           f"file of {file_bytes:,})")
+    return n
+
+
 def parse_header(head: bytes, name: str) -> Header:
     """The tensors a safetensors header names (WeightsError naming the file if it is not one)."""
     try:
@@ -95,10 +105,7 @@ def stream_into(model: torch.nn.Module, path: Path) -> list[torch.Tensor]:
     name = path.name if path.name == WEIGHTS_FILE else str(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 or n > min(MAX_HEADER_BYTES, size - 8):
-            raise WeightsError(f"{name}: not a safetensors file (a header of {n:,} bytes in a "
-                               f"file of {size:,})")
+        n = header_length(f.read(8), size, name)
         header = parse_header(f.read(n), name)
         targets = fitted(model, header, 8 + n, size, name)
         piece = bytearray(PIECE)

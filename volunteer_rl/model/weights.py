@@ -17,11 +17,10 @@ from volunteer_rl.model.hashing import byte_buffer
 from volunteer_rl.model.lora import base_model_of, is_wrapped, merged_tensors
 from volunteer_rl.model.policy import Policy, quiet_transformers
 from volunteer_rl.model.safetensors_file import (
-    MAX_HEADER_BYTES,
     PIECE,
     ST_DTYPES,
-    WeightsError,
     fitted,
+    header_length,
     parse_header,
     view,
 )
@@ -196,10 +195,7 @@ def _fitted(model: torch.nn.Module, source) -> tuple[memoryview, int, dict, dict
     else:
         name = WEIGHTS_FILE
     buf = memoryview(source).cast("B")
-    n = int.from_bytes(buf[:8], "little")
-    if len(buf) < 8 or n > min(MAX_HEADER_BYTES, len(buf) - 8):
-        raise WeightsError(f"{name}: not a safetensors file (a header of {n:,} bytes in "
-                           f"{len(buf):,})")
+    n = header_length(bytes(buf[:8]), len(buf), name)
     header = parse_header(bytes(buf[8:8 + n]), name)
     return buf, 8 + n, header, fitted(model, header, 8 + n, len(buf), name)
 

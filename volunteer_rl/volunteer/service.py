@@ -112,4 +112,4 @@ def service(kind: str, args: list[str], cwd: Path, home: Path) -> str:
         return systemd_unit(command, cwd)
     if kind == "launchd":
         return launchd_plist(command, cwd, home)
-    raise ValueError(f"--print-service: {kind!r} is not one of {', '.join(KINDS)}")
+    raise ValueError(f"{kind!r} is not one of {', '.join(KINDS)}")
