@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from volunteer_rl.model.policy import Policy
-from volunteer_rl.model.sampling import left_pad, logprobs_of
+from volunteer_rl.model.sampling import left_pad
+from volunteer_rl.model.token_logprob import chosen_logprobs
 
 
 def right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +73,9 @@ def token_logprobs(policy: Policy, prompts: list[list[int]], completions: list[l
 def logprobs_at(logits: torch.Tensor, c_ids: torch.Tensor, c_mask: torch.Tensor,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_logits`' output as token_logprobs returns it: logp [rows, T] of each
-    completion token under logits / temperature, and the mask [rows, T] in logp's dtype."""
-    logp = logprobs_of(logits, max(temperature, 1e-6)).gather(-1, c_ids[..., None])[..., 0]
+    completion token under logits / temperature, and the mask [rows, T] in logp's dtype.
+
+    sampling.logprobs_of's numbers (float32), through model.token_logprob, which keeps no
+    vocabulary-wide tensor alive for the backward beyond the logits themselves."""
+    logp = chosen_logprobs(logits, c_ids, max(temperature, 1e-6))
     return logp, c_mask.to(logp.dtype)
