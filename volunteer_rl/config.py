@@ -486,6 +486,18 @@ class VolunteerConfig(Checked):
     """Lower this process's CPU priority by this much at start (POSIX niceness; 0: leave it).
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.
     On one machine shared with a trainer it also leaves the trainer, the bottleneck, its core."""
+    cpu_share: float = setting(1.0, above=0, at_most=1)
+    """Use at most this share of the cores this process may run on, on average over about a
+    second: it samples, then rests (1: no limit). 0.5 on a 4-core laptop is 2 cores' worth."""
+    pause_when_busy: float = setting(0.0, at_least=0, at_most=1)
+    """Pause sampling while the rest of the machine uses more than this share of its CPU (all
+    cores), and resume once it falls under 0.8 of it, as BOINC's "suspend when non-BOINC usage
+    is above" (0: never). Numbers already granted are still sampled before they would go
+    stale, so a pause leaves none missing."""
+    run_on_battery: bool = False
+    """Keep sampling on battery power. Without it a volunteer pauses while the machine runs on
+    battery, where psutil can tell (a machine with no battery sensor is said once and treated
+    as on mains)."""
     device: str = "auto"
     """cuda, mps, cpu or auto."""
     work_dir: str | None = None

@@ -81,10 +81,12 @@ def machine_cores() -> int:
     return len(affinity(0)) if affinity else (os.cpu_count() or 1)
 
 
-def start_processes(s: DemoSettings, bucket: Path,
-                    trainer_ranks: int = 0) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+def start_processes(s: DemoSettings, bucket: Path, trainer_ranks: int = 0,
+                    volunteer_args: list[tuple[str, ...]] | None = None,
+                    ) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
     """The demo's trainer and volunteers, started; with `trainer_ranks`, the trainer as that
-    many torchrun ranks (bench.rank_steps)."""
+    many torchrun ranks (bench.rank_steps); `volunteer_args`: more flags for each volunteer
+    (bench.host_share)."""
     env = vrl_env({"OMP_NUM_THREADS": str(s.threads or 1)} if trainer_ranks else None)
     work = bucket.parent / "work"
     command = partial(vrl_ranks_command, trainer_ranks) if trainer_ranks else vrl_command
@@ -105,7 +107,8 @@ def start_processes(s: DemoSettings, bucket: Path,
                     # one shard per generate round: on one machine, latency beats fewer objects
                     "--prompts-per-batch", "16", "--shard-groups", "16",
                     "--max-groups-per-version", str(s.groups_per_version), "--poll-seconds", "0.1",
-                    "--work-dir", str(work / "volunteers")),
+                    "--work-dir", str(work / "volunteers"),
+                    *(volunteer_args[i] if volunteer_args else ())),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for i in range(s.volunteers)]
     return trainer, vols

@@ -1,6 +1,7 @@
 """Run real `vrl` processes from tests: each writes its output to a log file we can read."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,17 +18,32 @@ def as_background_job() -> None:
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
 
 
+def _before_exec(background_job: bool, cpus: set[int] | None):
+    """The child's set-up between fork and exec: a background job's signals, and the CPUs it
+    may run on (every thread it starts later inherits them)."""
+    if not background_job and not cpus:
+        return None
+
+    def run() -> None:
+        if background_job:
+            as_background_job()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return run
+
+
 class Proc:
     def __init__(self, args: list[str], log: Path, cwd: Path, env: dict | None = None,
-                 background_job: bool = False, ranks: int = 0, restarts: int = 0):
+                 background_job: bool = False, ranks: int = 0, restarts: int = 0,
+                 cpus: set[int] | None = None):
         """`vrl <args>`, or with `ranks` that many ranks under torchrun (`restarts`: its
-        --max-restarts)."""
+        --max-restarts); `cpus`: the only CPUs it may run on."""
         self.log = log
         self._f = open(log, "w")
         command = vrl_ranks_command(ranks, *args, restarts=restarts) if ranks else vrl_command(*args)
         self.p = subprocess.Popen(command, cwd=cwd, env=vrl_env(env),
                                   stdout=self._f, stderr=subprocess.STDOUT,
-                                  preexec_fn=as_background_job if background_job else None)
+                                  preexec_fn=_before_exec(background_job, cpus))
 
     def text(self) -> str:
         return self.log.read_text()

@@ -60,6 +60,10 @@ RULES = [
     (V, "shard_groups", 0, "--shard-groups: must be at least 1, not 0", 1),
     (V, "heartbeat_seconds", -0.5, "--heartbeat-seconds: must be at least 0, not -0.5", 0.0),
     (V, "nice", -1, "--nice: must be at least 0, not -1", 0),
+    (V, "cpu_share", 0.0, "--cpu-share: must be more than 0, not 0.0", 0.01),
+    (V, "cpu_share", 1.5, "--cpu-share: must be at most 1, not 1.5", 1.0),
+    (V, "pause_when_busy", -0.1, "--pause-when-busy: must be at least 0, not -0.1", 0.0),
+    (V, "pause_when_busy", 1.1, "--pause-when-busy: must be at most 1, not 1.1", 1.0),
     (V, "nice", 20, "--nice: must be at most 19, not 20", 19),
     # issue 27: every number has a range
     (T, "eval_every", -1, "--eval-every: must be at least 0, not -1", 0),

@@ -144,7 +144,7 @@ def test_heartbeat_payload_fields():
     t.uploaded(3, NOW - 2)
     host = {"os": "Linux", "python": "3.11", "torch": "2.13.0", "device": "cpu", "cpus": 2}
     p = heartbeat_payload("vol-1", "running", host, t, 30.0, "r1", 7, NOW)
-    assert p == {"schema_version": 1, "volunteer_id": "vol-1", "state": "running", "host": host,
+    assert p == {"schema_version": 2, "volunteer_id": "vol-1", "state": "running", "host": host,
                  "started_at": NOW - 100, "updated_at": NOW, "heartbeat_seconds": 30.0,
                  "run_id": "r1", "version": 7, "groups_total": 3, "completions_total": 24,
                  "completions_per_minute": 24.0, "shards_uploaded": 1, "groups_uploaded": 3,
@@ -255,7 +255,8 @@ def test_build_status_joins_heartbeats_summary_and_metrics():
     assert by_id["b"]["state"] == "offline" and by_id["b"]["denied"]
     assert by_id["broken"]["state"] == "unknown" and by_id["broken"]["heartbeat_error"] == "bad json"
     assert by_id["old-build"]["state"] == "unknown" and by_id["old-build"]["acceptance_rate"] == 1.0
-    assert doc["counts"] == {"producing": 1, "idle": 0, "stale-version": 0, "offline": 1, "unknown": 2}
+    assert doc["counts"] == {"producing": 1, "paused": 0, "idle": 0, "stale-version": 0,
+                             "offline": 1, "unknown": 2}
     t = doc["trainer"]
     assert (t["version"], t["step"], t["reward_mean"]) == (42, 84, 0.75)
     assert [e["version"] for e in t["evals"]] == [30, 40]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -158,8 +159,8 @@ COMPACT_SHARE = 4
 
 @torch.inference_mode()
 def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
-                    max_new_tokens: int,
-                    draw_keys: list[list[bytes]] | None = None) -> list[Sample]:
+                    max_new_tokens: int, draw_keys: list[list[bytes]] | None = None,
+                    between_steps: Callable[[], None] | None = None) -> list[Sample]:
     """K completions for each prompt, rows in group order; temperature <= 0 means greedy.
 
     `draw_keys`: for each prompt, for each completion, its committed key
@@ -167,6 +168,9 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
     scores with that key's noise at position s. Each row's draw then depends only on its own
     distribution, not on the other rows of the batch (up to float noise at a near-tie). None:
     keys drawn from torch's generator (evaluation). Greedy ignores them.
+
+    `between_steps`, if given, is called after every forward (the prompt pass and each
+    token's): the volunteer's host controls rest or pause there (volunteer.host).
 
     A plain sampling loop over the KV cache rather than `generate`: it shares the prompt
     pass across the K rows, drops rows from the batch as soon as they emit EOS, and samples
@@ -179,6 +183,8 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
                  else torch.randint(0, 1 << 32, (rows, 2), dtype=torch.int64)
                  .to(noise_device(dev)))
     logits, cache, mask, pos = _prefill(policy, prompts, k)
+    if between_steps is not None:
+        between_steps()
     vocab = logits.shape[-1]
     tokens = torch.full((rows, max_new_tokens), eos, dtype=torch.long, device=dev)
     logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)
@@ -211,6 +217,8 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
         out = policy.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                            past_key_values=cache)
         logits, pos = out.logits[:, -1], pos + 1
+        if between_steps is not None:
+            between_steps()
     # A row's length runs to its first EOS, inclusive; a row that never emitted one ran
     # all `steps` (the loop stops early only once every row has ended).
     is_eos = tokens[:, :steps] == eos
@@ -224,7 +232,8 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
 
 def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
            max_new_tokens: int, batch_size: int = 256,
-           draw_keys: list[list[bytes]] | None = None) -> list[list[Sample]]:
+           draw_keys: list[list[bytes]] | None = None,
+           between_steps: Callable[[], None] | None = None) -> list[list[Sample]]:
     """K samples for each prompt, many prompts per batched call.
 
     Prompts are sorted by length before batching so rows in one call pad little; results come
@@ -242,7 +251,8 @@ def sample(policy: Policy, prompts: list[list[int]], k: int, temperature: float,
         chunk = order[start:start + per_call]
         samples = _generate_batch(policy, [prompts[i] for i in chunk], k, temperature,
                                   max_new_tokens,
-                                  None if draw_keys is None else [draw_keys[i] for i in chunk])
+                                  None if draw_keys is None else [draw_keys[i] for i in chunk],
+                                  between_steps)
         for j, i in enumerate(chunk):
             result[i] = samples[j * k:(j + 1) * k]
     return result

@@ -254,7 +254,8 @@ def fleet_rows_html(status: dict) -> str:
         rate = r["completions_per_minute"] if r["state"] != "offline" else None
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
         seen = r["seconds_since_heartbeat"]
-        cells = [_cell(c) for c in (r["id"], r["state"] + (" (denied)" if r["denied"] else ""))]
+        state = r["state"] + (f": {r['paused']}" if r["state"] == "paused" and r["paused"] else "")
+        cells = [_cell(c) for c in (r["id"], state + (" (denied)" if r["denied"] else ""))]
         cells.append("-" if seen is None else _when(status["time"] - seen, status["time"]))
         cells += [_cell(c) for c in (
             None if r["version"] is None else f"v{r['version']}", r["version_lag"],
@@ -330,6 +331,7 @@ body {{ font-family: sans-serif; margin: 1.5em; }} table {{ border-collapse: col
 td, th {{ padding: 0.2em 0.7em; text-align: right; border-bottom: 1px solid #ddd; }}
 td:first-child, th:first-child {{ text-align: left; }} img {{ max-width: 100%; display: block; margin: 1em 0; }}
 .producing td:nth-child(2) {{ color: green; }} .idle td:nth-child(2) {{ color: #b58900; }}
+.paused td:nth-child(2) {{ color: #2aa198; }}
 .stale-version td:nth-child(2) {{ color: purple; }} .offline td:nth-child(2) {{ color: #c00; }}
 #old {{ color: #c00; }}
 </style></head><body>

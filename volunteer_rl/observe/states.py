@@ -13,6 +13,9 @@ States, judged with the reader's clock (keep clocks NTP-synced):
   when the heartbeat was written (or of another run), and the trainer has not trained on its
   groups lately: what it makes would be dropped;
 - `producing`: alive and it made completions in the last minute;
+- `paused`: alive and its heartbeat says its owner's host controls paused it (a busy machine,
+  on battery: its `paused` says why; volunteer.host). A heartbeat is the volunteer's word,
+  believed for display only: the trainer counts numbers as it always does;
 - `idle`: alive and it made none (waiting for a version, at its quota, ...: its heartbeat's
   `waiting` says why);
 - `unknown`: the trainer has shards from it but there is no heartbeat (an older build).
@@ -23,7 +26,7 @@ from __future__ import annotations
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.metrics import json_int, json_number
 
-STATES = ("producing", "idle", "stale-version", "offline", "unknown")
+STATES = ("producing", "paused", "idle", "stale-version", "offline", "unknown")
 OFFLINE_PERIODS = 2
 DEFAULT_PERIOD = 30.0
 PERIOD_BOUNDS = (0.1, 3600.0)
@@ -99,4 +102,6 @@ def classify(hb: dict | None, now: float, run_id: str, max_staleness: int,
         return "stale-version"
     if lag is not None and not layout.in_window(lag, max_staleness) and not trained_lately:
         return "stale-version"
+    if isinstance(hb.get("paused"), str):
+        return "paused"
     return "producing" if (json_number(hb.get("completions_per_minute")) or 0) > 0 else "idle"

@@ -104,8 +104,9 @@ def volunteer_row(vid: str, hb: dict | None, trained: dict | None, denied: bool,
         row[k] = json_number(hb_ok.get(k)) if hb_ok else None
     host = hb_ok.get("host") if hb_ok else None
     row["host"] = host if isinstance(host, dict) else None
-    waiting = hb_ok.get("waiting") if hb_ok else None
-    row["waiting"] = printable(waiting, 120) if isinstance(waiting, str) else None
+    for k in ("waiting", "paused"):  # why it is not sampling: the volunteer's word, escaped
+        said = hb_ok.get(k) if hb_ok else None
+        row[k] = printable(said, 120) if isinstance(said, str) else None
     return row
 
 
@@ -263,7 +264,7 @@ def read_status(storage: Storage, now: float | None = None,
 # ---------------------------------------------------------------------------------------------
 # Rendering.
 
-STATE_STYLE = {"producing": "green", "idle": "yellow", "stale-version": "magenta",
+STATE_STYLE = {"producing": "green", "paused": "cyan", "idle": "yellow", "stale-version": "magenta",
                "offline": "red", "unknown": "dim"}
 
 

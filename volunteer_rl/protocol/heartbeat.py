@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 
-HEARTBEAT_SCHEMA = 1
+HEARTBEAT_SCHEMA = 2
+"""2 adds `paused` (why the owner's host controls paused it, or null); readers take a
+schema-1 heartbeat, which has none, as not paused."""
 MAX_HEARTBEAT_BYTES = 64 << 10
 """Readers cap a heartbeat at this size: anyone may write their own, so none is believed large."""
 

@@ -49,6 +49,7 @@ from volunteer_rl.task.dataset import DatasetError, load_rows
 from volunteer_rl.task.registry import for_manifest
 from volunteer_rl.volunteer.heartbeat import (Heartbeat, Tally, heartbeat_payload, host_facts,
                                               upload_summary)
+from volunteer_rl.volunteer.host import HostControls
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import Batch, GroupNumbers
 from volunteer_rl.volunteer.quota import Allowance
@@ -119,6 +120,11 @@ class Volunteer:
         """The manifests of the window's versions read so far: the grants name their versions."""
         self.heartbeat = Heartbeat(self.storage, self.id, cfg.heartbeat_seconds,
                                    self._heartbeat_payload, log)
+        self.sampling: int | None = None  # the version of the batch being sampled, if any
+        self.writer: ShardWriter | None = None
+        self.host_controls = HostControls(cfg.cpu_share, cfg.pause_when_busy, cfg.run_on_battery,
+                                          self.stop, log, self._follow, self._owed_due,
+                                          self._flush, cfg.poll_seconds)
 
     # -- following the manifest ---------------------------------------------------------------
 
@@ -263,8 +269,13 @@ class Volunteer:
         keys = [group_keys(m.run_id, m.version, self.id, n, p.id, s.k, batch.nonce(n))
                 for n, p in zip(seqs, picked)]
         # Not abortable: a stop waits for this batch, whose numbers are granted (numbering.py);
-        # it is uploaded before the volunteer exits.
-        out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys)
+        # it is uploaded before the volunteer exits. Host controls rest or pause between steps.
+        self.sampling = m.version
+        try:
+            out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys,
+                         between_steps=self.host_controls.between_steps)
+        finally:
+            self.sampling = None
         groups = []
         for n, p, samples in zip(seqs, picked, out):
             completions = [Completion(x.token_ids, x.logprobs, x.text,
@@ -315,6 +326,8 @@ class Volunteer:
         the manifest's quota, for numbers of the version after it (numbering: an ask ahead)."""
         if m is None or self.manifest is None or not self.usable(m):
             return
+        if not self.host_controls.may_ask():
+            return  # paused: nothing new (what is granted is sampled before it goes stale)
         granted = sum(x.end - x.first for x in self.numbers.grants if x.version == m.version)
         room = self.allowance.room(m, granted, time.time())
         if room:
@@ -374,7 +387,7 @@ class Volunteer:
         m = self.manifest
         return {**heartbeat_payload(self.id, state, self.host, self.tally, self.cfg.heartbeat_seconds,
                                     m.run_id if m else None, m.version if m else None, now),
-                "waiting": self.allowance.waiting}
+                "waiting": self.allowance.waiting, "paused": self.host_controls.paused}
 
     def _warn(self, topic: str, message: str) -> None:
         """Log a problem once, not once per poll, until it changes or goes away."""
@@ -407,11 +420,13 @@ class Volunteer:
                      f"bucket ({self.trust.mark.path})")
         writer = ShardWriter(self.storage, self.id, cfg.shard_groups, cfg.shard_seconds,
                              self.log if cfg.log_shards else None, on_upload=self._uploaded)
+        self.writer = writer
         self.heartbeat.start()
         try:
             while not self.stop.is_set():
                 if cfg.max_seconds and time.time() - started >= cfg.max_seconds:
                     break
+                self.host_controls.hold(until=started + cfg.max_seconds if cfg.max_seconds else None)
                 m = self.poll()
                 if m is None and self._nothing_published() and self.unpublished.due():
                     self.log(f"waiting for the trainer's first version: no {layout.MANIFEST} in "
@@ -461,9 +476,30 @@ class Volunteer:
                 self.heartbeat.stop()  # the last heartbeat says `stopped`, with final totals
         return writer.uploaded_groups
 
+    def _follow(self) -> None:
+        """While paused: read the manifest and the grants, as the loop would."""
+        m = self.poll()
+        if m is not None:
+            self._remember(m)
+        self.numbers.refresh()
+
+    def _flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def _owed_due(self) -> int | None:
+        """The version of numbers granted to us and not sampled yet (the batch in hand
+        included) if it is the oldest of the newest manifest's window (or out of it); None."""
+        owed = [v for v in (self.sampling, self.numbers.oldest_owed()) if v is not None]
+        m = self.latest
+        if not owed or m is None or min(owed) > layout.window(m.version, m.max_staleness).start:
+            return None
+        return min(owed)
+
     def _sample(self, batch: Batch, writer: ShardWriter) -> None:
         """Sample `batch` (its version loaded) and hand its groups to the writer."""
         groups = self._generate(batch)
+        self.host_controls.after_batch()  # the rewards' CPU time too
         self.numbers.sampled(batch)
         self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
         writer.limit = self.manifest.max_shard_groups

@@ -141,6 +141,12 @@ class GroupNumbers:
         at = self.next or 0
         return sum(max(0, x.end - max(x.first, at)) for x in self.grants)
 
+    def oldest_owed(self) -> int | None:
+        """The oldest version with numbers granted and not sampled yet (None: none)."""
+        at = self.next or 0
+        owed = [x.version for x in self.grants if x.end > at]
+        return min(owed) if owed else None
+
     def batch(self, most: int) -> Batch | None:
         """The next numbers to sample (at most `most`, all of one grant, ending at the end of a
         block of numbers where `most` reaches one: the trainer counts a missing number with
