@@ -1,4 +1,5 @@
-"""`vrl volunteer` (its flags made from VolunteerConfig) and `vrl volunteers`, the denylist."""
+"""`vrl volunteer` (its flags made from VolunteerConfig) and `vrl volunteers`: the denylist,
+and each volunteer's credit."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def given_flags(ctx: typer.Context) -> list[str]:
     return out
 
 
-denylist = typer.Typer(help="See and edit the denylist of volunteers (denylist.json).",
+denylist = typer.Typer(help="The denylist (denylist.json) and each volunteer's credit.",
                        no_args_is_help=True)
 app.add_typer(denylist, name="volunteers")
 VolunteerId = Annotated[str, typer.Argument(metavar="ID")]
@@ -214,3 +215,44 @@ def volunteers_deny(
     """
     changed = _edit_denylist(bucket, endpoint_url, volunteer_id, deny=True, reason=reason)
     print(f"{volunteer_id}: {'denied' if changed else 'was already denied'}")
+
+
+@denylist.command("credit")
+def volunteers_credit(
+    config: Optional[str] = config_option(VolunteerConfig),
+    bucket: str = BUCKET,
+    endpoint_url: Optional[str] = ENDPOINT_URL,
+    as_csv: bool = typer.Option(
+        False, "--csv", help="Print CSV (volunteer, groups_trained, tokens_trained, share, "
+                             "first_seen, last_seen) instead of a table."),
+):
+    """Each volunteer's groups and tokens trained, its share of the run.
+
+    As of the version manifest.json names, from the trainer's own count (credit/vN.json,
+    summed from its ledger), never from what volunteers say; most groups first. Times are
+    when the trainer first and last trained a group of theirs (UTC); share is of the groups
+    trained.
+
+    \b
+    Examples:
+      vrl volunteers credit --bucket s3://my-bucket/run1
+      vrl volunteers credit --bucket s3://my-bucket/run1 --csv > credit.csv
+    """
+    from volunteer_rl.observe.leaderboard import credit_csv, credit_table, leaderboard, load_credit, rows
+    from volunteer_rl.observe.leaderboard import summary_line
+    from volunteer_rl.observe.status import read_manifest_unverified
+    from volunteer_rl.storage import open_storage
+
+    storage = open_storage(bucket, endpoint_url, create=False)
+    version = read_manifest_unverified(storage).version
+    credit = load_credit(storage, version)
+    if as_csv:
+        print(credit_csv(credit), end="")
+        return
+    from rich.console import Console
+
+    console = Console()
+    doc = leaderboard(credit, version, top=len(rows(credit)))
+    console.print(summary_line(doc), markup=False, highlight=False)
+    if doc["leaders"]:
+        console.print(credit_table(doc["leaders"], time.time()))

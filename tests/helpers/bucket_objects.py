@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -92,3 +92,21 @@ def trained_lines(bucket: Path) -> Counter:
                 assert rec["outcome"] == "trained", rec
                 seen.update((rec["key"], line) for line in rec["lines"])
     return seen
+
+
+def ledger_sums(bucket: Path, versions: list[int]) -> dict[str, dict]:
+    """Per volunteer, summed over the `trained` records of the ledger objects of `versions`:
+    groups (lines), tokens, and the first and last record time."""
+    out: dict[str, dict] = defaultdict(lambda: {"groups": 0, "tokens": 0, "times": []})
+    for v in versions:
+        path = bucket / layout.ledger_key(v)
+        if not path.exists():
+            continue
+        for rec in map(json.loads, path.read_text().splitlines()):
+            if rec["outcome"] != "trained":
+                continue
+            row = out[layout.rollout_author(rec["key"])[1]]
+            row["groups"] += len(rec["lines"])
+            row["tokens"] += rec["tokens"]
+            row["times"].append(rec["time"])
+    return dict(out)

@@ -5,6 +5,8 @@ stopped with SIGTERM says so in its last heartbeat. The trainer also keeps dashb
 headless Chromium renders it."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import time
@@ -13,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from helpers.browser import CHROMIUM, inspect_dashboard
+from helpers.bucket_objects import committed, ledger_sums
 from helpers.vrlproc import Proc, run_vrl, wait_for
 from volunteer_rl.config import PACKAGE_DATA
 from volunteer_rl.observe.dashboard import PLOTS
+from volunteer_rl.observe.leaderboard import iso
 from volunteer_rl.protocol import layout
 
 PERIOD = 2.0
@@ -96,6 +100,12 @@ def live_run(tmp_path_factory, template) -> dict:
         run["vol-1 exit"] = vols["vol-1"].terminate()
         run["after_stop"] = by_id(status(bucket, tmp_path))
         run["page"] = (bucket / "dashboard" / "index.html").read_text()  # --dashboard-every 3
+        # The trainer stopped: its credit as `vrl volunteers credit --csv` prints it, and the
+        # committed ledgers it must equal
+        run["trainer exit"] = trainer.terminate()
+        run["credit"] = run_vrl(["volunteers", "credit", "--csv", "--bucket", str(bucket)],
+                                cwd=tmp_path, timeout=120)
+        run["ledger sums"] = ledger_sums(bucket, committed(bucket))
         return run
     except AssertionError as exc:
         raise AssertionError(f"{exc}\ntrainer log:\n{trainer.text()[-3000:]}") from None
@@ -132,6 +142,25 @@ def test_status_sees_producers_and_a_killed_volunteer_goes_offline(live_run):
     assert rows["vol-1"]["shards_uploaded"] >= 1
     page = live_run["page"]
     assert "<td>vol-1</td>" in page and (live_run["bucket"] / "dashboard" / "reward.png").exists()
+    assert "<h2>credit</h2>" in page
+    assert {r["volunteer"] for r in live_run["producing"]["credit"]["leaders"]} == {"vol-1", "vol-2"}
+
+
+def test_the_credit_csv_of_the_live_run_matches_its_committed_ledgers(live_run):
+    """Issue 43's check: each volunteer's groups and tokens trained, as the CSV says, are the
+    sums over the `trained` records of the committed versions' ledger objects."""
+    assert live_run["trainer exit"] == 0
+    out = live_run["credit"]
+    assert out.returncode == 0, out.stderr
+    rows = {r["volunteer"]: r for r in csv.DictReader(io.StringIO(out.stdout))}
+    sums = live_run["ledger sums"]
+    assert set(rows) == set(sums) == {"vol-1", "vol-2"}
+    total = sum(s["groups"] for s in sums.values())
+    for vid, s in sums.items():
+        r = rows[vid]
+        assert (int(r["groups_trained"]), int(r["tokens_trained"])) == (s["groups"], s["tokens"])
+        assert float(r["share"]) == round(s["groups"] / total, 6) and s["tokens"] > 0
+        assert (r["first_seen"], r["last_seen"]) == (iso(min(s["times"])), iso(max(s["times"])))
 
 
 ARTIFACTS = Path(os.environ.get("VRL_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))

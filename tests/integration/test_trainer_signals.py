@@ -31,7 +31,7 @@ last publish, the views), then the interpreter's teardown, which a busy machine 
 the failures this catches never exit (a trainer that ignored the signal polls forever, or
 runs its 100000 warm-start steps)."""
 VERSIONED = (layout.CHECKPOINTS, layout.MANIFESTS, layout.METRICS, layout.LEDGER,
-             layout.ROLLOUTS, layout.QUARANTINE)
+             layout.CREDIT, layout.ROLLOUTS, layout.QUARANTINE)
 
 
 def background_trainer(bucket: Path, root: Path, *args: str) -> Proc:

@@ -17,6 +17,7 @@ from volunteer_rl.observe.status import (
     version_at,
 )
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.credit import Credit, write_credit
 from volunteer_rl.protocol.metrics import parse_lines
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import StorageError
@@ -394,6 +395,12 @@ def narrow_bucket(root) -> str:
         updated_at=now - 1, completions_total=109234.0, host={"device": "cuda:0 NVIDIA H100"})).encode())
     s.write(layout.heartbeat_key("a-volunteer-with-a-long-id"), json.dumps(beat(
         updated_at=now - 100, completions_total=5e6)).encode())
+    long_id = "a-volunteer-with-a-very-long-id-" + "x" * 31  # 63 characters, the most but one
+    write_credit(s, Credit().fold([
+        {"key": layout.shard_key(40, "alice-laptop", "s"), "outcome": "trained",
+         "lines": list(range(1000)), "tokens": 123456789, "time": now - 7000},
+        {"key": layout.shard_key(40, long_id, "s"), "outcome": "trained",
+         "lines": list(range(90)), "tokens": 4567890, "time": now - 30}], 42, now))
     return str(root)
 
 
@@ -420,6 +427,11 @@ def test_vrl_status_at_80_columns_or_piped_shows_fewer_columns_each_whole(tmp_pa
     (held,) = [i for i, line in enumerate(lines) if line.startswith("held-out accuracy")]
     assert lines[held].endswith("v36 33.6% (40.0% greedy)") and lines[held + 1].startswith("useful:")
     assert "2 ranks" in r.stdout
+    # the credit leaderboard under the table, a long id folded, every number whole
+    assert "credit as of v42: 1,090 groups (128,024,679 tokens) trained from 2 volunteers" \
+        in r.stdout
+    top = next(line for line in lines if line.startswith("1  alice-laptop")).split()
+    assert top[2:5] == ["1,000", "123,456,789", "91.7%"], r.stdout
 
     wide = CliRunner().invoke(app, ["status", "--bucket", str(tmp_path)], env={"COLUMNS": "250"})
     header = next(line for line in wide.stdout.splitlines() if line.startswith("volunteer ")).split()

@@ -13,7 +13,8 @@ write), the page says when, and no longer reloads itself. Its reward is `vrl sta
 (status.latest_step, with the publish's metrics that are not in the bucket yet), the step the
 reward plot ends on. The fleet table is `vrl status`'s document rendered as HTML, under the
 fleet's balance (the share of the groups received in the last minute that were trained, and
-the quota asked of each volunteer).
+the quota asked of each volunteer), and above the credit leaderboard (observe.leaderboard:
+the volunteers with the most groups trained, their tokens and share of the run).
 
 Written by the trainer every `--dashboard-every` seconds (60 by default; the first that long
 after it starts), but never sooner than COST_RATIO times the last write's duration after it,
@@ -34,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from volunteer_rl.observe.leaderboard import HEAD as CREDIT_HEAD
+from volunteer_rl.observe.leaderboard import summary_line
 from volunteer_rl.observe.status import READ_WORKERS, balance_line, ranks_text, read_status, utc_clock
 from volunteer_rl.protocol import layout
 from volunteer_rl.protocol.manifest import OLD_MANIFEST_SECONDS
@@ -269,6 +272,24 @@ def fleet_rows_html(status: dict) -> str:
     return "\n".join(rows)
 
 
+def credit_html(status: dict) -> str:
+    """The credit leaderboard (observe.leaderboard): its summary line and its top rows, each
+    volunteer's first and last trained group as a time on the page."""
+    credit = status.get("credit")
+    if not credit:
+        return ""
+    now = status["time"]
+    rows = []
+    for i, r in enumerate(credit["leaders"], 1):
+        cells = [str(i), _cell(r["volunteer"]), f"{r['groups_trained']:,}", f"{r['tokens_trained']:,}",
+                 f"{r['share']:.1%}"]
+        cells += ["-" if t is None else _when(t, now) for t in (r["first_seen"], r["last_seen"])]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    table = (f"<table><tr>{''.join(f'<th>{h}</th>' for h in CREDIT_HEAD)}</tr>\n"
+             + "\n".join(rows) + "\n</table>") if rows else ""
+    return f'<h2>credit</h2>\n<p class="credit">{_cell(summary_line(credit))}.</p>\n{table}'
+
+
 AGES_SCRIPT = """<script>
 // Ages at the time the page is viewed: each <time data-t> gets "(N ago)" after its UTC clock
 // time, and #old shows once the last publish is older than its data-after seconds.
@@ -310,8 +331,8 @@ def when_html(status: dict, now: float) -> str:
 
 
 def index_html(status: dict, now: float) -> str:
-    """The page: what it is a snapshot of, the trainer line, fleet table, the four plots
-    (relative links)."""
+    """The page: what it is a snapshot of, the trainer line, fleet table, credit leaderboard,
+    the four plots (relative links)."""
     t = status["trainer"]
     evals = t["evals"]
     last_eval = (f"v{evals[-1]['version']}: sampled {evals[-1].get('accuracy_sampled') or 0:.1%}, "
@@ -344,6 +365,7 @@ evaluation {html.escape(last_eval)}.</p>
 <table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
 {fleet_rows_html(status)}
 </table>
+{credit_html(status)}
 <h2>plots</h2>
 {plots}
 {AGES_SCRIPT}

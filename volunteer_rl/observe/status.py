@@ -1,8 +1,9 @@
 """`vrl status`: the fleet and the trainer at a glance, from what the bucket holds.
 
-Three sources, all bounded: the volunteers' heartbeats (`volunteers/<id>.json`, one listing of
+Four sources, all bounded: the volunteers' heartbeats (`volunteers/<id>.json`, one listing of
 that prefix, at most MAX_VOLUNTEERS objects), the trainer's `fleet.json` and `manifest.json`,
-and the metrics objects of the newest METRICS_VERSIONS versions (read by key, never listed).
+the metrics objects of the newest METRICS_VERSIONS versions (read by key, never listed), and
+the credit object of the manifest's version (its leaderboard: observe.leaderboard).
 
 The logic is pure: `classify` judges one heartbeat against a clock, `build_status` joins
 everything into one JSON-able document, `render` turns that into rich tables fitted to the
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from volunteer_rl.observe.fit import cells, fit_columns, newest_that_fit, pack
+from volunteer_rl.observe.leaderboard import credit_table, leaderboard, read_leaderboard, summary_line
 from volunteer_rl.observe.states import (  # noqa: F401 (version_at: re-exported)
     DEFAULT_PERIOD,
     STATES,
@@ -185,8 +187,9 @@ def stopped_at(summary: dict, trainer: dict, run_id: str, version: int) -> float
 
 def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None],
                  summary: dict | None, denied: Iterable[str], metrics: list[Record],
-                 now: float) -> dict:
-    """The document `vrl status --json` prints (its fields are listed in README.md)."""
+                 now: float, credit: dict | None = None) -> dict:
+    """The document `vrl status --json` prints (its fields are listed in README.md).
+    `credit`: the leaderboard of the manifest's version (observe.leaderboard)."""
     summary = summary if isinstance(summary, dict) else {}
     trained = summary.get("volunteers") if isinstance(summary.get("volunteers"), dict) else {}
     denied = set(denied)
@@ -215,7 +218,8 @@ def build_status(uri: str, manifest: Manifest, heartbeats: dict[str, dict | None
                         "summary_updated_at": json_number(summary.get("updated_at")),
                         "rewards": trends["rewards"], "evals": trends["evals"]},
             "balance": balance_doc(summary.get("balance")),
-            "counts": counts, "volunteers": rows}
+            "counts": counts, "volunteers": rows,
+            "credit": credit if credit is not None else leaderboard(None, version)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +262,8 @@ def read_status(storage: Storage, now: float | None = None,
     except Exception:  # a broken denylist is the trainer's warning to give, not ours
         denied = {}
     return build_status(storage.uri, manifest, heartbeats, summary, denied, records,
-                        time.time() if now is None else now)
+                        time.time() if now is None else now,
+                        read_leaderboard(storage, manifest.version))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,10 +445,20 @@ class StatusView:
         if dropped and self.status["volunteers"]:
             yield Text(f"left out at {width} columns: {', '.join(dropped)} (--json has every field)",
                        style="dim")
+        credit = self.status.get("credit")
+        if credit:  # the leaderboard: the top volunteers by groups trained
+            yield Text("")
+            yield Text(summary_line(credit), style="bold")
+            if credit["leaders"]:
+                yield credit_table(credit["leaders"], self.status["time"])
+            if credit["volunteers"] > len(credit["leaders"]):
+                yield Text(f"the top {len(credit['leaders'])}; `vrl volunteers credit` lists "
+                           "every volunteer", style="dim")
 
 
 def render(status: dict) -> StatusView:
-    """A rich renderable: the trainer lines above the volunteer table."""
+    """A rich renderable: the trainer lines above the volunteer table, then the credit
+    leaderboard."""
     return StatusView(status)
 
 

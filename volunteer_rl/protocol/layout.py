@@ -13,6 +13,7 @@ relative to the bucket root (the storage object adds any prefix from the URI).
     grants/<volunteer_id>.json                      the numbers granted to it (trainer, overwritten)
     metrics/v000042.jsonl                           trainer metrics of the steps that led to v42
     ledger/v000042.jsonl                            what the steps that led to v42 did with each shard
+    credit/v000042.json                             each volunteer's credit as of v42 (protocol.credit)
     quarantine/v000042/<volunteer_id>/<shard>.json  why a shard was rejected
     denylist.json                                   volunteers whose shards are skipped (overwritten)
     volunteers/<volunteer_id>.json                  each volunteer's heartbeat (overwritten by it)
@@ -54,6 +55,7 @@ ROLLOUTS = "rollouts"
 DATASETS = "datasets"
 METRICS = "metrics"
 LEDGER = "ledger"
+CREDIT = "credit"
 QUARANTINE = "quarantine"
 DENYLIST = "denylist.json"
 VOLUNTEERS = "volunteers"
@@ -210,6 +212,11 @@ def parse_metrics_key(key: str) -> int | None:
 def ledger_key(version: int) -> str:
     """The trainer's record of every shard outcome in the steps that led to `version`."""
     return f"{LEDGER}/{version_dir(version)}.jsonl"
+
+
+def credit_key(version: int) -> str:
+    """Each volunteer's credit as of `version` (protocol.credit): one small JSON object."""
+    return f"{CREDIT}/{version_dir(version)}.json"
 
 
 def quarantine_key(key: str) -> str:

@@ -5,6 +5,10 @@ Each group of an accepted shard gets exactly one outcome: `trained` (in an optim
 window while waiting) or `duplicate` (the same content was already taken, from this or any
 other key or volunteer). A rejected shard gets one `rejected` record with its reason.
 
+A `trained` record also carries the completion tokens of its groups and the time of the
+step (what protocol.credit counts); a ledger written before those fields is read the same,
+its records counting no tokens.
+
 Records go to the bucket as `ledger/vN.jsonl` together with version N, written before the
 manifest that commits N (restic's order: data, then the index). So after a crash the ledger
 objects of committed versions say exactly which groups reached committed weights; the rest
@@ -94,8 +98,12 @@ class Ledger:
             self.digests.pop(d, None)
 
     def record(self, key: str, outcome: str, lines: list[int], groups: int,
-               digests: list[str] = (), reason: str = "", step: int | None = None) -> None:
-        """Give `lines` of `key` their outcome and queue the record for the bucket."""
+               digests: list[str] = (), reason: str = "", step: int | None = None,
+               tokens: int | None = None, at: float | None = None) -> None:
+        """Give `lines` of `key` their outcome and queue the record for the bucket. A
+        `trained` record also says, in `tokens`, the completion tokens of those lines and, in
+        `time`, when the step trained them (`at`, the trainer's clock): what credit counts
+        (protocol.credit)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}")
         rec = {"key": record_key(key), "outcome": outcome, "lines": sorted(lines), "groups": groups}
@@ -105,6 +113,10 @@ class Ledger:
             rec["reason"] = reason
         if step is not None:
             rec["step"] = step
+        if tokens is not None:
+            rec["tokens"] = tokens
+        if at is not None:
+            rec["time"] = round(at, 3)
         self.apply(rec)
         self.pending.append(rec)
 

@@ -1,8 +1,8 @@
 """The publisher: where the run stands in the bucket (its id, dataset, signing key, the
-manifest and its etag, the versions of the window with their prompt pools, the ledger) and
-the trainer's publishing of the next version: the version number, the commit itself
-(trainer.publish: the learner's state and the ledger saved before the manifest that commits
-them), then what follows each publish: retention, pruning, the evaluation on its cadence,
+manifest and its etag, the versions of the window with their prompt pools, the ledger, the
+volunteers' credit) and the trainer's publishing of the next version: the version number, the
+commit itself (trainer.publish: the learner's state, the ledger and the credit object saved
+before the manifest that commits them), then what follows each publish: retention, pruning, the evaluation on its cadence,
 fleet.json and dashboard/, and the metrics of the steps that led to it.
 """
 
@@ -14,6 +14,7 @@ from typing import Callable
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from volunteer_rl.config import TrainerConfig
+from volunteer_rl.protocol.credit import Credit, write_credit
 from volunteer_rl.protocol.ledger import Ledger
 from volunteer_rl.protocol.manifest import Dataset, Manifest, TaskRef
 from volunteer_rl.storage.base import Storage
@@ -48,6 +49,9 @@ class Publisher:
         self.manifest: Manifest | None = None
         self.etag: str | None = None
         self.ledger = Ledger()
+        self.credit = Credit()
+        """Each volunteer's credit as of the manifest's version (protocol.credit)."""
+        self._credit_next: Credit | None = None  # the version being published's, until committed
         self.published: set[int] = set()  # the window's committed versions
         self.pools: dict[int, tuple[int, ...]] = {}  # the window's published prompt pools
         self.last_used = 0  # the highest version published or started: the next goes above
@@ -86,13 +90,20 @@ class Publisher:
                                            self.balance.quota(time.time(), fresh_after),
                                            source=source, task=self.task,
                                            base=self.lora_base)
+        if self._credit_next is not None:  # committed: it counts now
+            self.credit, self._credit_next = self._credit_next, None
         if self.learner.lora is not None and self.lora_base is None:
             self.lora_base = LoraBase.of(self.manifest)  # the base, published whole just now
             self.chain.drop_file()  # no version after it is a patch of it
+
     def _save(self, version: int) -> None:
-        """Ledger to the bucket and trainer state to disk, both before the manifest of
-        `version`; under ranks the state holds every rank's volunteers."""
+        """Ledger and credit to the bucket and trainer state to disk, all before the manifest
+        of `version`; under ranks the ledger and the state hold every rank's volunteers. The
+        credit object adds this version's `trained` records to the last committed one's; it
+        counts in memory once the manifest is written (commit)."""
+        self._credit_next = self.credit.fold(self.ledger.pending, version, time.time())
         self.ledger.flush(self.storage, version)
+        write_credit(self.storage, self._credit_next)
         master = self.held.full_policy.model if self.cfg.weights_dtype != "fp32" else None
         volunteers, numbers = self.fleet.to_json(), self.numbers.to_json()
         for peer in self.peers.values():

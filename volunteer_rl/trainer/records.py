@@ -43,13 +43,18 @@ def waiting_line(usable: int, stats: IngestStats, wanted: int, step: int) -> str
 
 def record_groups(ledger: Ledger, groups: list[ScoredGroup], outcome: str,
                   step: int | None = None) -> None:
-    """Ledger records for `groups`, one per shard."""
+    """Ledger records for `groups`, one per shard; `trained` ones with the completion
+    tokens of their groups and the time now (what credit counts, protocol.credit)."""
     by_key: dict[str, list[ScoredGroup]] = {}
     for g in groups:
         by_key.setdefault(g.key, []).append(g)
+    trained = outcome == "trained"
+    now = time.time()
     for key, gs in by_key.items():
+        tokens = sum(len(c) for g in gs for c in g.token_ids) if trained else None
         ledger.record(key, outcome, [g.line for g in gs], gs[0].shard_size,
-                      [g.digest for g in gs], step=step)
+                      [g.digest for g in gs], step=step, tokens=tokens,
+                      at=now if trained else None)
 
 
 class Records:

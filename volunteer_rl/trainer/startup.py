@@ -1,7 +1,8 @@
 """How the trainer starts: on an empty bucket a fresh run (the initial policy, built and warm
 started or loaded, published as v0 with its evaluation and metrics); else a resumed one (the
 manifest's weights, the learner's saved state, the window's committed versions, ledger and
-prompt pools, and the manifest copy a crash left missing written back).
+prompt pools, the volunteers' credit as of the manifest's version, and the manifest copy a
+crash left missing written back).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from volunteer_rl.model.lora import load_adapter_unmerged
 from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.tiny import build_tiny_model, build_tokenizer
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.credit import Credit, CreditError, read_credit, rebuild_credit
 from volunteer_rl.protocol.ledger import Ledger, rebuild
 from volunteer_rl.protocol.manifest import MAX_MANIFEST_BYTES, Manifest
 from volunteer_rl.stopping import StopSignal
@@ -71,7 +73,7 @@ def start_fresh(p: Publisher, stop: StopSignal, task: Task, problems: list[Row],
     p.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     with stop.shielded():  # from here on v0 goes out whole, metrics included
         p.dataset = upload_dataset(p.storage, train_path)
-        p.ledger = Ledger()
+        p.ledger, p.credit = Ledger(), Credit()
         p.commit(0, 0)
         p.held.keep(0)
         p.pools = {0: p.manifest.prompt_pool}
@@ -109,6 +111,7 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     p.published = committed(p.storage, win)
     p.ledger = rebuild(p.storage, sorted(p.published))
     p.ledger.prune(win.low)
+    restore_credit(p, manifest.version)
     meta = p.learner.load(manifest.version, p.run_id, p.log)
     if p.learner.lora is not None:
         p.lora_base = LoraBase.of(manifest)  # a version published whole becomes the base
@@ -124,6 +127,26 @@ def resume(p: Publisher, stop: StopSignal, task: Task, train_path: Path, manifes
     p.held.keep(manifest.version)
     recover_pools(p, manifest)
     p.log(f"resuming {p.run_id} at v{manifest.version} (step {p.learner.steps})")
+
+
+def restore_credit(p: Publisher, version: int) -> None:
+    """The credit as of `version`, the one resumed: its credit object (never a newer one, which
+    a crash before its commit left). A run from before credit objects, or one whose object is
+    not one this trainer writes: summed once from the ledgers of every committed version up
+    to it, and said so."""
+    try:
+        credit, why = read_credit(p.storage, version), "none was written"
+    except CreditError as exc:
+        credit, why = None, str(exc)
+    if credit is None:
+        versions = sorted({v for top, v in filter(None, map(layout.split_versioned_key,
+                                                             p.storage.list(layout.MANIFESTS)))
+                           if top == layout.MANIFESTS and v <= version} | {version})
+        p.log(f"{layout.credit_key(version)}: {why}; credit summed from the ledgers of "
+              f"{len(versions)} committed versions")
+        credit = rebuild_credit(p.storage, versions)
+        credit.version = version
+    p.credit = credit
 
 
 def check_lora(cfg: TrainerConfig, manifest: Manifest) -> None:
