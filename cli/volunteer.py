@@ -45,6 +45,8 @@ def volunteer(
     seed: Optional[int] = IGNORED_VOLUNTEER_SEED,
     threads: int = V("threads"),
     nice: int = V("nice"),
+    max_download_rate: str = V("max_download_rate"),
+    max_upload_rate: str = V("max_upload_rate"),
     device: str = DEVICE,
     work_dir: str = V("work_dir"),
     trust_key: Optional[str] = TRUST_KEY,
