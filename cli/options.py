@@ -37,7 +37,7 @@ PANELS = {
     "Model": ("model", "weights_dtype", "warm_start_steps", "warm_start_max_passes", "seed"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_targets"),
     "Machine": ("device", "threads", "warm_start_threads", "nice", "rank_timeout", "cpu_share",
-                "pause_when_busy", "run_on_battery"),
+                "pause_when_busy", "run_on_battery", "max_download_rate", "max_upload_rate"),
     "Data": ("task", "dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
            "groups_per_step", "micro_batch"),

@@ -49,6 +49,8 @@ def volunteer(
     cpu_share: float = V("cpu_share"),
     pause_when_busy: float = V("pause_when_busy"),
     run_on_battery: bool = V("run_on_battery"),
+    max_download_rate: str = V("max_download_rate"),
+    max_upload_rate: str = V("max_upload_rate"),
     device: str = DEVICE,
     work_dir: str = V("work_dir"),
     trust_key: Optional[str] = TRUST_KEY,

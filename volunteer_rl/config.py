@@ -116,12 +116,12 @@ def flag(name: str) -> str:
 
 def setting(default: Any, *, at_least: float | None = None, at_most: float | None = None,
             above: float | None = None, one_of: tuple[str, ...] | None = None,
-            list_of: tuple[str, ...] | None = None) -> Any:
+            list_of: tuple[str, ...] | None = None, rate: bool | None = None) -> Any:
     """A field with `default` that accepts only at_least <= value <= at_most, value > above,
-    one of `one_of`, or `none` or a comma-separated list of `list_of` (`listed`); checked when
-    the settings object is built."""
+    one of `one_of`, `none` or a comma-separated list of `list_of` (`listed`), or with `rate`
+    a number of bytes per second (`parse_rate`); checked when the settings object is built."""
     rules = {"at_least": at_least, "at_most": at_most, "above": above, "one_of": one_of,
-             "list_of": list_of}
+             "list_of": list_of, "rate": rate}
     return field(default=default, metadata={k: v for k, v in rules.items() if v is not None})
 
 
@@ -132,6 +132,11 @@ def _why_not(rules: Mapping[str, Any], value: Any) -> str | None:
         return None
     if "one_of" in rules and value not in rules["one_of"]:
         return f"use {' or '.join(rules['one_of'])}, not {value!r}"
+    if "rate" in rules:
+        try:
+            parse_rate(value)
+        except ValueError as exc:
+            return str(exc)
     if "list_of" in rules and value != "none" and (
             not all(name in rules["list_of"] for name in value.split(","))):
         return (f"use none or a comma-separated list of {', '.join(rules['list_of'])}, "
@@ -159,6 +164,8 @@ def why_not(cls: type, name: str, value: Any) -> str | None:
 def range_text(cls: type, name: str) -> str | None:
     """The values the field `name` of `cls` allows, for help ("x>=0", "0<x<=1", "grpo|...")."""
     rules = _field(cls, name).metadata
+    if "rate" in rules:
+        return "RATE"
     if "one_of" in rules:
         return "|".join(rules["one_of"])
     if "list_of" in rules:
@@ -170,6 +177,31 @@ def range_text(cls: type, name: str) -> str | None:
     if low:  # one-sided: written as x>=1, x>0
         return "x" + (f">={rules['at_least']}" if "at_least" in rules else f">{rules['above']}")
     return None
+
+
+RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
+              "ki": 2**10, "mi": 2**20, "gi": 2**30}
+"""What a rate's unit multiplies its number by: SI k, M, G are powers of 1000 (as network
+speeds are quoted), KiB, MiB, GiB powers of 1024. Case does not matter: 2m is 2M."""
+_RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?)?(b)?(?:/s)?", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> int:
+    """Bytes per second from a rate as a user writes it: a plain number of bytes (`250000`), or
+    one with a unit, `500k`, `2M`, `1.5MB`, `10MiB`, `2MiB/s` (RATE_UNITS); 0 is no cap.
+    ValueError, one line, for anything else: a bit rate (`8Mb`: a lowercase b), a
+    negative number, a rate under 1 byte a second other than 0."""
+    match = _RATE.fullmatch(str(text).strip())
+    wanted = "use bytes per second such as 500k, 2M, 1.5MB or 10MiB, or 0 for no cap"
+    if match is None:
+        raise ValueError(f"{wanted}, not {text!r}")
+    number, unit, byte = match.groups()
+    if byte == "b":
+        raise ValueError(f"{wanted}, not {text!r}: a lowercase b is bits, write B for bytes")
+    rate = round(float(number) * RATE_UNITS[(unit or "").lower()])
+    if rate < 1 and float(number) > 0:
+        raise ValueError(f"{wanted}, not {text!r}: under 1 byte per second")
+    return rate
 
 
 def listed(value: str) -> tuple[str, ...]:
@@ -510,6 +542,15 @@ class VolunteerConfig(Checked):
     first manifest seen is trusted and pinned for this bucket, in <work_dir>/trusted-keys.json."""
     allow_unsigned: bool = False
     """Accept manifests with no signature (an older trainer); signed ones are still checked."""
+    max_download_rate: str = setting("0", rate=True)
+    """Bytes per second this volunteer downloads at most, over all it reads from the bucket: a
+    number with k, M, G (1000-based) or KiB, MiB, GiB (1024-based), such as 500k, 2M or 10MiB
+    (0: no cap). Manifest polls, checkpoint files, patches, adapters and the dataset alike,
+    averaged over each transfer (storage/pace.py; docs/LIMITS.md for its granularity)."""
+    max_upload_rate: str = setting("0", rate=True)
+    """Bytes per second this volunteer uploads at most, over all it writes to the bucket
+    (shards, asks for group numbers, heartbeats), written as for --max-download-rate (0: no
+    cap)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -184,13 +184,20 @@ def check_capped_reads(make: Make) -> None:
 
 def check_streamed_create_and_read_into(make: Make) -> None:
     """create_from writes what its writer hands over; read_into fills a buffer of exactly
-    the object's size, telling on_chunk of every piece from offset 0; a smaller buffer is
-    TooLarge, a larger one ShortObject, a missing object NotFound."""
+    the object's size, telling on_chunk of every piece from offset 0 (with `piece`, of
+    pieces of at most that many bytes, in order: what a bandwidth cap paces); a smaller
+    buffer is TooLarge, a larger one ShortObject, a missing object NotFound."""
     s = make()
     s.create_from("ck/w.bin", _write_in_pieces)
     buf, seen = bytearray(len(STREAMED)), []
     s.read_into("ck/w.bin", memoryview(buf), lambda off, piece: seen.append((off, len(piece))))
     assert bytes(buf) == STREAMED and sum(n for _, n in seen) == len(STREAMED) and seen[0][0] == 0
+    buf, seen = bytearray(len(STREAMED)), []
+    s.read_into("ck/w.bin", memoryview(buf), lambda off, piece: seen.append((off, len(piece))),
+                piece=700)
+    assert bytes(buf) == STREAMED and max(n for _, n in seen) <= 700
+    assert [off for off, _ in seen] == [sum(n for _, n in seen[:i]) for i in range(len(seen))]
+    assert sum(n for _, n in seen) == len(STREAMED)
     with pytest.raises(TooLarge, match="ck/w.bin"):
         s.read_into("ck/w.bin", memoryview(bytearray(len(STREAMED) - 1)))
     with pytest.raises(ShortObject, match="ck/w.bin"):

@@ -1,6 +1,7 @@
 """The storage contract (helpers/storage_contract.py) on every backend: a folder, fsspec's
 memory file system, and S3 over HTTP (moto's server on 127.0.0.1) through both of its code
-paths, boto3 (S3Storage) and s3fs (FsspecStorage, what VRL_S3_BACKEND=fsspec picks).
+paths, boto3 (S3Storage) and s3fs (FsspecStorage, what VRL_S3_BACKEND=fsspec picks); the
+folder and boto3 again behind a bandwidth cap (pace.Paced), which must change nothing else.
 
 Refusals are real on S3: moto enforces IAM and knows no user of the stores' keys, so it
 answers 403. The folder and memory backends are refused where the operating system or the
@@ -23,6 +24,7 @@ import pytest
 from helpers import storage_contract as contract
 from volunteer_rl.storage.fsspec import FsspecStorage
 from volunteer_rl.storage.local import LocalStorage
+from volunteer_rl.storage.pace import Paced, TokenBucket
 from volunteer_rl.storage.s3 import S3Storage
 
 BUCKET = "vrl-contract-test"
@@ -59,19 +61,32 @@ def endpoint():
         yield url
 
 
-@pytest.fixture(params=["folder", "memory", "s3-boto3", "s3-s3fs"])
+FAST = 1e9
+"""A cap (bytes per second) that paces without slowing the checks: the paced backends run
+every read and write through pace.Paced's code paths, pieces and sinks."""
+
+
+@pytest.fixture(params=["folder", "folder-paced", "memory", "s3-boto3", "s3-boto3-paced",
+                        "s3-s3fs"])
 def backend(request, tmp_path) -> Backend:
     if request.param == "folder":
         return Backend(lambda: LocalStorage(tmp_path / "bucket"), _refuse_folder)
+    if request.param == "folder-paced":
+        return Backend(lambda: Paced(LocalStorage(tmp_path / "bucket"), TokenBucket(FAST),
+                                     TokenBucket(FAST)),
+                       lambda store: _refuse_folder(store.inner))
     if request.param == "memory":
         return Backend(lambda: FsspecStorage(f"memory://contract-{uuid.uuid4().hex}/pre"),
                        _refuse_memory)
     endpoint = request.getfixturevalue("endpoint")
-    kind = S3Storage if request.param == "s3-boto3" else FsspecStorage
+    kind = FsspecStorage if request.param == "s3-s3fs" else S3Storage
 
     def make():
         contract.empty_bucket(endpoint, BUCKET)
-        return kind(URI, endpoint_url=endpoint)
+        store = kind(URI, endpoint_url=endpoint)
+        if request.param.endswith("-paced"):
+            return Paced(store, TokenBucket(FAST), TokenBucket(FAST))
+        return store
     return Backend(make, lambda store: contract.iam_denies_everything(endpoint))
 
 

@@ -104,6 +104,12 @@ RULES = [
      "of tensorboard, wandb, not 'tensorboard,mlflow'", "tensorboard,wandb"),
     # issue 41: every trained group replayed, or the sampled audits alone
     (T, "verify", "all", "--verify: use every or sampled, not 'all'", "sampled"),
+    # issue 43: bandwidth caps, bytes per second with a unit
+    (V, "max_download_rate", "8Mb", "--max-download-rate: use bytes per second such as 500k, "
+     "2M, 1.5MB or 10MiB, or 0 for no cap, not '8Mb': a lowercase b is bits, write B for bytes",
+     "1"),
+    (V, "max_upload_rate", "-1", "--max-upload-rate: use bytes per second such as 500k, 2M, "
+     "1.5MB or 10MiB, or 0 for no cap, not '-1'", "0"),
     (D, "volunteers", 0, "--volunteers: must be at least 1, not 0", 1),
     (D, "rl_seconds", -5.0, "--rl-seconds: must be more than 0, not -5.0", 0.5),
     (D, "threads", -1, "--threads: must be at least 0, not -1", 0),

@@ -19,7 +19,10 @@ Big objects (checkpoints) have two streaming forms, so a 2.4 GB file is never he
 `create_from(key, write)` calls `write(f)` with a file-like sink that goes straight to the
 object (a temp file renamed into place, or a multipart upload), and `read_into(key, buf)`
 fills a caller's buffer, telling `on_chunk(offset, piece)` about each piece in order (for
-hashing while the rest arrives; a retried read starts again at offset 0).
+hashing while the rest arrives; a retried read starts again at offset 0). With `piece`, the
+backend reads in pieces of at most that many bytes, one stream, and tells `on_chunk` about
+each (pace.Paced, whose sleeps between them hold a cap); fsspec's stores, which read the
+object whole, only hand it on in such pieces.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ class Storage(Protocol):
     def create(self, key: str, data: bytes) -> None: ...
     def create_from(self, key: str, write: Callable[[BinaryIO], None]) -> None: ...
     def read_into(self, key: str, buf: memoryview,
-                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None: ...
+                  on_chunk: Callable[[int, memoryview], None] | None = None,
+                  piece: int | None = None) -> None: ...
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]: ...
     def write_if_match(self, key: str, data: bytes, etag: str | None) -> str: ...

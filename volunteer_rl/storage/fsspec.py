@@ -130,13 +130,18 @@ class FsspecStorage:
             write(f)
 
     def read_into(self, key: str, buf: memoryview,
-                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+                  on_chunk: Callable[[int, memoryview], None] | None = None,
+                  piece: int | None = None) -> None:
+        """The object read whole, then handed to `on_chunk` in one piece, or in pieces of
+        `piece` bytes (base's docstring)."""
         data = self.read(key, max_bytes=len(buf))
         if len(data) != len(buf):
             raise ShortObject(f"{key}: {len(data)} bytes, not the expected {len(buf)}")
         buf[:] = data
         if on_chunk is not None:
-            on_chunk(0, buf)
+            step = piece or len(buf) or 1
+            for start in range(0, len(buf), step):
+                on_chunk(start, buf[start:start + step])
 
     # These stores have no portable ETag through fsspec: the content's sha256 stands in.
     def read_if_changed(self, key: str, etag: str | None,

@@ -77,12 +77,12 @@ class _EarlyWriteback:
 
 
 def _fill_from(key: str, src: BinaryIO, buf: memoryview,
-               on_chunk: Callable[[int, memoryview], None] | None) -> None:
-    """Read exactly len(buf) bytes of `src` into `buf`; TooLarge if more follow, ShortObject
-    if fewer come."""
+               on_chunk: Callable[[int, memoryview], None] | None, piece: int = READ_CHUNK) -> None:
+    """Read exactly len(buf) bytes of `src` into `buf`, `piece` bytes at a time; TooLarge if
+    more follow, ShortObject if fewer come."""
     done = 0
     while done < len(buf):
-        n = src.readinto(buf[done:done + READ_CHUNK])
+        n = src.readinto(buf[done:done + piece])
         if not n:
             raise ShortObject(f"{key}: {done} bytes, shorter than the expected {len(buf)}")
         if on_chunk is not None:
@@ -149,11 +149,12 @@ class LocalStorage:
                     raise
 
     def read_into(self, key: str, buf: memoryview,
-                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+                  on_chunk: Callable[[int, memoryview], None] | None = None,
+                  piece: int | None = None) -> None:
         """Fill `buf` with the object, which must be exactly len(buf) bytes long."""
         try:
             with classify_errors(key, "read", self.uri), self._open(key, buffering=0) as f:
-                _fill_from(key, f, buf, on_chunk)
+                _fill_from(key, f, buf, on_chunk, piece or READ_CHUNK)
         except FileNotFoundError:
             raise NotFound(f"{key}: not found in {self.uri}") from None
 

@@ -145,9 +145,11 @@ class Retrying:
         return self._call("create", key, lambda: self.inner.create_from(key, write))
 
     def read_into(self, key: str, buf: memoryview,
-                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+                  on_chunk: Callable[[int, memoryview], None] | None = None,
+                  piece: int | None = None) -> None:
         """A retry reads the object again from the start: `on_chunk` sees offset 0 again."""
-        return self._call("read", key, lambda: self.inner.read_into(key, buf, on_chunk))
+        return self._call("read", key,
+                          lambda: self.inner.read_into(key, buf, on_chunk, piece=piece))
 
     def read_if_changed(self, key: str, etag: str | None,
                         max_bytes: int | None = None) -> tuple[bytes | None, str]:

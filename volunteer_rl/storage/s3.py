@@ -221,18 +221,20 @@ class S3Storage:
             return s3_transfer.read_whole(self, key, body, total, etag), etag
 
     def read_into(self, key: str, buf: memoryview,
-                  on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+                  on_chunk: Callable[[int, memoryview], None] | None = None,
+                  piece: int | None = None) -> None:
         """Fill `buf` with the object, which must be exactly len(buf) bytes, with no copy
         held twice: one streamed GET that splits into parallel ranged GETs if it is slow
         (s3_transfer.stream_into). `on_chunk` sees the pieces in order, each as soon as it
-        and every piece before it have landed, so hashing overlaps the download."""
+        and every piece before it have landed, so hashing overlaps the download. With
+        `piece`, one stream read `piece` bytes at a time, never split (a paced read)."""
         size = len(buf)
         with self._errors(key, "read"):
             body, etag, total = self._open_sized(key, size, {})
             if total < size:
                 body.close()
                 raise ShortObject(f"{key}: {total} bytes, shorter than the expected {size}")
-            s3_transfer.stream_into(self, key, body, buf, etag, on_chunk)
+            s3_transfer.stream_into(self, key, body, buf, etag, on_chunk, piece)
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The object's bytes; TooLarge if it has more than max_bytes. A big object comes

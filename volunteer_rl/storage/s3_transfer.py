@@ -190,11 +190,12 @@ def probe(key: str, readinto, view: memoryview) -> tuple[int, bool]:
 
 
 def read_stream(key: str, readinto, buf: memoryview, got: int,
-                on_chunk: Callable[[int, memoryview], None] | None) -> None:
-    """buf[got:] from the rest of the one open stream: in one go, or in REST_CHUNK pieces
-    handed to `on_chunk` as each lands."""
+                on_chunk: Callable[[int, memoryview], None] | None,
+                piece: int | None = None) -> None:
+    """buf[got:] from the rest of the one open stream: in one go, or in pieces of `piece`
+    (else REST_CHUNK) bytes handed to `on_chunk` as each lands."""
     total = len(buf)
-    step = REST_CHUNK if on_chunk is not None else total
+    step = piece or (REST_CHUNK if on_chunk is not None else total)
     while got < total:
         end = _fill(key, readinto, buf, got, min(total, got + step))
         if on_chunk is not None:
@@ -225,13 +226,20 @@ def split_rest(store, key: str, readinto, buf: memoryview, got: int, etag: str,
 
 
 def stream_into(store, key: str, body, buf: memoryview, etag: str,
-                on_chunk: Callable[[int, memoryview], None] | None = None) -> None:
+                on_chunk: Callable[[int, memoryview], None] | None = None,
+                piece: int | None = None) -> None:
     """Fill `buf` (the whole object) from the open GET `body`: probe the stream's rate,
     then read the rest on it, or split the rest if one stream is too slow (probe).
     Bytes go from the socket straight into `buf` (_socket_reader): no copy on the way.
-    `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed."""
+    `on_chunk(offset, piece)` sees the pieces in order as soon as each has landed.
+    With `piece` (a paced read, storage/pace.py), no probe and no split: the one stream in
+    pieces of that many bytes, so every byte passes `on_chunk`, whose sleeps hold the cap,
+    before the next piece is taken from the socket."""
     try:
         readinto = _socket_reader(body)
+        if piece is not None:
+            read_stream(key, readinto, buf, 0, on_chunk, piece)
+            return
         got, split = probe(key, readinto, buf)
         if on_chunk is not None:
             on_chunk(0, buf[:got])

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from volunteer_rl.config import VolunteerConfig
+from volunteer_rl.config import VolunteerConfig, parse_rate
 from volunteer_rl.model.chain import Held, fetch_weights, fetched_text, onto_version
 from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
@@ -44,6 +44,7 @@ from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Storage, StorageError, Transient, is_missing
+from volunteer_rl.storage.pace import Paced, paced
 from volunteer_rl.task.base import Row, Task, completion_reward
 from volunteer_rl.task.dataset import DatasetError, load_rows
 from volunteer_rl.task.registry import for_manifest
@@ -88,7 +89,10 @@ class Volunteer:
         with self.stop.shielded():  # a line added to the work dir's ids file: never half of it
             self.claim = claim_id(Path(cfg.work_dir), cfg.volunteer_id, log)  # kept across restarts
         self.id = self.claim.id
-        self.storage = open_storage(cfg.bucket, cfg.endpoint_url)
+        # Every read and write of this volunteer goes through here, the heartbeat thread's too:
+        # --max-download-rate and --max-upload-rate cap them all (storage/pace.py).
+        self.storage = paced(open_storage(cfg.bucket, cfg.endpoint_url),
+                             parse_rate(cfg.max_download_rate), parse_rate(cfg.max_upload_rate))
         self.trust = reader_trust(self.storage.uri, cfg.endpoint_url, cfg.work_dir, cfg.trust_key,
                                   cfg.allow_unsigned, log)
         self.device = pick_device(cfg.device)
@@ -413,6 +417,8 @@ class Volunteer:
             os.nice(cfg.nice)
         started = time.time()
         self.log(f"volunteer {self.id} on {self.device}, bucket {self.storage.uri}")
+        if isinstance(self.storage, Paced):
+            self.log(self.storage.caps())
         if self.trust.key:
             self.log(f"manifests must be signed by {self.trust.key} ({self.trust.origin})")
         if self.trust.mark is not None and self.trust.mark.seen is not None:
