@@ -29,7 +29,7 @@ BENCHMARKS = ["generation", "trl_time_to_accuracy", "prototype_recipe", "balance
               "s3_checkpoint", "ingest_fleet", "hostile_flood", "audit_cost", "audit_parking", "replay_choice",
               "trust_farming", "liars", "withholding", "covers", "patch_size", "catch_up",
               "lora_bytes", "lora_accuracy", "startup", "rank_steps", "intake_ranks", "rank_memory",
-              "lora_memory", "reward_budget"]
+              "lora_memory", "reward_budget", "host_share"]
 """In the order of docs/PERFORMANCE.md; each is bench/<name>.py."""
 
 

@@ -132,9 +132,12 @@ def test_battery_pauses_unless_run_on_battery_and_no_sensor_is_said_once():
 class FakeGate:
     def __init__(self, reasons):
         self.reasons = list(reasons)
+        self.cause = None
 
     def reason(self):
-        return self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
+        why = self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
+        self.cause = why and why.split()[0]
+        return why
 
 
 def controls(gate, owed=lambda: None):
@@ -146,10 +149,12 @@ def controls(gate, owed=lambda: None):
 
 
 def test_hold_waits_out_a_pause_flushing_once_and_following_the_trainer():
-    c, said, flushed, followed = controls(FakeGate(["busy"] * 5 + [None]))
+    c, said, flushed, followed = controls(FakeGate(["busy 91%", "busy 93%", "busy 90%", "battery",
+                                                    "battery", None]))
     c.hold()
     assert flushed == [1] and len(followed) >= 4 and c.paused is None
-    assert said[0] == "pausing: busy" and said[-1].startswith("resuming")
+    # each cause said once, not each reading
+    assert said == ["pausing: busy 91%", "still paused: battery", "resuming: the machine is free again"]
 
 
 def test_hold_lets_numbers_that_would_go_stale_be_sampled():

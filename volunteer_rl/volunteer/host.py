@@ -127,6 +127,8 @@ class HostGate:
         """The rest of the machine's CPU use, a share of all its cores, at the last reading."""
         self.busy = False
         self.battery = False
+        self.cause: str | None = None
+        """What the last `reason` paused for: `battery`, `busy` or None."""
         self.said_no_sensor = False
 
     def reason(self) -> str | None:
@@ -137,6 +139,7 @@ class HostGate:
         if self.read_at is None or t - self.read_at >= SAMPLE_SECONDS:
             self.read_at = t
             self._judge(self.read())
+        self.cause = "battery" if self.battery else "busy" if self.busy else None
         if self.battery:
             return "on battery (--run-on-battery samples anyway)"
         if self.busy:
@@ -201,6 +204,7 @@ class HostControls:
         wall time `until`, or when numbers granted to us are due (`owed_due`): left
         unsampled, the trainer's next publish would count them missing, so they are sampled
         now and the pause goes on after them."""
+        cause = self.gate.cause
         while not self.stop.is_set() and (until is None or time.time() < until):
             why = self.gate.reason()
             if why is None:
@@ -215,9 +219,9 @@ class HostControls:
             if self.paused is None:
                 self.log(f"pausing: {why}")
                 self.flush()  # the groups in hand go out now, not after the pause
-            elif self.paused != why:
-                self.log(f"still paused: {why}")
-            self.paused = why
+            elif self.gate.cause != cause:
+                self.log(f"still paused: {why}")  # another cause: the log says each once
+            self.paused, cause = why, self.gate.cause  # the heartbeat shows the latest reading
             self.stop.wait(self.poll_seconds)
             self.follow()
         if self.paused is not None and self.gate.reason() is None:
