@@ -30,24 +30,23 @@ from volunteer_rl.model.checkpoint import fetch_checkpoint
 from volunteer_rl.model.devices import (MODEL_PROMPTS, pick_device, sampling_prompts,
                                         set_sampling_threads)
 from volunteer_rl.model.hashing import CheckpointError, sha256_bytes
-from volunteer_rl.model.policy import Policy, encode_prompts, load_policy
-from volunteer_rl.model.sampling import sample
+from volunteer_rl.model.policy import Policy, load_policy
 from volunteer_rl.model.vetting import WEIGHTS_FILE, CheckpointRefused
 from volunteer_rl.progress import Every
 from volunteer_rl.protocol import jsonbounds, layout
-from volunteer_rl.protocol.draws import group_keys, pool_prompt
 from volunteer_rl.protocol.fleet import MAX_SUMMARY_BYTES
 from volunteer_rl.protocol.manifest import (ADAPTER_FILE, Manifest, ManifestError, poll_manifest,
                                             read_manifest)
-from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Completion, Group
+from volunteer_rl.protocol.shards import MAX_GROUP_SEQ, Group
 from volunteer_rl.protocol.signing import Rollback, SignatureError, reader_trust
 from volunteer_rl.stopping import Stopped, StopSignal
 from volunteer_rl.storage import open_storage
 from volunteer_rl.storage.base import Storage, StorageError, Transient, is_missing
 from volunteer_rl.storage.pace import Paced, paced
-from volunteer_rl.task.base import Row, Task, completion_reward
+from volunteer_rl.task.base import Row, Task
 from volunteer_rl.task.dataset import DatasetError, load_rows
 from volunteer_rl.task.registry import for_manifest
+from volunteer_rl.volunteer.batch import sample_batch
 from volunteer_rl.volunteer.heartbeat import (Heartbeat, Tally, heartbeat_payload, host_facts,
                                               upload_summary)
 from volunteer_rl.volunteer.host import HostControls
@@ -260,34 +259,15 @@ class Volunteer:
     # -- the loop -----------------------------------------------------------------------------
 
     def _generate(self, batch: Batch) -> list[Group]:
-        """One batch of granted numbers (all of the version in hand), each sampled for the
-        prompt its number draws from the version's pool, with its committed noise, both keyed
-        by the nonce of its grant."""
-        m, policy = self.manifest, self.policy
-        seqs = range(batch.first, batch.first + batch.count)
-        picked = [self.problems[pool_prompt(m.prompt_pool, m.run_id, m.version, self.id, n,
-                                            batch.nonce(n))] for n in seqs]
-        task = self.task
-        prompts = encode_prompts(policy, [task.prompt(p) for p in picked], task.instruction)
-        s = m.sampling
-        keys = [group_keys(m.run_id, m.version, self.id, n, p.id, s.k, batch.nonce(n))
-                for n, p in zip(seqs, picked)]
-        # Not abortable: a stop waits for this batch, whose numbers are granted (numbering.py);
-        # it is uploaded before the volunteer exits. Host controls rest or pause between steps.
-        self.sampling = m.version
+        """One batch of granted numbers (all of the version in hand), sampled (volunteer.batch).
+        Not abortable: a stop waits for this batch, whose numbers are granted (numbering.py);
+        it is uploaded before the volunteer exits. Host controls rest or pause between steps."""
+        self.sampling = self.manifest.version
         try:
-            out = sample(policy, prompts, s.k, s.temperature, s.max_new_tokens, draw_keys=keys,
-                         between_steps=self.host_controls.between_steps)
+            return sample_batch(self.manifest, self.policy, self.task, self.problems, self.id,
+                                batch, self.host_controls.between_steps)
         finally:
             self.sampling = None
-        groups = []
-        for n, p, samples in zip(seqs, picked, out):
-            completions = [Completion(x.token_ids, x.logprobs, x.text,
-                                      completion_reward(task, p, x.token_ids, policy.decode_all,
-                                                        policy.eos_id, policy.special_ids))
-                           for x in samples]
-            groups.append(Group(p.id, m.version, self.id, n, completions))
-        return groups
 
     def _next_batch(self, m: Manifest | None) -> Batch | None:
         """The next granted numbers to sample, if their version is still in the window of the
