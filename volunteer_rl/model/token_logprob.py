@@ -78,7 +78,8 @@ class _ChosenLogprob(torch.autograd.Function):
 def chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits [R, T, V] (any float dtype, with or without grad), ids [R, T] (long, each < V):
     logp [R, T] float32 = log_softmax(logits.float() / temperature, -1) at ids, with its
-    gradient to logits (float64 logits give float64, for gradcheck). `temperature` > 0 (the caller floors it)."""
+    gradient to logits (float64 logits give float64, for gradcheck). `temperature` > 0 (the
+    caller floors it)."""
     if ids.shape != logits.shape[:-1]:
         raise ValueError(f"ids {tuple(ids.shape)} do not match logits {tuple(logits.shape)}")
     return _ChosenLogprob.apply(logits, ids, float(temperature))

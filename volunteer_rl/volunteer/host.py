@@ -101,7 +101,8 @@ def read_machine() -> Reading:
     # Busy is what is neither idle nor waiting on I/O; guest time is already in user on Linux.
     busy = sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
     me = psutil.Process().cpu_times()
-    own = me.user + me.system + getattr(me, "children_user", 0.0) + getattr(me, "children_system", 0.0)
+    own = (me.user + me.system + getattr(me, "children_user", 0.0)
+           + getattr(me, "children_system", 0.0))
     try:
         battery = psutil.sensors_battery()
     except Exception:  # a sensor the platform lists but cannot read is no sensor
