@@ -8,8 +8,9 @@ def test_host_share_quick_rows_are_sane():
     from bench import host_share
 
     rows = host_share.results(quick=True)
-    assert [r.benchmark.split(",")[0] for r in rows] == ["fleet intake", "held-out accuracy after 90s"]
-    intake, accuracy = rows
-    assert intake.vrl > 0 and intake.baseline > 0 and 0 <= accuracy.vrl <= 1
+    assert [r.benchmark.split(",")[0] for r in rows] == \
+        ["fleet intake", "held-out accuracy after 90s"] * len(host_share.SHARES)
+    for intake, accuracy, share in zip(rows[::2], rows[1::2], host_share.SHARES):
+        assert intake.vrl > 0 and intake.baseline > 0 and 0 <= accuracy.vrl <= 1
+        assert f"--cpu-share {share:g}" in intake.benchmark and "demo-2" in intake.note
     assert all(r.command == "python -m bench.host_share --quick" for r in rows)
-    assert "--cpu-share 0.5" in intake.note and "demo-2" in intake.note
