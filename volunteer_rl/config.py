@@ -519,8 +519,9 @@ class VolunteerConfig(Checked):
     Donated cycles should only be the idle ones, as with BOINC: the owner's work comes first.
     On one machine shared with a trainer it also leaves the trainer, the bottleneck, its core."""
     cpu_share: float = setting(1.0, above=0, at_most=1)
-    """Use at most this share of the cores this process may run on, on average over about a
-    second: it samples, then rests (1: no limit). 0.5 on a 4-core laptop is 2 cores' worth."""
+    """Use at most this share of the cores this process may run on, on average over a batch and
+    its rest: it samples a batch, then rests, then asks for more (1: no limit). 0.5 on a 4-core
+    laptop is 2 cores' worth."""
     pause_when_busy: float = setting(0.0, at_least=0, at_most=1)
     """Pause sampling while the rest of the machine uses more than this share of its CPU (all
     cores), and resume once it falls under 0.8 of it, as BOINC's "suspend when non-BOINC usage

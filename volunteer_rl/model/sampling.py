@@ -170,7 +170,7 @@ def _generate_batch(policy: Policy, prompts: list[list[int]], k: int, temperatur
     keys drawn from torch's generator (evaluation). Greedy ignores them.
 
     `between_steps`, if given, is called after every forward (the prompt pass and each
-    token's): the volunteer's host controls rest or pause there (volunteer.host).
+    token's): a volunteer's host-control pause holds there (volunteer.host).
 
     A plain sampling loop over the KV cache rather than `generate`: it shares the prompt
     pass across the K rows, drops rows from the batch as soon as they emit EOS, and samples

@@ -18,7 +18,7 @@ from volunteer_rl.volunteer.numbering import Batch
 def sample_batch(m: Manifest, policy: Policy, task: Task, problems: list[Row], volunteer_id: str,
                  batch: Batch, between_steps: Callable[[], None] | None = None) -> list[Group]:
     """The groups of `batch` (numbers of version `m`, the one `policy` holds), in number order.
-    `between_steps` runs after every forward of the sampler (the host controls' rests)."""
+    `between_steps` runs after every forward of the sampler (where a host-control pause holds)."""
     seqs = range(batch.first, batch.first + batch.count)
     picked = [problems[pool_prompt(m.prompt_pool, m.run_id, m.version, volunteer_id, n,
                                    batch.nonce(n))] for n in seqs]

@@ -3,12 +3,15 @@
 Volunteers run on laptops and desktops their owners also use, as BOINC's clients do, and the
 controls are BOINC's:
 - `CpuShare` (--cpu-share F): the process's CPU time is held to F of the cores it may run on,
-  on average over about a second: it samples, then rests. A token bucket of CPU-seconds: it
-  fills at F x cores per second of wall time, holds at most BURST_SECONDS of that, and each
-  call of `tick` (between decode steps, after each batch) pays the CPU time spent since the
-  last one; when the bucket is empty the sampler sleeps until it has paid. Everything the
-  process does counts (its heartbeat and upload threads too), because that is what the owner
-  sees in their task manager.
+  on average over a batch and its rest: it samples a batch, then rests. A token bucket of
+  CPU-seconds: it fills at F x cores per second of wall time, holds at most BURST_SECONDS of
+  that, and each call of `tick` pays the CPU time spent since the last one; when the bucket is
+  empty it sleeps until it has paid. Everything the process does counts (its heartbeat and
+  upload threads too), because that is what the owner sees in their task manager.
+  It rests between batches, not between decode steps, and asks for its next numbers only
+  after the rest: numbers granted to it and not sampled make the trainer hold its next
+  publish back (trainer.loop.DRAIN_STEPS), and a volunteer resting in the middle of a batch
+  at 0.1 cores held the demo's whole fleet to 0.31 of its intake (bench.host_share).
 - `HostGate` (--pause-when-busy P, the battery): pause while the rest of the machine uses more
   than P of all its cores (this process's own use left out), resume once it falls under
   RESUME_SHARE of P; and, unless --run-on-battery, pause while the machine runs on battery. The
@@ -177,7 +180,7 @@ class HostControls:
                  stop: StopSignal, log: Callable[[str], None], follow: Callable[[], None],
                  owed_due: Callable[[], int | None], flush: Callable[[], None],
                  poll_seconds: float, gate: HostGate | None = None):
-        self.share = CpuShare(cpu_share) if cpu_share < 1 else None
+        self.share = CpuShare(cpu_share, sleep=stop.wait) if cpu_share < 1 else None
         self.gate = gate or HostGate(pause_when_busy, not run_on_battery, log)
         self.stop, self.log, self.poll_seconds = stop, log, poll_seconds
         self.follow, self.owed_due, self.flush = follow, owed_due, flush
@@ -185,17 +188,22 @@ class HostControls:
         """Why sampling is paused now (the heartbeat's `paused`), or None."""
         self.said_owed: int | None = None
 
+    @property
+    def rests(self) -> bool:
+        """Does --cpu-share make the volunteer rest after its batches?"""
+        return self.share is not None
+
     def may_ask(self) -> bool:
         """May the volunteer ask for numbers? Not while the gate says pause."""
         return self.gate.reason() is None
 
     def between_steps(self) -> None:
-        """After every forward of the sampler: rest for --cpu-share, hold for a pause."""
-        self.after_batch()
+        """After every forward of the sampler: hold for a pause."""
         self.hold()
 
-    def after_batch(self) -> None:
-        """After a batch's rewards: pay for their CPU time too."""
+    def rest(self) -> None:
+        """After a batch, with no numbers left in hand: rest until its CPU time is paid for
+        (--cpu-share); a stop cuts the rest short."""
         if self.share is not None:
             self.share.tick()
 

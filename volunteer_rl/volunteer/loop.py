@@ -261,7 +261,7 @@ class Volunteer:
     def _generate(self, batch: Batch) -> list[Group]:
         """One batch of granted numbers (all of the version in hand), sampled (volunteer.batch).
         Not abortable: a stop waits for this batch, whose numbers are granted (numbering.py);
-        it is uploaded before the volunteer exits. Host controls rest or pause between steps."""
+        it is uploaded before the volunteer exits. A host-control pause holds between steps."""
         self.sampling = self.manifest.version
         try:
             return sample_batch(self.manifest, self.policy, self.task, self.problems, self.id,
@@ -448,7 +448,8 @@ class Volunteer:
                 if batch is None:
                     self.stop.wait(max(cfg.poll_seconds, self.outage_wait))
                     continue
-                if self.numbers.pending() - batch.count < self.allowance.batch:
+                if (self.numbers.pending() - batch.count < self.allowance.batch
+                        and not self.host_controls.rests):
                     self._ask(latest)  # the next grant arrives while this batch is sampled
                 self._sample(batch, writer)
                 self.numbers.refresh()
@@ -485,11 +486,13 @@ class Volunteer:
     def _sample(self, batch: Batch, writer: ShardWriter) -> None:
         """Sample `batch` (its version loaded) and hand its groups to the writer."""
         groups = self._generate(batch)
-        self.host_controls.after_batch()  # the rewards' CPU time too
         self.numbers.sampled(batch)
         self.tally.generated(len(groups), sum(len(g.completions) for g in groups), time.time())
         writer.limit = self.manifest.max_shard_groups
         writer.add(groups, self.manifest.version)
+        if self.host_controls.rests:  # with no ask ahead, no grant is in hand while it rests
+            writer.flush()  # what it sampled goes out before the rest, not after
+            self.host_controls.rest()
 
     def _finish(self, writer: ShardWriter) -> None:
         """Before exiting, sample the numbers granted and not sampled yet (the batch granted
