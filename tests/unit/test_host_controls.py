@@ -171,3 +171,14 @@ def test_hold_ends_at_its_deadline_and_a_stop():
     assert c.paused == "busy"
     c.stop.set()
     c.hold()
+
+
+def test_the_busy_share_is_of_the_cpu_time_accounted_not_of_the_wall_clock():
+    """A VM whose vCPUs the host descheduled accounts less CPU time than wall x cores: two
+    cores busy for 1.2 s of accounted time in 2 s of wall are the whole machine, not 60 %."""
+    t = [0.0]
+    readings = iter([Reading(0.0, 0.0, 0.0, 2, False, 0.0), Reading(2.0, 2.4, 0.0, 2, False, 2.4)])
+    gate = HostGate(0.7, False, lambda m: None, read=lambda: next(readings), clock=lambda: t[0])
+    assert gate.reason() is None
+    t[0] = 2.0
+    assert gate.reason() is not None and gate.others == pytest.approx(1.0)

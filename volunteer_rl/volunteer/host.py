@@ -93,6 +93,10 @@ class Reading:
     cores: int
     on_battery: bool | None
     """True on battery, False on mains, None where the platform cannot tell."""
+    total: float = 0.0
+    """CPU-seconds of every state (busy, idle, I/O wait, steal) on every core together: the
+    share busy is taken of this, as psutil.cpu_percent does, not of wall time x cores (a VM
+    whose vCPUs the host descheduled accounts less time than the wall clock passed)."""
 
 
 def read_machine() -> Reading:
@@ -103,6 +107,7 @@ def read_machine() -> Reading:
     t = psutil.cpu_times()
     # Busy is what is neither idle nor waiting on I/O; guest time is already in user on Linux.
     busy = sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+    total = busy + sum(getattr(t, name, 0.0) for name in ("idle", "iowait", "steal"))
     me = psutil.Process().cpu_times()
     own = (me.user + me.system + getattr(me, "children_user", 0.0)
            + getattr(me, "children_system", 0.0))
@@ -112,7 +117,7 @@ def read_machine() -> Reading:
         battery = None
     plugged = None if battery is None else battery.power_plugged
     return Reading(time.monotonic(), busy, own, psutil.cpu_count() or 1,
-                   None if plugged is None else not plugged)
+                   None if plugged is None else not plugged, total)
 
 
 class HostGate:
@@ -161,8 +166,10 @@ class HostGate:
             self.battery = bool(now.on_battery)
         if self.busy_above <= 0 or before is None or now.wall <= before.wall:
             return
-        spent = (now.busy - before.busy) - (now.own - before.own)
-        self.others = min(1.0, max(0.0, spent / ((now.wall - before.wall) * now.cores)))
+        wall_cpu = (now.wall - before.wall) * now.cores
+        span = now.total - before.total if now.total > before.total else wall_cpu
+        mine = (now.own - before.own) / wall_cpu
+        self.others = min(1.0, max(0.0, (now.busy - before.busy) / span - mine))
         if self.busy:
             self.busy = self.others >= RESUME_SHARE * self.busy_above
         else:
