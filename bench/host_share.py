@@ -22,7 +22,6 @@ time per second of the run) the capped volunteer took.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import Row, emit_rows
+from bench.common import Row, cli
 from bench.lora_accuracy import PROMPTS, score, start_for
 
 COMMAND = "python -m bench.host_share"
@@ -44,12 +43,6 @@ TASK = "calculator"
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def machine_cores() -> int:
-    from volunteer_rl.volunteer.host import usable_cores
-
-    return usable_cores()
 
 
 def run(model: Path, share: float | None, seconds: float, work: Path) -> dict:
@@ -126,8 +119,10 @@ def results(quick: bool) -> list[Row]:
         n = sum(r["trained"].values())
         p = r["eval"]["eval/accuracy_sampled"]
         se = math.sqrt(max(p * (1 - p) / prompts + p_full * (1 - p_full) / prompts, 1e-12))
-        cores = share * machine_cores()
-        note = (f"demo-2 capped at {cores:g} cores ({share:g} of {machine_cores()}), took "
+        from volunteer_rl.volunteer.host import usable_cores
+
+        cores = share * usable_cores()
+        note = (f"demo-2 capped at {cores:g} cores ({share:g} of {usable_cores()}), took "
                 f"{r['cores']:.2f} (at full share {full['cores']:.2f}); groups trained by "
                 f"volunteer {r['trained']} (full share {full['trained']}); steps {r['steps']} vs "
                 f"{full['steps']}; longest wait between steps {r['longest_gap']:.1f}s vs "
@@ -148,13 +143,5 @@ def results(quick: bool) -> list[Row]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="90 s runs, 100 prompts")
-    parser.add_argument("--json", help="write the rows here as JSON (for python -m bench)")
-    args = parser.parse_args()
-    return emit_rows(results(args.quick), args.json)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli(results, __doc__))

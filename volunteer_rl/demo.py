@@ -7,7 +7,6 @@ demo loads v0 and the last version from the bucket and prints their held-out acc
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from volunteer_rl.config import Checked, TrainerConfig, check, setting
 from volunteer_rl.errors import VrlError
 from volunteer_rl.launch import stop, vrl_command, vrl_env, vrl_ranks_command
+from volunteer_rl.volunteer.host import usable_cores
 
 
 class DemoError(VrlError):
@@ -75,12 +75,6 @@ def _pump(proc: subprocess.Popen, tag: str) -> threading.Thread:
     return t
 
 
-def machine_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
-
-
 def start_processes(s: DemoSettings, bucket: Path, trainer_ranks: int = 0,
                     volunteer_args: list[tuple[str, ...]] | None = None,
                     ) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
@@ -96,7 +90,7 @@ def start_processes(s: DemoSettings, bucket: Path, trainer_ranks: int = 0,
                     "--lora-rank", str(s.lora_rank),
                     "--max-seconds", str(s.rl_seconds), "--warm-start-steps", str(s.warm_start_steps),
                     "--threads", str(s.threads), "--work-dir", str(work / "trainer"),
-                    "--warm-start-threads", str(s.warm_start_threads or machine_cores()),
+                    "--warm-start-threads", str(s.warm_start_threads or usable_cores()),
                     "--groups-per-step", str(s.groups_per_step), "--eval-every", "100",
                     "--poll-seconds", "0.05",  # listing a local folder costs next to nothing
                     *s.extra_trainer_args),

@@ -15,6 +15,7 @@ import volunteer_rl.trainer.records as records
 import volunteer_rl.trainer.startup as startup
 from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
 from volunteer_rl.protocol import metrics
+from volunteer_rl.volunteer.host import usable_cores
 from volunteer_rl.trainer.warmstart import (
     SOLVED_AT_V0,
     solved_at_v0,
@@ -107,7 +108,7 @@ def test_the_demo_gives_its_warm_start_every_core(tmp_path, monkeypatch):
     demo.start_processes(demo.DemoSettings(volunteers=1), tmp_path / "bucket")
     trainer = started[0]
     at = trainer.index("--warm-start-threads")
-    assert trainer[at + 1] == str(demo.machine_cores())
+    assert trainer[at + 1] == str(usable_cores())
     assert trainer[trainer.index("--threads") + 1] == "1"  # RL's, as before
 
 

@@ -20,9 +20,10 @@ controls are BOINC's:
 
 What a pause does to the group numbers the trainer granted (volunteer.loop): nothing new is
 asked for, and sampling stops between two decode steps; numbers already granted are sampled
-once their version is about to leave the trainer's window, so a pause never leaves a number
-missing (the trainer would count it as withheld). These classes only measure and decide; the
-loop does the waiting.
+once their version is about to leave the trainer's window, so that a pause leaves no number
+missing (the trainer would count it as withheld); a volunteer starved by what paused it can
+still miss them (docs/LIMITS.md). These classes measure, decide and wait; the loop says what
+is owed.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class Reading:
 
 
 def read_machine() -> Reading:
-    """The machine as psutil sees it (psutil imported here: only a volunteer with a pause
-    configured needs it)."""
+    """The machine as psutil sees it (psutil imported here, when the first reading is taken:
+    never with --run-on-battery and no --pause-when-busy)."""
     import psutil
 
     t = psutil.cpu_times()
