@@ -113,14 +113,19 @@ def test_the_trainer_says_why_it_waits_once_per_interval(tmp_path):
 
     def group(seq: int, right: bool) -> Group:
         pid = drawn_prompt(t, 0, "vol", seq)
-        good = list(p.tokenizer(t.problems[pid]["python_expression"], add_special_tokens=False)["input_ids"])
-        wrong = [t.prompt_ids[pid][rng.randrange(len(t.prompt_ids[pid]))]]
-        comps = []
-        for tokens in ([good if right else wrong, wrong]):
-            tokens = tokens + [p.eos_id]
-            comps.append(Completion(tokens, [-1.0] * len(tokens), "", completion_reward(
-                tokens, t.problems[pid]["python_expression"], p.decode_all, p.eos_id, p.special_ids)))
-        return Group(pid, 0, "vol", seq, comps)
+        expression = t.problems[pid]["python_expression"]
+
+        def reward(tokens: list[int]) -> float:
+            return completion_reward(tokens, expression, p.decode_all, p.eos_id, p.special_ids)
+
+        good = list(p.tokenizer(expression, add_special_tokens=False)["input_ids"]) + [p.eos_id]
+        # a wrong answer: one prompt token that scores nothing (the prompt is drawn with the
+        # run's secret, so a token picked blindly can be the answer itself)
+        candidates = [[tok, p.eos_id] for tok in t.prompt_ids[pid]]
+        rng.shuffle(candidates)
+        wrong = next(c for c in candidates if reward(c) == 0.0)
+        return Group(pid, 0, "vol", seq, [Completion(tokens, [-1.0] * len(tokens), "", reward(tokens))
+                                          for tokens in (good if right else wrong, wrong)])
 
     groups = [group(0, True), group(1, True), group(2, False), group(3, False), group(4, False)]
     assert [len({c.reward for c in g.completions}) for g in groups] == [2, 2, 1, 1, 1]
