@@ -142,15 +142,14 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
     return groups
 
 
-@pytest.fixture(scope="session")
-def template(tmp_path_factory) -> Template:
-    """Built in-process with the library (set-up, not the thing under test): a trainer
-    publishes v0 after a short warm start, then v1 and v2 with no step in between; the
-    policy then samples real groups the way a volunteer does."""
+def build_template(root: Path) -> None:
+    """A trainer publishes v0 after a short warm start, then v1 and v2 with no step in
+    between, into `root`/bucket, signed with `root`/signing-key.pem (in-process with the
+    library: set-up, not the thing under test)."""
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
     from volunteer_rl.trainer.loop import Trainer
 
-    root = tmp_path_factory.mktemp("template")
+    root.mkdir(parents=True)
     eval_csv = root / "eval10.csv"
     eval_csv.write_text("".join((PACKAGE_DATA / "eval.csv").read_text().splitlines(True)[:11]))
     cfg = TrainerConfig(bucket=str(root / "bucket"), warm_start_steps=500, eval_every=0,
@@ -165,7 +164,71 @@ def template(tmp_path_factory) -> Template:
     assert trainer.version == TEMPLATE_VERSION
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
-    t = Template(root / "bucket", trainer.policy, trainer.run_id, eval_csv,
-                 root / "signing-key.pem", trainer.problems, dict(trainer.pools))
+    assert read_template(root).problems == trainer.problems  # what every worker reads back
+
+
+def read_template(root: Path) -> Template:
+    """The template `build_template` left in `root`, as a volunteer would take it: the policy
+    loaded from v0's checkpoint (v1 and v2 republish its weights), the rows from the
+    dataset the manifests name, each version's prompt pool from its manifest."""
+    import json
+
+    from volunteer_rl.model.policy import load_policy
+    from volunteer_rl.task.calculator_task import CalculatorTask
+    from volunteer_rl.task.dataset import load_rows
+
+    bucket = root / "bucket"
+    manifests = {v: json.loads((bucket / layout.manifest_history_key(v)).read_text())
+                 for v in range(TEMPLATE_VERSION + 1)}
+    last = manifests[TEMPLATE_VERSION]
+    return Template(bucket, load_policy(bucket / layout.checkpoint_prefix(0)), last["run_id"],
+                    root / "eval10.csv", root / "signing-key.pem",
+                    load_rows(bucket / last["dataset"]["key"], CalculatorTask()),
+                    {v: tuple(m["prompt_pool"]) for v, m in manifests.items()})
+
+
+@pytest.fixture(scope="session")
+def template(tmp_path_factory) -> Template:
+    """The template run (`build_template`), built once per test run: under pytest-xdist the
+    first worker to ask builds it (80 s of warm start on one thread) in the folder the
+    workers share, and the others wait for it and read it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
+    root = shared / "template"
+    with FileLock(str(shared / "template.lock")):
+        if not (root / "built").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a build that died half way
+            build_template(root)
+            (root / "built").write_text("")
+    t = read_template(root)
     assert len(t.groups("tbd")) >= GROUPS_WANTED
     return t
+
+
+BUILDS_THE_TEMPLATE = "tests/integration/test_loop_local.py"
+"""The file run first: it needs the template (so its worker builds it at once) and is the
+suite's longest, so the other worker has the template-free files meanwhile."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the files for pytest-xdist (with --no-loadscope-reorder, pyproject's addopts):
+    BUILDS_THE_TEMPLATE first, then the integration files that need no template, then those
+    that do, then the rest (unit, bench) in their own order, whose many short files even out
+    the two workers' ends. The template is built once a run (`template`): ordered so, the
+    worker not building it has other work meanwhile instead of waiting on the lock. Every
+    worker collects the same order (xdist requires it)."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def rank(path: str) -> int:
+        if path == BUILDS_THE_TEMPLATE:
+            return 0
+        if path.startswith("tests/integration/"):
+            return 2 if any("template" in i.fixturenames for i in files[path]) else 1
+        return 3
+
+    items[:] = [i for path in sorted(files, key=rank) for i in files[path]]  # a stable sort
