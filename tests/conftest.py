@@ -84,7 +84,7 @@ class Template:
         """v0's checkpoint (the warm-started tiny model) copied to `dest` as a `--model` folder.
         A live run started from it skips the trainer's own warm start (300-800 steps in the
         live tests, at about 0.2 s a step on one thread of this 2-core machine); the tiny
-        warm start itself is this fixture's (in-process, once per session), and
+        warm start itself is the template fixture's (in-process, once a test run), and
         test_trainer_signals starts one through `vrl trainer`."""
         shutil.copytree(self.bucket / layout.checkpoint_prefix(0), dest)
         return dest
