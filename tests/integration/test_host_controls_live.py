@@ -166,13 +166,11 @@ def test_a_busy_machine_pauses_it_and_a_free_one_resumes_it(template, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="open (issue 43): beside the hogs a paused volunteer at "
-                   "nice 10 gets little CPU, and the numbers it owes can leave the window before "
-                   "it samples them (8 of 48 missing in one run here; docs/LIMITS.md)")
 def test_a_pause_beside_a_live_trainer_leaves_no_number_missing(template, tmp_path):
-    """A paused volunteer asks for nothing, and samples what it was granted once its version is
-    the oldest of the window: with a second volunteer keeping the trainer publishing through
-    the pause, every number of both is received and none is counted missing or held back.
+    """A paused volunteer asks for nothing, and samples what it was granted once the trainer
+    publishes past its version (host.owed_due): with a second volunteer keeping the trainer
+    publishing through the pause, every number of both is received and none is counted
+    missing or held back.
     (Whether it resumes is test_a_busy_machine_pauses_it_and_a_free_one_resumes_it's: here the
     trainer and the other volunteer keep this 2-core machine busy without the hogs.)"""
     from helpers.grants import assert_none_missing

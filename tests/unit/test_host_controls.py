@@ -8,7 +8,7 @@ import pytest
 
 from volunteer_rl.stopping import StopSignal
 from volunteer_rl.volunteer import host
-from volunteer_rl.volunteer.host import CpuShare, HostControls, HostGate, Reading
+from volunteer_rl.volunteer.host import CpuShare, HostControls, HostGate, Reading, owed_due
 
 
 class Machine:
@@ -160,7 +160,24 @@ def test_hold_waits_out_a_pause_flushing_once_and_following_the_trainer():
 def test_hold_lets_numbers_that_would_go_stale_be_sampled():
     c, said, flushed, _ = controls(FakeGate(["busy"]), owed=lambda: 7)
     c.hold()  # returns at once: the granted numbers of v7 are due
-    assert flushed == [] and c.paused is None and not c.may_ask()
+    c.hold()  # between the next two steps: still due, said once
+    # the pause is shown (and the shard in hand flushed) while the owed numbers are sampled
+    assert flushed == [1] and c.paused == "busy" and not c.may_ask()
+    assert said == ["pausing: busy", "paused, but first sampling the numbers granted for v7: "
+                    "the trainer has published past it"]
+
+
+def test_owed_numbers_are_due_once_a_newer_version_is_published():
+    """The batch in hand (first) and the oldest version granted and not sampled (second):
+    due as soon as the newest version is past the older of them, and not before; an ask ahead
+    (a version not published yet) never is."""
+    assert owed_due((None, None), 9) is None
+    assert owed_due((5, None), None) is None  # no manifest read yet
+    assert owed_due((5, None), 5) is None  # a short pause before the next publish samples nothing
+    assert owed_due((5, 6), 6) == 5
+    assert owed_due((None, 6), 7) == 6
+    assert owed_due((None, 8), 7) is None  # granted ahead for v8
+    assert owed_due((7, 8), 8) == 7
 
 
 def test_hold_ends_at_its_deadline_and_a_stop():

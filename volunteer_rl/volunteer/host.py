@@ -20,10 +20,10 @@ controls are BOINC's:
 
 What a pause does to the group numbers the trainer granted (volunteer.loop): nothing new is
 asked for, and sampling stops between two decode steps; numbers already granted are sampled
-once their version is about to leave the trainer's window, so that a pause leaves no number
-missing (the trainer would count it as withheld); a volunteer starved by what paused it can
-still miss them (docs/LIMITS.md). These classes measure, decide and wait; the loop says what
-is owed.
+as soon as the trainer publishes past their version (`owed_due`), so that a pause leaves no
+number missing (the trainer would count it as withheld); a volunteer starved by what paused
+it can still miss them (docs/LIMITS.md). These classes measure, decide and wait; the loop
+says what is owed.
 """
 
 from __future__ import annotations
@@ -46,6 +46,26 @@ RESUME_SHARE = 0.8
 """A volunteer paused for a busy machine resumes once the rest of the machine uses less than
 this share of --pause-when-busy (0.4 of the CPU at 0.5): a machine hovering at the threshold
 does not make it flap."""
+
+
+def owed_due(owed: tuple[int | None, ...], newest: int | None) -> int | None:
+    """The oldest version of `owed` (versions of numbers granted and not sampled yet, None
+    for none) that a paused volunteer must sample now, given the newest version published;
+    None while nothing is owed or everything owed is of the newest version (or later, an
+    ask ahead).
+
+    Why as soon as a newer version is out, and not only once the owed version is the oldest in
+    the trainer's window: the pause is there because the rest of the machine is busy, so at
+    nice 10 the owed batch runs at a fraction of a core, and the trainer holds its publish for
+    it only DRAIN_STEPS steps once the version leaves the window. Starting when the first newer
+    version is published gives it the whole window's time instead of the last step's. What is
+    owed is bounded (the batch in hand and the one granted ahead), so the pause then goes on
+    with nothing left to sample, and a short pause that ends before the next publish samples
+    nothing while paused."""
+    versions = [v for v in owed if v is not None]
+    if not versions or newest is None or min(versions) >= newest:
+        return None
+    return min(versions)
 
 
 def usable_cores() -> int:
@@ -226,19 +246,19 @@ class HostControls:
             why = self.gate.reason()
             if why is None:
                 break
-            owed = self.owed_due()
-            if owed is not None:
-                if self.paused is not None and self.said_owed != owed:
-                    self.log(f"paused, but first sampling the numbers granted for v{owed}, "
-                             "which would go stale")
-                    self.said_owed = owed
-                break
             if self.paused is None:
                 self.log(f"pausing: {why}")
                 self.flush()  # the groups in hand go out now, not after the pause
             elif self.gate.cause != cause:
                 self.log(f"still paused: {why}")  # another cause: the log says each once
             self.paused, cause = why, self.gate.cause  # the heartbeat shows the latest reading
+            owed = self.owed_due()
+            if owed is not None:  # sampled while the heartbeat says paused, at --nice
+                if self.said_owed != owed:
+                    self.log(f"paused, but first sampling the numbers granted for v{owed}: "
+                             "the trainer has published past it")
+                    self.said_owed = owed
+                break
             self.stop.wait(self.poll_seconds)
             self.follow()
         if self.paused is not None and self.gate.reason() is None:

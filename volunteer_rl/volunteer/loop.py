@@ -49,7 +49,7 @@ from volunteer_rl.task.registry import for_manifest
 from volunteer_rl.volunteer.batch import sample_batch
 from volunteer_rl.volunteer.heartbeat import (Heartbeat, Tally, heartbeat_payload, host_facts,
                                               upload_summary)
-from volunteer_rl.volunteer.host import HostControls
+from volunteer_rl.volunteer.host import HostControls, owed_due
 from volunteer_rl.volunteer.identity import claim_id, default_volunteer_id  # noqa: F401 (its old home)
 from volunteer_rl.volunteer.numbering import Batch, GroupNumbers
 from volunteer_rl.volunteer.quota import Allowance
@@ -311,7 +311,7 @@ class Volunteer:
         if m is None or self.manifest is None or not self.usable(m):
             return
         if not self.host_controls.may_ask():
-            return  # paused: nothing new (what is granted is sampled before it goes stale)
+            return  # paused: nothing new (what is granted is sampled, host.owed_due)
         granted = sum(x.end - x.first for x in self.numbers.grants if x.version == m.version)
         room = self.allowance.room(m, granted, time.time())
         if room:
@@ -476,12 +476,9 @@ class Volunteer:
 
     def _owed_due(self) -> int | None:
         """The version of numbers granted to us and not sampled yet (the batch in hand
-        included) if it is the oldest of the newest manifest's window (or out of it); None."""
-        owed = [v for v in (self.sampling, self.numbers.oldest_owed()) if v is not None]
+        included) that a pause must sample now (host.owed_due); None."""
         m = self.latest
-        if not owed or m is None or min(owed) > layout.window(m.version, m.max_staleness).start:
-            return None
-        return min(owed)
+        return owed_due((self.sampling, self.numbers.oldest_owed()), m.version if m else None)
 
     def _sample(self, batch: Batch, writer: ShardWriter) -> None:
         """Sample `batch` (its version loaded) and hand its groups to the writer."""
