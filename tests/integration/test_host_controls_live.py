@@ -1,6 +1,7 @@
 """A real `vrl volunteer` under its owner's host controls (volunteer.host): --cpu-share holds
 its process CPU time (not wall time) to a share of the cores it may use, and
---pause-when-busy stops it beside a CPU hog and starts it again once the hog is gone.
+--pause-when-busy stops it beside a CPU hog and starts it again once the hog is gone, and
+on battery (psutil's reading faked: helpers/fake_battery) it pauses until it is on mains.
 
 No trainer runs: the volunteer samples the template's v2 with numbers dealt as the trainer
 would grant them, and a feeder deals more before it runs out, so it always has work. The
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -54,14 +56,14 @@ class Dealer:
                 self.blocks += DEAL_BLOCKS
 
 
-def start(template, tmp_path, *flags, cpus=None):
+def start(template, tmp_path, *flags, cpus=None, env=None):
     bucket = template.copy(tmp_path / "bucket")
     key = public_key_text(parse_private_key(template.key.read_bytes(), str(template.key)))
     dealer = Dealer(template, bucket, tmp_path / "vw")
     vol = Proc(["volunteer", "--bucket", str(bucket), "--id", VID, "--trust-key", key,
                 "--threads", "1", "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5",
                 "--device", "cpu", "--work-dir", str(tmp_path / "vw"), *flags],
-               tmp_path / "vol.log", tmp_path, cpus=cpus)
+               tmp_path / "vol.log", tmp_path, env=env, cpus=cpus)
     beat = bucket / layout.heartbeat_key(VID)
     wait_for(lambda: "uploaded" in vol.text() or vol.p.poll() is not None, 240, "a first upload")
     assert vol.p.poll() is None, vol.text()[-3000:]
@@ -114,6 +116,43 @@ def test_cpu_share_makes_the_volunteer_rest(template, tmp_path):
     finally:
         log = finish(vol, dealer)
     assert used <= 0.35, (used, log[-2000:])
+
+
+FAKE_BATTERY = Path(__file__).parent.parent / "helpers" / "fake_battery"
+
+
+def power(path: Path, state: str) -> None:
+    """What the volunteer's psutil reads as its power source (helpers/fake_battery)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(state)
+    os.replace(tmp, path)
+
+
+def test_on_battery_it_pauses_by_default_and_on_mains_it_resumes(template, tmp_path):
+    """Issue 43's battery pause through a real volunteer, without --run-on-battery: this VM has
+    no battery sensor, so psutil's reading of one is faked (helpers/fake_battery) and switched
+    from mains to battery and back while it samples."""
+    source = tmp_path / "power"
+    power(source, "mains")
+    path = os.pathsep.join(p for p in (str(FAKE_BATTERY), os.environ.get("PYTHONPATH")) if p)
+    vol, dealer, beat = start(template, tmp_path,
+                              env={"PYTHONPATH": path, "VRL_TEST_POWER_FILE": str(source)})
+    try:
+        assert heartbeat(beat).get("paused") is None
+        power(source, "battery")
+        wait_for(lambda: heartbeat(beat).get("paused"), 30, "a paused heartbeat")
+        why = heartbeat(beat)["paused"]
+        made = heartbeat(beat).get("groups_total", 0)
+        time.sleep(3)  # paused: nothing more is made (the dealt numbers are all of v2, the newest)
+        still = heartbeat(beat).get("groups_total", 0)
+        power(source, "mains")
+        wait_for(lambda: heartbeat(beat).get("paused") is None, 30, "a heartbeat not paused")
+        wait_for(lambda: heartbeat(beat).get("groups_total", 0) > still, 60, "sampling again")
+    finally:
+        log = finish(vol, dealer)
+    assert why == "on battery (--run-on-battery samples anyway)" and still == made, (why, made, still)
+    assert "pausing: on battery" in log and "resuming: " in log, log[-2000:]
+    assert "no battery sensor" not in log, log[-2000:]
 
 
 @pytest.mark.slow
