@@ -10,6 +10,7 @@ otherwise idle machine and are marked slow; the short one in the default suite o
 that the rest is taken at all."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from helpers.grants import deal
 from helpers.vrlproc import Proc, wait_for
 
 from volunteer_rl.protocol import layout
+from volunteer_rl.protocol.grants import GRANT_BLOCK, parse_ask_key
 from volunteer_rl.protocol.signing import parse_private_key, public_key_text
 
 VID = "laptop"
@@ -56,10 +58,42 @@ class Dealer:
                 self.blocks += DEAL_BLOCKS
 
 
-def start(template, tmp_path, *flags, cpus=None, env=None):
+class AskDealer:
+    """Answers each of the volunteer's asks under v2 with the blocks it asked for, as a trainer
+    would, and notes at each new ask how many numbers it had dealt and how many groups the
+    volunteer had uploaded by then (`seen`)."""
+
+    def __init__(self, template, bucket, work):
+        self.template, self.bucket = template, bucket
+        self.folder = bucket / layout.rollout_volunteer_prefix(2, VID)
+        self.answered: set[str] = set()
+        self.dealt = 0
+        self.seen: list[tuple[int, int]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def uploaded(self) -> int:
+        return sum(len(gzip.decompress(f.read_bytes()).splitlines())
+                   for f in self.folder.glob(f"*{layout.SHARD_SUFFIX}"))
+
+    def _run(self) -> None:
+        while not self.done.wait(0.05):
+            for ask in sorted(self.folder.glob("ask-*")):
+                if ask.name in self.answered:
+                    continue
+                self.seen.append((self.dealt, self.uploaded()))
+                _, _, first, blocks = parse_ask_key(ask.relative_to(self.bucket).as_posix())
+                deal(self.bucket, self.template.key, self.template.run_id, VID, 2, None,
+                     blocks=blocks, first_block=first)
+                self.answered.add(ask.name)
+                self.dealt += blocks * GRANT_BLOCK
+
+
+def start(template, tmp_path, *flags, cpus=None, env=None, dealer=Dealer):
     bucket = template.copy(tmp_path / "bucket")
     key = public_key_text(parse_private_key(template.key.read_bytes(), str(template.key)))
-    dealer = Dealer(template, bucket, tmp_path / "vw")
+    dealer = dealer(template, bucket, tmp_path / "vw")
     vol = Proc(["volunteer", "--bucket", str(bucket), "--id", VID, "--trust-key", key,
                 "--threads", "1", "--poll-seconds", "0.2", "--heartbeat-seconds", "0.5",
                 "--device", "cpu", "--work-dir", str(tmp_path / "vw"), *flags],
@@ -106,9 +140,12 @@ def finish(vol: Proc, dealer: Dealer) -> str:
 
 def test_cpu_share_makes_the_volunteer_rest(template, tmp_path):
     """A quarter of the one core it may use: well under the whole core it takes without
-    --cpu-share, whatever else runs here (another process can only take more from it)."""
+    --cpu-share, whatever else runs here (another process can only take more from it). And it
+    rests with nothing granted in hand: it asks for its next numbers only once the last are
+    sampled and uploaded (no ask ahead), since numbers granted and not sampled hold the
+    trainer's publish back (bench.host_share: the fleet stalled when it rested with them)."""
     vol, dealer, beat = start(template, tmp_path, "--cpu-share", "0.25", "--nice", "0",
-                              cpus=one_cpu())
+                              "--prompts-per-batch", "8", cpus=one_cpu(), dealer=AskDealer)
     try:
         made = heartbeat(beat).get("groups_total", 0)
         used = cores_used(vol.p.pid, 15)
@@ -116,6 +153,8 @@ def test_cpu_share_makes_the_volunteer_rest(template, tmp_path):
     finally:
         log = finish(vol, dealer)
     assert used <= 0.35, (used, log[-2000:])
+    # (numbers dealt, groups uploaded) when each ask came: every number dealt was uploaded
+    assert len(dealer.seen) >= 3 and all(d == u for d, u in dealer.seen), (dealer.seen, log[-2000:])
 
 
 FAKE_BATTERY = Path(__file__).parent.parent / "helpers" / "fake_battery"
