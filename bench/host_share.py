@@ -110,6 +110,9 @@ def results(quick: bool) -> list[Row]:
                 f"longest gap {r['longest_gap']:.1f}s, demo-2 used {r['cores']:.2f} cores, "
                 f"v{r['version']} sampled {r['eval']['eval/accuracy_sampled']:.3f} "
                 f"({time.time() - t0:.0f}s)")
+    from volunteer_rl.volunteer.host import usable_cores
+
+    machine = usable_cores()
     full = got[None]
     n_full = sum(full["trained"].values())
     p_full = full["eval"]["eval/accuracy_sampled"]
@@ -119,10 +122,7 @@ def results(quick: bool) -> list[Row]:
         n = sum(r["trained"].values())
         p = r["eval"]["eval/accuracy_sampled"]
         se = math.sqrt(max(p * (1 - p) / prompts + p_full * (1 - p_full) / prompts, 1e-12))
-        from volunteer_rl.volunteer.host import usable_cores
-
-        cores = share * usable_cores()
-        note = (f"demo-2 capped at {cores:g} cores ({share:g} of {usable_cores()}), took "
+        note = (f"demo-2 capped at {share * machine:g} cores ({share:g} of {machine}), took "
                 f"{r['cores']:.2f} (at full share {full['cores']:.2f}); groups trained by "
                 f"volunteer {r['trained']} (full share {full['trained']}); steps {r['steps']} vs "
                 f"{full['steps']}; longest wait between steps {r['longest_gap']:.1f}s vs "

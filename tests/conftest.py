@@ -142,10 +142,11 @@ def honest_groups(t: Template, volunteer: str, version: int) -> list:
     return groups
 
 
-def build_template(root: Path) -> None:
+def build_template(root: Path) -> list:
     """A trainer publishes v0 after a short warm start, then v1 and v2 with no step in
     between, into `root`/bucket, signed with `root`/signing-key.pem (in-process with the
-    library: set-up, not the thing under test)."""
+    library: set-up, not the thing under test). Returns the trainer's rows, to check what
+    `read_template` reads back against."""
     from volunteer_rl.config import PACKAGE_DATA, TrainerConfig
     from volunteer_rl.trainer.loop import Trainer
 
@@ -164,7 +165,7 @@ def build_template(root: Path) -> None:
     assert trainer.version == TEMPLATE_VERSION
     shutil.rmtree(root / "work")  # trainers under test start without this one's saved state
     assert (root / "bucket" / layout.manifest_history_key(TEMPLATE_VERSION)).exists()
-    assert read_template(root).problems == trainer.problems  # what every worker reads back
+    return trainer.problems
 
 
 def read_template(root: Path) -> Template:
@@ -198,12 +199,14 @@ def template(tmp_path_factory) -> Template:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
     root = shared / "template"
+    built = None
     with FileLock(str(shared / "template.lock")):
         if not (root / "built").exists():
             shutil.rmtree(root, ignore_errors=True)  # a build that died half way
-            build_template(root)
+            built = build_template(root)
             (root / "built").write_text("")
     t = read_template(root)
+    assert built is None or t.problems == built  # what every worker reads back
     assert len(t.groups("tbd")) >= GROUPS_WANTED
     return t
 

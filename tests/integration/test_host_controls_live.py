@@ -3,11 +3,12 @@ its process CPU time (not wall time) to a share of the cores it may use, and
 --pause-when-busy stops it beside a CPU hog and starts it again once the hog is gone, and
 on battery (psutil's reading faked: helpers/fake_battery) it pauses until it is on mains.
 
-No trainer runs: the volunteer samples the template's v2 with numbers dealt as the trainer
-would grant them, and a feeder deals more before it runs out, so it always has work. The
-measured checks (a minute of sampling at half a core, the pause beside a hog) need an
-otherwise idle machine and are marked slow; the short one in the default suite only checks
-that the rest is taken at all."""
+Most of them run no trainer: the volunteer samples the template's v2 with numbers dealt as
+the trainer would grant them, by a feeder that deals more before it runs out (`Dealer`) or
+one that answers each ask (`AskDealer`), so it always has work. The measured checks (a
+minute of sampling at half a core, the pause beside a hog, the pause beside a live trainer)
+need an otherwise idle machine and are marked slow; in the default suite, one checks that
+--cpu-share rests, with nothing granted in hand, and one the battery pause."""
 from __future__ import annotations
 
 import gzip
