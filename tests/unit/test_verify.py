@@ -299,3 +299,97 @@ def test_after_a_failure_in_the_step_the_groups_it_never_reached_are_replayed_ne
     result, check, passed = step_replaying(t, batch, stats)
     assert not result.applied and list(check.problems) == [at] and check.replayed == at + 1
     assert [g.verified for g in passed] == [True] * at + [False] * (len(batch) - at - 1)
+
+
+def test_a_failure_before_the_step_leaves_the_version_in_hands_groups_unverified(template, trainer):
+    """The step's own forward replays the version in hand's groups (`leave`), so `verified`
+    replays only the others. When one of those fails, the round ends and the groups that
+    passed wait in front of the buffer: the version in hand's were never replayed and must
+    not come back marked verified, or the next step's forward would skip them and one burnt
+    identity would carry another's lies into a step."""
+    t = trainer
+    trust(t, "burner", "liar")
+    put(t, "burner", "b1", template.groups("burner")[:1])
+    lie = first_forgery(template, template.groups("liar"))
+    liar_key = put(t, "liar", "l1", [lie])
+    put(t, "honest", "h1", template.groups("honest")[:2])
+    trust(t, "honest")
+    stats = IngestStats()
+    _, batch = batch_of(t, stats)
+    burnt = next(g for g in batch if g.volunteer_id == "burner")
+    burnt.policy_version = V - 1  # sampled under v(V-1) as it says: its replay there fails
+    out, passed = t.role.verified(batch, stats, leave=V)
+    assert out is None and stats.audit.verify_failed == 1, stats.audit
+    assert t.fleet.is_denied("burner")
+    waiting = [g for g in passed if g.key == liar_key]
+    assert waiting and not any(g.verified for g in waiting)
+    # the next round's step replays it in its own forward and is refused
+    result, check, _ = step_replaying(t, passed, IngestStats())
+    assert not result.applied and check.problems, check
+    assert t.fleet.is_denied("liar")
+
+
+def test_the_groups_in_hand_are_replayed_while_the_loop_waits_and_a_forgery_among_them_denies(
+        template, tmp_path):
+    """Fewer groups than a batch in hand: the loop spends its wait replaying them
+    (roles.Single.verify_waiting), as the batch that takes them would. A forgery is handled
+    as before a step; the version the step's own forward replays (`leave`) and a volunteer
+    held back for its missing share are left alone."""
+    t = trainer_on(template, tmp_path, groups_per_step=6)
+    trust(t, "honest", "liar")
+    put(t, "honest", "h1", template.groups("honest")[:3])
+    lie = first_forgery(template, template.groups("liar"))
+    liar_key = put(t, "liar", "l1", [lie])
+    stats = IngestStats()
+    buffer, batch, _, _ = t.role.intake_round([], stats, t.window())
+    assert batch is None and len(buffer) == 4
+    assert t.role.verify_waiting(buffer, IngestStats(), leave=V) == buffer  # all of v(V)
+    assert not any(g.verified for g in buffer)
+    left = t.role.verify_waiting(buffer, stats, leave=None)
+    assert stats.audit.verified == 4 and stats.audit.verify_failed == 1, stats.audit
+    assert stats.rejected == {"replay_mismatch": 1}, stats.rejected
+    assert json.loads(t.storage.read(layout.quarantine_key(liar_key)))["reason"] == "replay_mismatch"
+    assert t.fleet.is_denied("liar")
+    assert [g.volunteer_id for g in left] == ["honest"] * 3 and all(g.verified for g in left)
+
+
+def test_a_volunteer_held_for_its_missing_share_is_not_replayed_while_waiting(template, tmp_path):
+    t = trainer_on(template, tmp_path, groups_per_step=6, missing_bound=0.05)
+    trust(t, "gappy")
+    # Template.groups skips the numbers whose rewards are all equal: a 5 % bound holds it
+    put(t, "gappy", "g1", template.groups("gappy")[:4])
+    stats = IngestStats()
+    buffer, batch, _, _ = t.role.intake_round([], stats, t.window())
+    assert batch is None and buffer and stats.held_missing == len(buffer), stats
+    assert t.role.verify_waiting(buffer, stats, leave=None) == buffer
+    assert stats.audit.verified == 0 and not any(g.verified for g in buffer)
+
+
+def test_the_loop_replays_in_its_wait_what_the_next_batch_then_finds_verified(template, tmp_path):
+    """The loop itself: after its first step (no longer the published version's weights,
+    so nothing is left to a step's forward) it waits with two groups in hand; they are
+    replayed in the wait, and the batch that takes them finds them verified."""
+    t = trainer_on(template, tmp_path, groups_per_step=3, publish_every=2, max_steps=2)
+    trust(t, "steady")
+    groups = template.groups("steady")
+    put(t, "steady", "s1", groups[:3])
+    put(t, "steady", "s2", groups[3:5])
+    seen, wait = [], t.stop.wait
+
+    def wait_and_send(seconds):  # the third group arrives once the loop has waited
+        if not seen or seen[-1] != "sent":
+            put(t, "steady", "s3", groups[5:6])
+            seen.append("sent")
+        return wait(seconds)
+
+    verified = t.role.verified
+
+    def spy(batch, stats, leave=None):
+        seen.append([(g.key, g.verified) for g in batch])
+        return verified(batch, stats, leave)
+
+    t.stop.wait, t.role.verified = wait_and_send, spy
+    t.run()
+    batches = [s for s in seen if s != "sent"]
+    assert len(batches) == 2 and "sent" in seen, seen
+    assert batches[1] == [(key("steady", "s2"), True)] * 2 + [(key("steady", "s3"), False)], batches

@@ -241,10 +241,13 @@ class Trainer:
                     buffer = passed + buffer
                     continue
             if batch is None:
+                t0 = time.time()  # the groups in hand replayed in the wait, not the step
+                buffer = role.verify_waiting(buffer, stats, None if check is None else check.version)
                 if self.waiting.due():
                     self.log(waiting_line(fresh, stats, cfg.groups_per_step, learner.steps))
-                self.stop.wait(cfg.poll_seconds)  # a stop signal ends the wait at once
-                waited += cfg.poll_seconds  # (followers wait in the next message's collective)
+                pause = max(0.0, cfg.poll_seconds - (time.time() - t0))
+                self.stop.wait(pause)  # a stop signal ends the wait at once
+                waited += pause  # (followers wait in the next message's collective)
                 continue
             t0 = time.time()
             result = learner.step(batch, self.prompt_ids, self.version, check)

@@ -169,7 +169,31 @@ class Single:
         verdict = self.settle(mine)
         if verdict.clean:
             return batch, []
-        return None, self.drop_failed(batch, verdict, stats)
+        # `leave`'s groups were not replayed: they stay unverified for the step's forward
+        return None, self.drop_failed(batch, verdict, stats, lambda g: g.policy_version != leave)
+
+    def verify_waiting(self, waiting: list[ScoredGroup], stats: IngestStats,
+                       leave: int | None) -> list[ScoredGroup]:
+        """While the loop waits for rollouts: replay the groups in hand now (trainer.verify),
+        as the batch that takes them would before its step, so that the wait's time is spent
+        on them rather than the step's. Fewer than a batch are in hand (or a batch would have
+        formed), and all of them go into the next one: nothing is replayed that a step would
+        not replay anyway. Left for later: `leave`'s groups (the step's own forward replays
+        them for less) and those of volunteers held back for their missing share (they may
+        never be trained). A failure is handled as `verified` handles one: its shard
+        rejected, a forgery denying its volunteer; the groups left are returned. Under ranks
+        nothing is replayed here (Ranked: a batch's replays are shared out among the ranks)."""
+        cfg, p = self.cfg, self.publisher
+        if cfg.verify != "every" or cfg.audit_tolerance <= 0:
+            return waiting
+        held = {v: p.numbers.held(v, cfg.missing_bound) for v in {g.volunteer_id for g in waiting}}
+        todo = [i for i, g in enumerate(waiting) if not held[g.volunteer_id]]
+        verdict = verify(p.held, waiting, todo, self.prompt_ids, p.run_id,
+                         self.ingest.log_trace, leave)
+        count_verified(stats, verdict)
+        if verdict.clean:
+            return waiting
+        return self.drop_failed(waiting, verdict, stats, lambda g: False)  # verify marked its own
 
     def step_replay(self, unpublished: int) -> StepReplay | None:
         """What the step's own forward replays (trainer.step.StepReplay): the groups of the
@@ -197,13 +221,14 @@ class Single:
             return []
         # Not marked: the micro-batches after the failing one were never replayed (the scan
         # marked those it replayed).
-        return self.drop_failed(batch, verdict, stats, mark=False)
+        return self.drop_failed(batch, verdict, stats, lambda g: False)
 
     def drop_failed(self, batch: list[ScoredGroup], verdict: Verdict, stats: IngestStats,
-                    mark: bool = True) -> list[ScoredGroup]:
+                    replayed: Callable[[ScoredGroup], bool]) -> list[ScoredGroup]:
         """The failures' shards rejected and the unverifiable groups withdrawn; the groups of
-        this rank's volunteers that did not fail, marked verified if `mark` (every one of them
-        was replayed)."""
+        this rank's volunteers that did not fail, those the verdict replayed (by `replayed`,
+        on any rank) marked verified. A group left unreplayed must stay unmarked: whatever
+        replays it next skips a group marked verified."""
         for i, (reason, detail) in sorted(verdict.problems.items()):
             if self.owns_shard(batch[i].key):
                 self.ingest.failed_replay(batch[i], reason, detail, stats)
@@ -212,8 +237,9 @@ class Single:
                 self.ingest.unverifiable(batch[i].key)
         bad = set(verdict.problems) | verdict.unverifiable
         passed = [g for i, g in enumerate(batch) if i not in bad]
-        for g in passed if mark else ():  # replayed by some rank, or before
-            g.verified = True
+        for g in passed:
+            if replayed(g):  # by some rank, or before
+                g.verified = True
         return self.own(passed)
 
     def verify_share(self, n: int) -> range:
@@ -285,6 +311,11 @@ class Ranked(Single):
     def hear_polls(self, reports: list[dict], stats: IngestStats) -> int:
         """The writer: the other ranks' polls taken in; the groups gone stale there."""
         return 0
+
+    def verify_waiting(self, waiting: list[ScoredGroup], stats: IngestStats,
+                       leave: int | None) -> list[ScoredGroup]:
+        """Nothing: every rank replays its share of the batch together (verified)."""
+        return waiting
 
     def step_replay(self, unpublished: int) -> StepReplay | None:
         """None: a rank's forward holds only its share of the rows, and the ranks' backward is

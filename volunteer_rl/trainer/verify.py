@@ -10,7 +10,10 @@ of the batch (model.replay batches the rows and shares the forward of identical 
 A group sampled with the very weights the step is about to train (fp32 weights, one process,
 no step since their publish) costs no forward at all: the step's own forward replays it
 before its backward (trainer.step.StepReplay, roles.Single.step_replay), and a failure there
-ends the step unapplied, as a failure here stops it before it starts.
+ends the step unapplied, as a failure here stops it before it starts. While the loop waits
+for rollouts, the fewer-than-a-batch groups in hand are replayed then (roles.Single
+.verify_waiting): the next batch takes them, and the wait's idle time pays for their replays
+instead of the step's.
 
 This module only finds the failures. What they cost is the intake's (Ingest.failed_replay: the
 shard rejected and its untrained groups withdrawn; a forgery denies its volunteer), and what
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from volunteer_rl.trainer.audit import Unavailable
 from volunteer_rl.trainer.groups import ScoredGroup
@@ -47,7 +50,7 @@ class Verdict:
         return not self.problems and not self.unverifiable
 
 
-def verify(held: HeldWeights, batch: list[ScoredGroup], indices: range,
+def verify(held: HeldWeights, batch: list[ScoredGroup], indices: Sequence[int],
            prompt_ids: dict[int, list[int]], run_id: str,
            trace: Callable[[str, BaseException], None], leave: int | None = None) -> Verdict:
     """Replay the groups of `batch` at `indices` that are not verified yet, one call per
