@@ -112,3 +112,18 @@ def test_bad_arguments_are_refused():
         noise_bits(key, 0, 2 ** 32)
     with pytest.raises(ValueError):  # NUL separates fields: "a\x00b" could mimic two fields
         draw_key("run\x00x", 1, "v", 0, 0, 0, NONCE)
+
+
+def test_the_noise_is_the_formula_on_the_bits_to_the_last_bit():
+    """gumbel_noise takes its bits as int32 less 2**31 (model.sampling._signed_bits): the
+    float64 noise must be exactly -log(-log((bits + 0.5) / 2**32)) on the int64 bits, the
+    formula older builds compute, so a replay never differs from a sampler by a rounding."""
+    rng = random.Random(3)
+    keys = [rng.randbytes(32) for _ in range(8)]
+    positions = torch.tensor([0, 1, 2, 31, 2 ** 31, 2 ** 32 - 1, rng.randrange(512), 7])
+    words = key_words(keys, torch.device("cpu"))
+    for vocab in (640, 70_000):
+        bits = torch_bits(words, positions, vocab)
+        assert int(bits.min()) >= 0 and int(bits.max()) < 2 ** 32
+        want = bits.double().add_(0.5).mul_(2.0 ** -32).log_().neg_().log_().neg_()
+        assert torch.equal(gumbel_noise(words, positions, vocab), want)

@@ -70,18 +70,23 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """mix32(i) and mix32(0x10000 | i) for i < 2**16 (the tabulation of protocol.draws), as
-    int32 holding the same 32 bits: gathers from 256 KB tables with index_select run about
-    four times faster than int64 advanced indexing on CPU, and noise is most of a replay's
-    time outside the forward."""
+    """mix32(i) and mix32(0x10000 | i) ^ 2**31 for i < 2**16 (the tabulation of
+    protocol.draws), as int32 holding the same 32 bits: gathers from 256 KB tables with
+    index_select run about four times faster than int64 advanced indexing on CPU, and noise
+    is most of a replay's time outside the forward. The second table's top bit is flipped
+    so that the XOR of two entries, read as a signed int32, is the noise bits minus 2**31
+    (`_signed_bits`), which float64 takes exactly with no int64 pass."""
     i = torch.arange(1 << 16, dtype=torch.int64, device=device)
-    return mix32(i).to(torch.int32), mix32(i | 0x10000).to(torch.int32)
+    return mix32(i).to(torch.int32), (mix32(i | 0x10000) ^ (1 << 31)).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=8)
-def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
-    """mix32(t) for every token id t < vocab, as int32 holding the same 32 bits."""
-    return mix32(torch.arange(vocab, dtype=torch.int64, device=device)).to(torch.int32)
+def _token_halves(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low and high 16 bits of mix32(t) for every token id t < vocab, int32 [vocab] each:
+    a key's word is XORed into each half on its own, so no [rows, vocab] tensor is masked
+    or shifted."""
+    w = mix32(torch.arange(vocab, dtype=torch.int64, device=device))
+    return (w & 0xFFFF).to(torch.int32), (w >> 16).to(torch.int32)
 
 
 def key_words(keys: list[bytes], device: torch.device) -> torch.Tensor:
@@ -90,22 +95,29 @@ def key_words(keys: list[bytes], device: torch.device) -> torch.Tensor:
                         device=noise_device(device)).reshape(len(keys), 2)
 
 
+def _signed_bits(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] int32: `noise_bits` - 2**31 (see _tables)."""
+    dev = words.device
+    b = mix32(words[:, 0] ^ mix32(words[:, 1] ^ positions.to(dev)))  # [rows], < 2**32
+    low_t, high_t = _token_halves(vocab, dev)
+    low = ((b & 0xFFFF).to(torch.int32)[:, None] ^ low_t[None, :]).view(-1)
+    high = ((b >> 16).to(torch.int32)[:, None] ^ high_t[None, :]).view(-1)
+    t_low, t_high = _tables(dev)
+    return (t_low.index_select(0, low) ^ t_high.index_select(0, high)).view(len(b), vocab)
+
+
 def noise_bits(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, vocab] int64: protocol.draws.noise_bits of every token at `positions` [rows]
     (int64) of the completions whose key words are `words` [rows, 2] (`key_words`)."""
-    dev = words.device
-    b = mix32(words[:, 0] ^ mix32(words[:, 1] ^ positions.to(dev))).to(torch.int32)
-    x = (b[:, None] ^ _token_words(vocab, dev)[None, :]).reshape(-1)
-    low, high = _tables(dev)
-    # int32 shifts are arithmetic: mask the high half after shifting it down
-    h = low.index_select(0, x & 0xFFFF) ^ high.index_select(0, (x >> 16) & 0xFFFF)
-    return (h.long() & draws.MASK32).view(len(b), vocab)
+    return _signed_bits(words, positions, vocab).long() + (1 << 31)
 
 
 def gumbel_noise(words: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] float64: the committed noise g = -log(-log(u)) of `noise_bits` (equal to
-    protocol.draws.gumbel up to the last bit of the device's log)."""
-    u = noise_bits(words, positions, vocab).double().add_(0.5).mul_(2.0 ** -32)
+    """[rows, vocab] float64: the committed noise g = -log(-log(u)) of `noise_bits`,
+    u = (bits + 0.5) / 2**32 (equal to protocol.draws.gumbel up to the last bit of the
+    device's log). bits - 2**31 + (2**31 + 0.5) is exact in float64, so u is exactly what
+    the formula gives."""
+    u = _signed_bits(words, positions, vocab).double().add_(2.0 ** 31 + 0.5).mul_(2.0 ** -32)
     return u.log_().neg_().log_().neg_()
 
 
