@@ -11,8 +11,9 @@ bench.trl_time_to_accuracy.shared_start) and trains for a fixed time. The step r
 optimizer steps over the time from the first step to the last, read back from the bucket's
 metrics. Rounds take the three settings in turn, so a drift of the machine's speed (about 7 %
 between runs of the same code here) hits each. The rows also report the share of the
-trainer's time spent replaying, at intake (audits) and before steps (verification), and how
-many shards were audited, skipped and deferred.
+trainer's time spent replaying, at intake (audits) and for steps (verification: in the
+loop's waits, before steps or in their forward), and how many shards were audited, skipped
+and deferred.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ def results(quick: bool) -> list[Row]:
     total = lambda name, k: sum(r[k] for r in runs[name])  # noqa: E731
     command = "python -m bench.audit_cost" + (" --quick" if quick else "")
     every = (f"{rounds} x {rl:.0f} s of RL per setting, demo setting; with every group verified "
-             f"{mean('every', 'verify_share'):.1%} of the trainer's time replaying before or in steps "
-             f"({total('every', 'verified'):.0f} of {total('every', 'trained'):.0f} trained groups "
-             f"replayed there, the rest by intake audits) and {mean('every', 'audit_share'):.1%} "
-             f"at intake")
+             f"{mean('every', 'verify_share'):.1%} of the trainer's time replaying in its waits, "
+             f"before steps or in them ({total('every', 'verified'):.0f} groups replayed there for "
+             f"{total('every', 'trained'):.0f} trained: one replayed in a wait can be overtaken by "
+             f"newer groups and leave the window untrained; the rest replayed by intake audits) "
+             f"and {mean('every', 'audit_share'):.1%} at intake")
     sampled = (f"sampled audits: {mean('sampled', 'audit_share'):.1%} of the time replaying, "
                f"shards audited {total('sampled', 'audited'):.0f}, taken unaudited "
                f"{total('sampled', 'skipped'):.0f}, deferred {total('sampled', 'deferred'):.0f} times")

@@ -177,8 +177,9 @@ class Single:
         """While the loop waits for rollouts: replay the groups in hand now (trainer.verify),
         as the batch that takes them would before its step, so that the wait's time is spent
         on them rather than the step's. Fewer than a batch are in hand (or a batch would have
-        formed), and all of them go into the next one: nothing is replayed that a step would
-        not replay anyway. Left for later: `leave`'s groups (the step's own forward replays
+        formed), and the next batch takes them unless newer groups arrive first (train_order)
+        and the next publish then pushes them out of the window: about 10 % of the replays in
+        the demo's setting were of such groups (bench.audit_cost). Left for later: `leave`'s groups (the step's own forward replays
         them for less) and those of volunteers held back for their missing share (they may
         never be trained). A failure is handled as `verified` handles one: its shard
         rejected, a forgery denying its volunteer; the groups left are returned. Under ranks
