@@ -290,6 +290,8 @@ class Side:
     seconds: float
     steps: int
     version: int
+    step_seconds: tuple[float, ...] = ()
+    """Each step's `train/step_time` from the metrics, in step order."""
 
 
 def trainer_args(bucket: Path, work: Path, model: Path, eval_csv: Path,
@@ -358,9 +360,10 @@ def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, pro
     text = out.read_text()
     if p.returncode != 0:
         raise SystemExit(f"vrl trainer exited {p.returncode}:\n" + "\n".join(text.splitlines()[-40:]))
-    steps = 0
-    for path in (bucket / "metrics").glob("v*.jsonl"):
-        steps += sum(json.loads(line).get("kind") == "step" for line in path.read_text().splitlines())
+    lines = [json.loads(line) for path in sorted((bucket / "metrics").glob("v*.jsonl"))
+             for line in path.read_text().splitlines()]
+    step_lines = [m for m in lines if m.get("kind") == "step"]
+    steps = len(step_lines)
     version = int(json.loads((bucket / layout.MANIFEST).read_text())["version"])
     if steps != STEPS or version != 1:
         raise SystemExit(f"expected {STEPS} steps and v1, found {steps} steps and v{version}:\n"
@@ -368,7 +371,8 @@ def run_side(root: Path, ranks: int, model: Path, eval_csv: Path, tokenizer, pro
     want = set(range(ranks)) if ranks else {0}
     if set(peaks) != want:
         raise SystemExit(f"peaks read for ranks {sorted(peaks)}, expected {sorted(want)}")
-    return Side(peaks, usage.ru_maxrss * 1024, seconds, steps, version)
+    return Side(peaks, usage.ru_maxrss * 1024, seconds, steps, version,
+                tuple(m["train/step_time"] for m in step_lines))
 
 
 def gib(n: int) -> float:

@@ -40,7 +40,7 @@ PANELS = {
                 "pause_when_busy", "run_on_battery", "max_download_rate", "max_upload_rate"),
     "Data": ("task", "dataset", "eval_dataset", "curriculum", "prompt_pool"),
     "RL": ("algo", "lr", "k", "temperature", "max_new_tokens", "max_staleness",
-           "groups_per_step", "micro_batch"),
+           "groups_per_step", "micro_batch", "gradient_checkpointing"),
     "Publishing": ("publish_every", "publish_min_seconds", "quota_headroom", "keyframe_every",
                    "patch_max_fraction", "keep_versions", "gc_every"),
     "Audits and denylist": ("audit_tolerance", "replay_tolerance", "audit_share",

@@ -43,6 +43,7 @@ def trainer(
     max_staleness: int = T("max_staleness"),
     groups_per_step: int = T("groups_per_step"),
     micro_batch: int = T("micro_batch"),
+    gradient_checkpointing: bool = T("gradient_checkpointing"),
     publish_every: int = T("publish_every"),
     publish_min_seconds: float = T("publish_min_seconds"),
     keyframe_every: int = T("keyframe_every"),

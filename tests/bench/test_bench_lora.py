@@ -14,12 +14,14 @@ def test_lora_bytes_quick_rows_are_sane():
     assert rows[0].vrl < rows[1].vrl < rows[2].vrl  # the adapter grows with the rank
 
 
-@pytest.mark.slow  # three short trainer runs
+@pytest.mark.slow  # five short trainer runs
 def test_lora_memory_quick_rows_are_sane():
     rows = lora_memory.results(quick=True)
-    assert len(rows) == 2 and rows[0].baseline == rows[1].baseline
+    assert len(rows) == 3 and rows[1].baseline == rows[2].baseline
+    assert "both --gradient-checkpointing" in rows[0].benchmark and rows[0].met is not None
     assert all(r.vrl > 0 and r.baseline > 0 and r.command == "python -m bench.lora_memory --quick"
                for r in rows)
+    assert "median step seconds: lora recomputed " in rows[0].note
 
 
 @pytest.mark.slow  # three 60 s runs of a trainer and a volunteer, each scored on 100 prompts

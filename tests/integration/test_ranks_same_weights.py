@@ -18,7 +18,11 @@ torch.distributed.checkpoint, loaded whole); and the other way, one process then
 (the single process's moments broadcast into the ranks' shards). Each v4 must be the single
 process's within the same 1e-5, which holds only if AdamW's moments came back whole.
 Seen 2026-11-27: 2.6e-7 between the two v4s, 3.0e-7 for 2 ranks then one process; with the
-single process's load of the ranks' moments skipped (fresh moments, no warning), 2.4e-3."""
+single process's load of the ranks' moments skipped (fresh moments, no warning), 2.4e-3.
+
+And 2 ranks with --gradient-checkpointing (each decoder layer run again in the backward,
+inside FSDP2's hooks: model.recompute) train the single process's steps, which keeps its
+activations, within the same bounds."""
 from __future__ import annotations
 
 import json
@@ -62,11 +66,11 @@ TIMEOUT = 120
 
 
 def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = False,
-          env: dict | None = None) -> dict:
+          env: dict | None = None, flags: tuple[str, ...] = ()) -> dict:
     """Resume a copy of the template's bucket holding the same shards, train `steps` steps,
     publishing every HALF; the published weights (fp32) by version, the step metrics and the
     log. `again`: resume the bucket and work dir of an earlier call in `root` instead. `env`:
-    more environment for the trainer."""
+    more environment for the trainer; `flags`: more trainer flags."""
     from safetensors.torch import load
 
     from volunteer_rl.model.chain import fetch_weights
@@ -87,7 +91,7 @@ def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = Fa
                  *PICKED, "--max-steps", str(steps), "--publish-every", str(HALF), "--max-staleness", "4",
                  "--audit-tolerance", "0", "--eval-every", "0", "--micro-batch", str(MICRO_BATCH),
                  "--eval-dataset", str(template.eval_csv), "--threads", "1", "--poll-seconds", "0.05",
-                 "--signing-key", str(template.key), "--work-dir", str(root / "work")],
+                 "--signing-key", str(template.key), "--work-dir", str(root / "work"), *flags],
                 root / ("again.log" if again else "trainer.log"), root,
                 env={"OMP_NUM_THREADS": "1", **(env or {})}, ranks=ranks)
     assert proc.wait(300) == 0, proc.text()[-4000:]
@@ -106,11 +110,17 @@ def train(template, root: Path, ranks: int, steps: int = STEPS, again: bool = Fa
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, template) -> tuple[dict, dict, dict]:
+def single(tmp_path_factory, template) -> dict:
+    """One process."""
+    return train(template, tmp_path_factory.mktemp("ranks-single") / "single", 0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, template, single) -> tuple[dict, dict, dict]:
     """(one process, 2 ranks, {"2 then 1": 2 ranks for half the steps then one process for
     the rest, "1 then 2": the other way})."""
     root = tmp_path_factory.mktemp("ranks-same")
-    single, two = train(template, root / "single", 0), train(template, root / "two", 2)
+    two = train(template, root / "two", 2)
     moved = {}
     for name, (first, then) in {"2 then 1": (2, 0), "1 then 2": (0, 2)}.items():
         folder = root / name.replace(" ", "-")
@@ -154,6 +164,19 @@ def test_the_moments_survive_a_change_in_the_number_of_ranks(runs, change):
     assert "resuming run-" in moved["log"]
     a, b = single[LAST], moved[LAST]
     gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert gap <= WEIGHT_TOLERANCE, f"largest weight difference {gap:.3e}"
+
+
+def test_two_ranks_recomputing_their_layers_train_as_one_process(template, tmp_path, single):
+    """--gradient-checkpointing under FSDP2 (model.recompute): 2 ranks whose decoder layers
+    run again in the backward, inside FSDP2's all-gathers, train the single process's steps
+    (which keeps its activations) and publish its weights, within the same bounds."""
+    two = train(template, tmp_path / "two", 2, flags=("--gradient-checkpointing",))
+    assert len(single["steps"]) == len(two["steps"]) == STEPS
+    for i, ((loss, norm), (r_loss, r_norm)) in enumerate(zip(single["steps"], two["steps"])):
+        assert r_loss == pytest.approx(loss, rel=STEP_TOLERANCE, abs=LOSS_FLOOR), f"step {i + 1} loss"
+        assert r_norm == pytest.approx(norm, rel=NORM_TOLERANCE), f"step {i + 1} gradient norm"
+    gap = max((single[LAST][k] - two[LAST][k]).abs().max().item() for k in single[LAST])
     assert gap <= WEIGHT_TOLERANCE, f"largest weight difference {gap:.3e}"
 
 

@@ -57,7 +57,8 @@ def test_no_flags_give_the_dataclass_defaults(built, tmp_path):
 
 def test_flags_and_environment_reach_the_config(built, tmp_path):
     r = vrl("trainer", "-b", "s3://x/run", "-k", "4", "--lr", "5e-4", "--log-shards",
-            "--weights-dtype", "bf16", "--max-seconds", "2.5", VRL_ENDPOINT_URL="http://s3:9000")
+            "--weights-dtype", "bf16", "--max-seconds", "2.5", "--gradient-checkpointing",
+            VRL_ENDPOINT_URL="http://s3:9000")
     assert r.exit_code == 0 and r.stdout.splitlines() == ["trainer stopped at v3"], r.output
     # --seed: accepted and ignored (no setting holds it), as older command lines pass it
     r = vrl("volunteer", "--bucket", str(tmp_path), "--id", "laptop", "--seed", "3",
@@ -65,7 +66,8 @@ def test_flags_and_environment_reach_the_config(built, tmp_path):
     assert r.exit_code == 0 and "volunteer vol-1 stopped after uploading 7 groups" in r.stdout
     assert built == [
         TrainerConfig(bucket="s3://x/run", endpoint_url="http://s3:9000", k=4, lr=5e-4,
-                      log_shards=True, weights_dtype="bf16", max_seconds=2.5),
+                      log_shards=True, weights_dtype="bf16", max_seconds=2.5,
+                      gradient_checkpointing=True),
         VolunteerConfig(bucket=str(tmp_path), volunteer_id="laptop", trust_key="ed25519:abc")]
 
 

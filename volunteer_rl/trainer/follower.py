@@ -55,8 +55,8 @@ class Follower(Ranked):
         p.run_id = p.manifest.run_id
         scratch = Path(cfg.work_dir) / f"rank-{self.ranks.rank}"  # checkpoint downloads
         folder = fetch_checkpoint(p.storage, p.manifest, scratch / "model", require_model=True)
-        learner.policy = load_policy(folder, self.ranks.device,
-                                     weights=not learner.lean)  # lean: a skeleton
+        learner.hold(load_policy(folder, self.ranks.device,
+                                 weights=not learner.lean))  # lean: a skeleton
         learner.steps, p.published = int(start["steps"]), set(start["published"])
         self.keep_own_volunteers(start)
         p.ledger = rebuild(p.storage, sorted(p.published))

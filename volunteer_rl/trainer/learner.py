@@ -28,6 +28,7 @@ from volunteer_rl.model.lora import (
     trainable,
 )
 from volunteer_rl.model.policy import Policy
+from volunteer_rl.model.recompute import enable_recompute
 from volunteer_rl.model.weights import WEIGHTS_DTYPES, load_weights
 from volunteer_rl.trainer.groups import ScoredGroup
 from volunteer_rl.trainer.ranks import (
@@ -91,8 +92,17 @@ class Learner:
             model = add_adapters(policy.model, self.lora)
             round_frozen(model, WEIGHTS_DTYPES[self.cfg.weights_dtype])
             policy = Policy(model, policy.tokenizer, policy.prompt_format, policy.device)
-        self.policy = policy
+        self.hold(policy)
         self.make_optimizer()
+
+    def hold(self, policy: Policy) -> None:
+        """Train `policy` from here on (take's, or a follower rank's own, whose optimizer
+        shard_and_load makes): with --gradient-checkpointing its decoder layers recompute
+        their activations in the backward (model.recompute), set before any sharding. The
+        warm start before v0 ran without."""
+        if self.cfg.gradient_checkpointing:
+            enable_recompute(policy.model)
+        self.policy = policy
 
     def make_optimizer(self) -> None:
         self.opt = torch.optim.AdamW(trainable(self.policy.model), lr=self.cfg.lr, weight_decay=0.0)
