@@ -179,22 +179,24 @@ class Single:
         on them rather than the step's. Fewer than a batch are in hand (or a batch would have
         formed), and the next batch takes them unless newer groups arrive first (train_order)
         and the next publish then pushes them out of the window: about 10 % of the replays in
-        the demo's setting were of such groups (bench.audit_cost). Left for later: `leave`'s groups (the step's own forward replays
-        them for less) and those of volunteers held back for their missing share (they may
-        never be trained). A failure is handled as `verified` handles one: its shard
-        rejected, a forgery denying its volunteer; the groups left are returned. Under ranks
-        nothing is replayed here (Ranked: a batch's replays are shared out among the ranks)."""
+        the demo's setting were of such groups (bench.audit_cost). Left for later: `leave`'s
+        groups (the step's own forward replays them for less) and those of volunteers held
+        back for their missing share (hold_back: they may never be trained). A failure is
+        handled as `verified` handles one: its shard rejected, a forgery denying its
+        volunteer; the groups left are returned. Under ranks nothing is replayed here
+        (Ranked: a batch's replays are shared out among the ranks)."""
         cfg, p = self.cfg, self.publisher
         if cfg.verify != "every" or cfg.audit_tolerance <= 0:
             return waiting
-        held = {v: p.numbers.held(v, cfg.missing_bound) for v in {g.volunteer_id for g in waiting}}
-        todo = [i for i, g in enumerate(waiting) if not held[g.volunteer_id]]
-        verdict = verify(p.held, waiting, todo, self.prompt_ids, p.run_id,
+        trainable, held = hold_back(waiting, p.numbers, cfg.missing_bound)
+        verdict = verify(p.held, trainable, range(len(trainable)), self.prompt_ids, p.run_id,
                          self.ingest.log_trace, leave)
         count_verified(stats, verdict)
         if verdict.clean:
             return waiting
-        return self.drop_failed(waiting, verdict, stats, lambda g: False)  # verify marked its own
+        # verify marked the groups it replayed; the order does not matter, as the next intake
+        # round sorts the fresh groups (split_fresh)
+        return held + self.drop_failed(trainable, verdict, stats, lambda g: False)
 
     def step_replay(self, unpublished: int) -> StepReplay | None:
         """What the step's own forward replays (trainer.step.StepReplay): the groups of the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 from volunteer_rl.trainer.audit import Unavailable
 from volunteer_rl.trainer.groups import ScoredGroup
@@ -50,7 +50,7 @@ class Verdict:
         return not self.problems and not self.unverifiable
 
 
-def verify(held: HeldWeights, batch: list[ScoredGroup], indices: Sequence[int],
+def verify(held: HeldWeights, batch: list[ScoredGroup], indices: range,
            prompt_ids: dict[int, list[int]], run_id: str,
            trace: Callable[[str, BaseException], None], leave: int | None = None) -> Verdict:
     """Replay the groups of `batch` at `indices` that are not verified yet, one call per
